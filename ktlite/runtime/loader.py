@@ -1,0 +1,114 @@
+"""Read HF safetensors checkpoints tensor by tensor and copy them into a model.
+
+Handles one `model.safetensors`, shards listed by `model.safetensors.index.json`, and DeepSeek-V3's
+block-quantized FP8 weights (float8_e4m3fn + `<name>_scale_inv`, one float32 scale per 128x128
+block), which `get()` dequantizes. Nothing is read before it is asked for (`safe_open`), so RAM
+holds one tensor at a time beyond the model itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from ktlite.errors import CheckpointError
+from ktlite.runtime.models.config import parse_config
+
+logger = logging.getLogger(__name__)
+
+SCALE_SUFFIX = "_scale_inv"
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """weight [N, K] float8 with scale_inv [ceil(N/bn), ceil(K/bk)] -> float32 [N, K]."""
+    n, k = weight.shape
+    bn, bk = block
+    expected = (-(-n // bn), -(-k // bk))
+    if tuple(scale_inv.shape) != expected:
+        raise CheckpointError(f"fp8 scale shape {tuple(scale_inv.shape)} does not match weight {n}x{k} in {bn}x{bk} blocks")
+    scales = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return weight.float() * scales
+
+
+class CheckpointReader:
+    """Lazy access to the tensors of an HF checkpoint folder by name."""
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        config_path = self.model_dir / "config.json"
+        self.config: dict = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.fp8_block = parse_config(self.config).fp8_block_size if self.config else None
+        self._file_of = self._index()
+        self._handles: dict[Path, object] = {}
+
+    def _index(self) -> dict[str, Path]:
+        index = self.model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            missing = {f for f in weight_map.values() if not (self.model_dir / f).is_file()}
+            if missing:
+                raise CheckpointError(f"{index} lists shards that are missing: {sorted(missing)}")
+            return {name: self.model_dir / f for name, f in weight_map.items()}
+        files = sorted(self.model_dir.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors files in {self.model_dir}")
+        mapping: dict[str, Path] = {}
+        for f in files:
+            with safe_open(f, framework="pt") as h:
+                mapping.update({name: f for name in h.keys()})
+        return mapping
+
+    def _handle(self, name: str):
+        path = self._file_of.get(name)
+        if path is None:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, framework="pt")
+        return self._handles[path]
+
+    def names(self) -> list[str]:
+        return [n for n in self._file_of if not n.endswith(SCALE_SUFFIX)]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def is_fp8(self, name: str) -> bool:
+        return (name + SCALE_SUFFIX) in self._file_of
+
+    def get_raw(self, name: str) -> torch.Tensor:
+        """The stored tensor as is (float8 stays float8)."""
+        return self._handle(name).get_tensor(name)
+
+    def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor in `dtype`; FP8 block-quantized weights are dequantized first."""
+        tensor = self.get_raw(name)
+        if self.is_fp8(name):
+            tensor = dequantize_fp8_blocks(tensor, self.get_raw(name + SCALE_SUFFIX), self.fp8_block or (128, 128))
+        return tensor.to(dtype)
+
+
+def load_weights(model: torch.nn.Module, reader: CheckpointReader, progress: bool = True) -> None:
+    """Copy every tensor of `model.state_dict()` from the checkpoint, in the tensor's own dtype.
+
+    Names match the HF checkpoint; a tied lm_head falls back to the embedding. Checkpoint tensors the
+    model does not have (e.g. DeepSeek-V3's multi-token-prediction layer) are not read.
+    """
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    targets = model.state_dict()
+    for name, target in tqdm(targets.items(), desc="loading weights", unit="tensor", disable=not progress):
+        source = name
+        if name == "lm_head.weight" and tied and name not in reader:
+            source = "model.embed_tokens.weight"
+        found = reader.shape(source)
+        if tuple(found) != tuple(target.shape):
+            raise CheckpointError(f"tensor {source!r}: expected shape {tuple(target.shape)}, found {tuple(found)}")
+        with torch.no_grad():
+            target.copy_(reader.get(source, target.dtype))

@@ -1,0 +1,208 @@
+"""Write small random DeepSeek-V2/V3 checkpoints in HF format (the demo model and test fixtures).
+
+The shapes are tiny but exercise every feature: q_lora_rank set (V3) and None (V2), dense layers
+before MoE layers, expert groups, shared experts, YaRN rope with mscale. Weights are drawn with a
+larger spread than real initialisations so router choices and argmaxes are decisive (no near-ties
+that rounding could flip when comparing implementations).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from ktlite.runtime.models import build
+from ktlite.runtime.models.config import parse_config
+
+logger = logging.getLogger(__name__)
+
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+# DeepSeek-V3's template, reduced to system/user/assistant turns.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}"
+    "{% elif message['role'] == 'user' %}" + USER + "{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}" + ASSISTANT + "{{ message['content'] }}" + EOS + ""
+    "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
+)
+VOCAB_SIZE = 1024
+CONTEXT = 512
+
+_COMMON = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": CONTEXT,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+    "use_cache": True,
+    "torch_dtype": "bfloat16",
+}
+
+ARCH_CONFIGS = {
+    "deepseek_v3": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "q_lora_rank": 48,
+        "n_routed_experts": 16,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    },
+    "deepseek_v2": {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "q_lora_rank": None,
+        "n_routed_experts": 8,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 3,
+        "n_group": 4,
+        "topk_group": 2,
+        "topk_method": "group_limited_greedy",
+        "scoring_func": "softmax",
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.5,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    },
+}
+
+
+def _corpus() -> list[str]:
+    """Offline training text: the docstrings of Python's builtins and a few stdlib modules."""
+    import builtins
+    import collections
+    import json as json_mod
+    import os
+    import string
+
+    texts = [string.__doc__ or ""]
+    for module in (builtins, collections, json_mod, os, string):
+        for name in sorted(dir(module)):
+            doc = getattr(getattr(module, name), "__doc__", None)
+            if isinstance(doc, str):
+                texts.append(doc)
+    texts.append("Hello! How are you today? Tell me about Mixture-of-Experts models. 你好，世界。Ünïcödé ✓")
+    return texts
+
+
+def train_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[BOS, EOS, USER, ASSISTANT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    return tok
+
+
+def _random_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            value = 1.0 + 0.1 * torch.randn(tensor.shape, generator=gen)
+        elif name.endswith("e_score_correction_bias"):
+            value = 0.05 * torch.randn(tensor.shape, generator=gen)
+        elif name.endswith("gate.weight"):  # router: spread scores so top-k choices are not near-ties
+            value = 0.5 * torch.randn(tensor.shape, generator=gen)
+        else:
+            fan_in = tensor.shape[-1]
+            value = torch.randn(tensor.shape, generator=gen) * (1.5 / fan_in**0.5)
+        state[name] = value.float()
+    return state
+
+
+def _fp8_quantize(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """float weight [N, K] -> (float8_e4m3fn [N, K], scale_inv [ceil(N/b), ceil(K/b)]) per DeepSeek-V3."""
+    n, k = weight.shape
+    nb, kb = -(-n // block), -(-k // block)
+    padded = torch.zeros(nb * block, kb * block)
+    padded[:n, :k] = weight
+    tiles = padded.view(nb, block, kb, block)
+    amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale_inv = amax / torch.finfo(torch.float8_e4m3fn).max
+    q = (tiles / scale_inv[:, None, :, None]).view(nb * block, kb * block)[:n, :k]
+    return q.to(torch.float8_e4m3fn), scale_inv.float()
+
+
+def _is_fp8_target(name: str) -> bool:
+    # DeepSeek-V3 keeps embeddings, lm_head, norms and the router in high precision
+    return name.endswith(("proj.weight", "proj_with_mqa.weight"))
+
+
+def write_tiny_model(
+    path: str | Path, arch: str = "deepseek_v3", fp8: bool = False, seed: int = 0, dtype: torch.dtype = torch.bfloat16
+) -> Path:
+    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json into `path`."""
+    if arch not in ARCH_CONFIGS:
+        raise ValueError(f"--arch must be one of {sorted(ARCH_CONFIGS)}, got {arch!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer()
+    raw = {**_COMMON, **ARCH_CONFIGS[arch], "vocab_size": tokenizer.get_vocab_size(),
+           "bos_token_id": tokenizer.token_to_id(BOS), "eos_token_id": tokenizer.token_to_id(EOS)}
+    if fp8:
+        raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]}
+    model = build(parse_config(raw), "cpu", torch.float32)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in _random_state(model, seed).items():
+        if fp8 and _is_fp8_target(name):
+            tensors[name], tensors[name + "_scale_inv"] = _fp8_quantize(value)
+        elif name.endswith(("mlp.gate.weight", "e_score_correction_bias")):
+            tensors[name] = value  # the router stays float32, as in DeepSeek checkpoints
+        else:
+            tensors[name] = value.to(dtype)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    tokenizer.save(str(path / "tokenizer.json"))
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "model_max_length": CONTEXT,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
+    (path / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]}, indent=2)
+    )
+    logger.info("wrote tiny %s checkpoint to %s", arch, path)
+    return path

@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny random checkpoints, written once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ktlite.runtime.tiny_model import write_tiny_model
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_v3(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "v3", "deepseek_v3", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_v2(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "v2", "deepseek_v2", seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_v3_fp8(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "v3fp8", "deepseek_v3", fp8=True, seed=3)
+
+
+@pytest.fixture(scope="session", params=["deepseek_v3", "deepseek_v2"])
+def tiny_model(request, tiny_v3, tiny_v2) -> Path:
+    """Each architecture in turn."""
+    return tiny_v3 if request.param == "deepseek_v3" else tiny_v2
