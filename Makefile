@@ -1,6 +1,6 @@
 # The two entry points of the README. Both create .venv on first use.
 #   make test   install (with the test extra) and run the test suite
-#   make demo   install and run the main job on the embedded tiny model
+#   make demo   install, then serve the embedded tiny model and stream one chat reply with curl
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -30,7 +30,7 @@ $(DEMO_MODEL)/config.json: | $(STAMP)
 	$(VENV)/bin/ktlite tiny-model $(DEMO_MODEL)
 
 demo: $(STAMP) $(DEMO_MODEL)/config.json
-	$(VENV)/bin/ktlite generate --model $(DEMO_MODEL) "Tell me about Mixture-of-Experts models."
+	$(PY) -m ktlite.demo $(DEMO_MODEL)
 
 clean:
 	rm -rf $(VENV) .ktlite

@@ -69,14 +69,20 @@ def test_greedy_32_tokens_equal_transformers_generate(tiny_model):
 
 
 def test_bf16_forward_stays_close_to_fp32(tiny_v3):
+    """bf16 tracks fp32 per position. A bf16 rounding can flip a router near-tie, which changes that
+    token (and what attends to it) a lot, so the typical (median) position is what is bounded."""
     fp32, bf16 = models.load(tiny_v3), models.load(tiny_v3, dtype=torch.bfloat16)
-    ids = random_ids(1, 10, fp32.config.vocab_size, seed=4)
-    a, b = fp32(ids), bf16(ids)
-    assert b.dtype == torch.float32 and bf16.dtype == torch.bfloat16
-    # router stays fp32 under bf16 weights, as DeepSeek does
+    assert bf16.dtype == torch.bfloat16
+    # router and rope frequencies stay fp32 under bf16 weights, as DeepSeek does
     assert bf16.model.layers[1].mlp.gate.weight.dtype == torch.float32
-    rel = (a - b).norm() / a.norm()
-    assert rel < 0.05
+    assert bf16.model.rotary.inv_freq.dtype == torch.float32
+    errors = []
+    for seed in range(4):
+        ids = random_ids(1, 24, fp32.config.vocab_size, seed=seed)
+        a, b = fp32(ids), bf16(ids)
+        assert b.dtype == torch.float32
+        errors.append((a - b).norm(dim=-1) / a.norm(dim=-1))
+    assert torch.cat(errors, dim=1).median() < 0.05
 
 
 def test_fp8_checkpoint_matches_dequantized_reference(tiny_v3_fp8, tmp_path):

@@ -94,21 +94,78 @@ class CheckpointReader:
             tensor = dequantize_fp8_blocks(tensor, self.get_raw(name + SCALE_SUFFIX), self.fp8_block or (128, 128))
         return tensor.to(dtype)
 
+    def get_raw_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) start:stop of the stored tensor; only those are read."""
+        view = self._handle(name).get_slice(name)
+        return view[start:stop] if dim == 0 else view[:, start:stop]
 
-def load_weights(model: torch.nn.Module, reader: CheckpointReader, progress: bool = True) -> None:
+    def get_slice(self, name: str, dim: int, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """`get(name)[start:stop]` along `dim` (0 or 1) without reading the rest (a tensor-parallel shard).
+        FP8 weights read the covering scale blocks and are dequantized."""
+        tensor = self.get_raw_slice(name, dim, start, stop)
+        if self.is_fp8(name):
+            block = self.fp8_block or (128, 128)
+            b = block[dim]
+            lo, hi = start // b, -(-stop // b)
+            scale = self.get_raw_slice(name + SCALE_SUFFIX, dim, lo, hi).float()
+            scale = scale.repeat_interleave(b, dim)
+            scale = scale.narrow(dim, start - lo * b, stop - start)
+            other = 1 - dim
+            scale = scale.repeat_interleave(block[other], other).narrow(other, 0, tensor.shape[other])
+            tensor = tensor.float() * scale
+        return tensor.to(dtype)
+
+
+# name -> (dim, start, stop): the part of the checkpoint tensor a tensor-parallel rank holds; a target
+# larger than stop - start (the last rank of an uneven split) is zero-padded
+Shards = dict[str, tuple[int, int, int]]
+
+
+def _copy_shard(target: torch.Tensor, reader: CheckpointReader, source: str, shard: tuple[int, int, int],
+                raw: bool, scale_of: str | None) -> None:
+    dim, start, stop = shard
+    if scale_of is not None:  # an FP8 weight_scale_inv: the blocks covering the weight's shard
+        b = (reader.fp8_block or (128, 128))[dim]
+        if start % b:
+            raise CheckpointError(f"tensor {scale_of!r}: the tensor-parallel shard starts at {start}, not on a "
+                                  f"{b}-block boundary, so FP8 weights cannot stay FP8 (use --weight-dtype auto on CPU "
+                                  "or a tensor-parallel size that splits the blocks evenly)")
+        start, stop = start // b, -(-stop // b)
+    part = reader.get_raw_slice(source, dim, start, stop) if raw else reader.get_slice(source, dim, start, stop, target.dtype)
+    expected = list(target.shape)
+    expected[dim] = part.shape[dim]
+    if list(part.shape) != expected or part.shape[dim] > target.shape[dim]:
+        raise CheckpointError(f"tensor {source!r}: shard {tuple(part.shape)} does not fit {tuple(target.shape)}")
+    target.zero_()
+    target.narrow(dim, 0, part.shape[dim]).copy_(part)
+
+
+def load_weights(model: torch.nn.Module, reader: CheckpointReader, progress: bool = True,
+                 shards: Shards | None = None) -> None:
     """Copy every tensor of `model.state_dict()` from the checkpoint, in the tensor's own dtype.
 
-    Names match the HF checkpoint; a tied lm_head falls back to the embedding. Checkpoint tensors the
+    Names match the HF checkpoint (FP8 layers' `weight_scale_inv` included); a tied lm_head falls
+    back to the embedding. Checkpoint tensors the
     model does not have (e.g. DeepSeek-V3's multi-token-prediction layer) are not read.
     """
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     targets = model.state_dict()
+    shards = shards or {}
     for name, target in tqdm(targets.items(), desc="loading weights", unit="tensor", disable=not progress):
         source = name
         if name == "lm_head.weight" and tied and name not in reader:
             source = "model.embed_tokens.weight"
+        weight_of = name.removesuffix(SCALE_SUFFIX) if name.endswith(SCALE_SUFFIX) else None
+        shard = shards.get(weight_of if weight_of is not None else name)
+        if shard is not None:  # a tensor-parallel rank reads only its part
+            fp8 = target.dtype == torch.float8_e4m3fn or weight_of is not None
+            with torch.no_grad():
+                _copy_shard(target, reader, source, shard, fp8, weight_of)
+            continue
         found = reader.shape(source)
         if tuple(found) != tuple(target.shape):
             raise CheckpointError(f"tensor {source!r}: expected shape {tuple(target.shape)}, found {tuple(found)}")
         with torch.no_grad():
-            target.copy_(reader.get(source, target.dtype))
+            # FP8 targets take the stored bytes as they are; everything else is converted
+            fp8 = target.dtype == torch.float8_e4m3fn or name.endswith(SCALE_SUFFIX)
+            target.copy_(reader.get_raw(source) if fp8 else reader.get(source, target.dtype))

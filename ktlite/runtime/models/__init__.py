@@ -8,19 +8,32 @@ import torch
 
 from ktlite.runtime.models.config import DeepseekConfig, load_config
 from ktlite.runtime.models.deepseek import DeepseekForCausalLM, Router
+from ktlite.runtime.models.fp8 import swap_in_fp8
 from ktlite.runtime.models.rope import inv_frequencies
 
 
-def build(cfg: DeepseekConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DeepseekForCausalLM:
-    """An uninitialised model on `device`: weights in `dtype`, router in float32 (as DeepSeek keeps it)."""
+def build(
+    cfg: DeepseekConfig,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    routed_experts: bool = True,
+    fp8_weights: bool = False,
+) -> DeepseekForCausalLM:
+    """An uninitialised model on `device`: weights in `dtype`, router in float32 (as DeepSeek keeps it).
+
+    `routed_experts=False` leaves the routed expert weights out (the runtime places them itself);
+    `fp8_weights=True` keeps the projections of an FP8 checkpoint in FP8 (1 byte + block scales)."""
     with torch.device("meta"):
-        model = DeepseekForCausalLM(cfg).to(dtype)
+        model = DeepseekForCausalLM(cfg, routed_experts).to(dtype)
+        if fp8_weights:
+            swap_in_fp8(model)  # after .to(dtype), which would otherwise cast the fp8 weights
     for module in model.modules():
         if isinstance(module, Router):
             module.float()
     model.to_empty(device=device)
-    # to_empty leaves buffers uninitialised; the rope frequencies are derived, not loaded
-    model.model.rotary.inv_freq.copy_(inv_frequencies(cfg.rope))
+    # to_empty leaves buffers uninitialised; the rope frequencies are derived, not loaded, and stay
+    # float32 whatever the weights' dtype (bf16 angles drift at long positions)
+    model.model.rotary.inv_freq = inv_frequencies(cfg.rope).to(device)
     return model.eval()
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ktlite.runtime.models.config import DeepseekConfig
+from ktlite.runtime.models.fp8 import linear_weight
 from ktlite.runtime.models.rope import RotaryEmbedding
 from ktlite.runtime.models.router import select_experts
 
@@ -75,6 +76,7 @@ class MLAttention(nn.Module):
         self.cfg = cfg
         self.rotary = rotary
         h, heads = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = heads  # the heads this module computes (fewer on a tensor-parallel rank)
         if cfg.q_lora_rank is None:
             self.q_proj = nn.Linear(h, heads * cfg.qk_head_dim, bias=False)
         else:
@@ -89,7 +91,7 @@ class MLAttention(nn.Module):
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] -> q [..., heads, qk_head_dim] (rope part not yet rotated)."""
         q = self.q_proj(x) if self.cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(*x.shape[:-1], self.cfg.num_attention_heads, self.cfg.qk_head_dim)
+        return q.view(*x.shape[:-1], self.num_heads, self.cfg.qk_head_dim)
 
     def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] -> the per-token cache entry [..., kv_lora_rank + qk_rope_head_dim]."""
@@ -101,7 +103,8 @@ class MLAttention(nn.Module):
     def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Split kv_b_proj into W_UK [heads, qk_nope, kv_lora_rank] and W_UV [heads, v_head, kv_lora_rank]."""
         c = self.cfg
-        w = self.kv_b_proj.weight.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w = linear_weight(self.kv_b_proj, self.kv_a_layernorm.weight.dtype)
+        w = w.view(self.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
 
     def absorbed_query(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -147,9 +150,9 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         q_full = torch.cat((q_nope, self.rotary(q_pe, cos, sin)), dim=-1)
         compressed, k_pe = latents.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(compressed).view(*compressed.shape[:2], c.num_attention_heads, -1)
+        kv = self.kv_b_proj(compressed).view(*compressed.shape[:2], self.num_heads, -1)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-        k = torch.cat((k_nope, k_pe.unsqueeze(2).expand(-1, -1, c.num_attention_heads, -1)), dim=-1)
+        k = torch.cat((k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.num_heads, -1)), dim=-1)
         scores = torch.einsum("bthd,bshd->bhts", q_full.float(), k.float()) * c.softmax_scale
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         attn = torch.einsum("bhts,bshv->bthv", probs, v.float()).to(x.dtype)
@@ -173,12 +176,14 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: DeepseekConfig):
+    """Router + routed experts + shared experts. Without `routed_experts` the expert weights are left
+    out: the runtime keeps them elsewhere (CPU store, GPU expert buffers) and runs them itself."""
+
+    def __init__(self, cfg: DeepseekConfig, routed_experts: bool = True):
         super().__init__()
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
-        )
+        count = cfg.n_routed_experts if routed_experts else 0
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(count))
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )
@@ -202,13 +207,13 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekConfig, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: DeepseekConfig, layer_idx: int, rotary: RotaryEmbedding, routed_experts: bool):
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAttention(cfg, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MoE(cfg, routed_experts) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, positions, cache, absorbed: bool) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, cache, self.layer_idx, absorbed)
@@ -216,21 +221,23 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekBackbone(nn.Module):
-    def __init__(self, cfg: DeepseekConfig):
+    def __init__(self, cfg: DeepseekConfig, routed_experts: bool):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.rope)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, self.rotary, routed_experts) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekForCausalLM(nn.Module):
     """`model(input_ids [B, T]) -> logits [B, T, vocab]` (float32); pass a LatentCache to decode."""
 
-    def __init__(self, cfg: DeepseekConfig):
+    def __init__(self, cfg: DeepseekConfig, routed_experts: bool = True):
         super().__init__()
         self.config = cfg
-        self.model = DeepseekBackbone(cfg)
+        self.model = DeepseekBackbone(cfg, routed_experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property

@@ -1,0 +1,344 @@
+"""Benchmark the CPU experts (ktlite/kernels/cpu) against memory bandwidth and torch matmul.
+
+For DeepSeek-V2-Lite expert shapes (hidden 2048, moe_intermediate 1408, 64 experts, top-6) and
+DeepSeek-V3 shapes (hidden 7168, moe_intermediate 2048, top-8, a few experts), T tokens per call,
+each method: time per call of CPUMoE.forward (the path it picks), both paths forced (the fused
+numba GEMV/FMA kernel and dequantize + oneDNN matmul), torch bf16/fp32 matmul of the same
+dequantized experts, effective weight GB/s against a numpy read benchmark, quantization error, and
+submit/wait overlap. Prints tables and writes them into bench/RESULTS.md (section
+"## CPU experts (Numba)").
+
+    .venv/bin/python bench/cpu_moe.py            # ~3-5 min on 2 cores
+    .venv/bin/python bench/cpu_moe.py --quick    # ~1 min, fewer shapes/T
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numba
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ktlite.kernels.cpu.gemm import expert_mlp_matmul
+from ktlite.kernels.cpu.moe import CPUMoE
+from ktlite.kernels.cpu.quant import dequantize, quantize, relative_error
+
+RESULTS = Path(__file__).parent / "RESULTS.md"
+SECTION = "## CPU experts (Numba)"
+N_DISTINCT = 2  # experts quantized for real; the other slots are copies (timing does not care)
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden: int
+    inter: int
+    experts: int
+    topk: int
+
+
+V2_LITE = Shape("V2-Lite", 2048, 1408, 64, 6)
+V3 = Shape("V3", 7168, 2048, 8, 8)
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def memory_bandwidth(threads: int) -> float:
+    """GB/s of numpy summing a 256 MiB float64 array split across `threads` threads (best of 5)."""
+    a = np.ones((256 << 20) // 8)
+    parts = np.array_split(a, threads)
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as ex:
+        for _ in range(5):
+            t = time.perf_counter()
+            list(ex.map(np.sum, parts))
+            best = min(best, time.perf_counter() - t)
+    return a.nbytes / best / 1e9
+
+
+def timed(fn: Callable[[int], object], budget_s: float, max_calls: int = 50) -> float:
+    """Fastest seconds per call of fn(i), after one warm-up call, within about `budget_s` (the
+    minimum, not the median: other processes share these cores and only ever add time)."""
+    fn(0)
+    times: list[float] = []
+    start = time.perf_counter()
+    i = 1
+    while len(times) < 3 or (time.perf_counter() - start < budget_s and len(times) < max_calls):
+        t = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t)
+        i += 1
+        if times[-1] > budget_s:  # one slow call is enough
+            break
+    return min(times)
+
+
+def make_routings(shape: Shape, t: int, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.rand(t, shape.experts, generator=g).topk(shape.topk, dim=1).indices,
+             torch.rand(t, shape.topk, generator=g)) for _ in range(n)]
+
+
+def build(shape: Shape, method: str, src: list[tuple[torch.Tensor, ...]], group: int, **kw) -> CPUMoE:
+    """A CPUMoE whose slots hold copies of N_DISTINCT really quantized experts (own memory each)."""
+    moe = CPUMoE(method, group, **kw)
+    layer = moe.reserve_layer(0, shape.experts, shape.hidden, shape.inter)
+    for e, (g, u, d) in enumerate(src):
+        moe.set_expert(0, e, g, u, d)
+    for e in range(N_DISTINCT, shape.experts):
+        for qw in (layer.gate_up, layer.down):
+            qw.qweight[e] = qw.qweight[e % N_DISTINCT]
+            qw.scales[e] = qw.scales[e % N_DISTINCT]
+    moe.warmup()
+    return moe
+
+
+def torch_moe(weights: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, ids: torch.Tensor,
+              w: torch.Tensor) -> torch.Tensor:
+    """The same MoE with torch.matmul on resident dequantized experts (grouped by expert)."""
+    out = torch.zeros(x.shape[0], x.shape[1])
+    xd = x.to(weights[0][0].dtype)
+    for e in torch.unique(ids).tolist():
+        tok, j = (ids == e).nonzero(as_tuple=True)
+        y = expert_mlp_matmul(xd[tok], *weights[e])
+        out.index_add_(0, tok, y.float() * w[tok, j][:, None])
+    return out
+
+
+def path_label(routes: list[tuple[torch.Tensor, torch.Tensor]], threshold: int) -> str:
+    """Which path CPUMoE.forward takes for these routings (it decides per expert)."""
+    counts = torch.cat([torch.bincount(r[0].flatten()) for r in routes])
+    counts = counts[counts > 0]
+    heavy = (counts >= threshold).float().mean().item()
+    return "gemv" if heavy == 0 else "deq+oneDNN" if heavy == 1 else f"mixed ({heavy * 100:.0f} % oneDNN)"
+
+
+def per_row_int4(t: torch.Tensor) -> torch.Tensor:
+    s = t.abs().amax(-1, keepdim=True) / 7
+    return (t / s).round().clamp(-8, 7) * s
+
+
+def accuracy(src: list[tuple[torch.Tensor, ...]], method: str, group: int) -> tuple[float, float]:
+    """(weight relative error, MoE-output relative error) vs the unquantized expert; method may be
+    "per-row INT4" (KTransformers' layout)."""
+    g, u, d = src[0]
+    if method == "per-row INT4":
+        qg, qu, qd = (per_row_int4(m) for m in (g, u, d))
+    else:
+        qg, qu, qd = (dequantize(quantize(m, method, group)) for m in (g, u, d))
+    werr = relative_error(torch.cat([qg.flatten(), qu.flatten(), qd.flatten()]),
+                          torch.cat([g.flatten(), u.flatten(), d.flatten()]))
+    x = torch.randn(16, g.shape[1], generator=torch.Generator().manual_seed(5))
+    mlp = lambda a, b, c: expert_mlp_matmul(x, torch.cat([a, b]), c)
+    return werr, relative_error(mlp(qg, qu, qd), mlp(g, u, d))
+
+
+def overlap_demo(moe: CPUMoE, shape: Shape, t: int) -> dict[str, float]:
+    """submit(), then the caller works for as long as one call takes, then wait(). Two kinds of
+    caller work: sleeping (like blocking on a GPU stream: the GIL is free) and a GIL-holding Python
+    loop (like launching GPU kernels from Python), the latter at the default 5 ms GIL switch
+    interval and at 0.2 ms."""
+    x = torch.randn(t, shape.hidden)
+    routes = make_routings(shape, t, 8, seed=11)
+    alone = timed(lambda i: moe.forward(0, x, *routes[i % 8]), 1.0)
+
+    def busy(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    def overlapped(work: Callable[[float], None]) -> tuple[float, float]:
+        submit_s, both = [], []
+        for i in range(8):
+            t0 = time.perf_counter()
+            h = moe.submit(0, x, *routes[i])
+            submit_s.append(time.perf_counter() - t0)
+            work(alone)
+            h.wait()
+            both.append(time.perf_counter() - t0)
+        return min(submit_s), statistics.median(both)
+
+    res = {"alone": alone}
+    res["submit"], res["sleep"] = overlapped(time.sleep)
+    _, res["busy"] = overlapped(busy)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(2e-4)
+    try:
+        _, res["busy_fast_switch"] = overlapped(busy)
+    finally:
+        sys.setswitchinterval(old)
+    return res
+
+
+def bench_shape(shape: Shape, methods: list[str], tokens: list[int], group: int, budget: float,
+                bw: float) -> tuple[list[dict], dict]:
+    g = torch.Generator().manual_seed(0)
+    src = [(torch.randn(shape.inter, shape.hidden, generator=g) * 0.02,
+            torch.randn(shape.inter, shape.hidden, generator=g) * 0.02,
+            torch.randn(shape.hidden, shape.inter, generator=g) * 0.02) for _ in range(N_DISTINCT)]
+    rows: list[dict] = []
+    acc = {m: accuracy(src, m, group) for m in methods + ["per-row INT4"]}
+    # torch baselines on the dequantized INT8 experts (any method would do: same shapes)
+    deq = [(torch.cat([dequantize(quantize(gg, "INT8", group)), dequantize(quantize(uu, "INT8", group))]),
+            dequantize(quantize(dd, "INT8", group))) for gg, uu, dd in src]
+    # everything resident at once, and each T timed for all variants back to back, so that load from
+    # other processes on the machine hits ktlite and the baselines alike
+    baselines = {name: [(deq[e % N_DISTINCT][0].to(dtype).clone(), deq[e % N_DISTINCT][1].to(dtype).clone())
+                        for e in range(shape.experts)]
+                 for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32"))}
+    moes = {m: build(shape, m, src, group) for m in methods}
+    forced = {m: {"fma": CPUMoE(m, group, prefill_threshold=1 << 30), "onednn": CPUMoE(m, group, prefill_threshold=0)}
+              for m in methods}
+    for m in methods:
+        for f in forced[m].values():
+            f.layers = moes[m].layers
+    for t in tqdm(tokens, desc=shape.name, leave=False):
+        x = torch.randn(t, shape.hidden)
+        routes = make_routings(shape, t, 16, seed=t)
+        touched = statistics.mean(len(torch.unique(r[0])) for r in routes)
+        base = {name: timed(lambda i, w=w: torch_moe(w, x, *routes[i % 16]), budget) for name, w in baselines.items()}
+        for method, moe in moes.items():
+            auto = timed(lambda i: moe.forward(0, x, *routes[i % 16]), budget)
+            paths = {k: timed(lambda i, f=f: f.forward(0, x, *routes[i % 16]), budget) for k, f in forced[method].items()}
+            gbs = touched * moe.nbytes() / shape.experts / auto / 1e9
+            rows.append({"shape": shape.name, "method": method, "T": t, "auto": auto,
+                         "path": path_label(routes, moe.prefill_threshold), "gbs": gbs, "bw_frac": gbs / bw,
+                         "fma": paths["fma"], "onednn": paths["onednn"], "bf16": base["bf16"], "fp32": base["fp32"]})
+    for m in methods:
+        for f in forced[m].values():
+            f.pools.close()
+        moes[m].close()
+    del baselines
+    overlap = {}
+    if "INT4" in methods and shape is V2_LITE:
+        with build(shape, "INT4", src, group, num_threads=max(1, numba.config.NUMBA_NUM_THREADS - 1)) as moe:
+            overlap = overlap_demo(moe, shape, 1)
+    return rows, {"accuracy": acc, "overlap": overlap}
+
+
+def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> str:
+    lines = [SECTION, "",
+             f"CPU: {hw['cpu']} ({hw['host']}), {hw['cores']} cores, numba {numba.__version__} "
+             f"({hw['layer']} threading layer, {hw['threads']} threads), torch {torch.__version__} "
+             f"({torch.get_num_threads()} threads). Group size {group}. Load average (1/5/15 min) at start "
+             f"{hw['load']}, at end {hw['load_end']}: other processes share these cores, so times are the fastest "
+             f"of several calls.",
+             f"Measured memory bandwidth (numpy sum of 256 MiB): {hw['bw1']:.1f} GB/s with 1 thread, "
+             f"**{hw['bw']:.1f} GB/s** with {hw['threads']} threads (the reference for \"% BW\").", "",
+             "Times are per call (fastest of several), for one MoE layer: `ktlite` is CPUMoE.forward (the path it picks per expert by its token count); "
+             "`numba FMA` forces the fused GEMV kernel (dequantize in-kernel + fp32 FMA), `deq+oneDNN` forces "
+             "dequantize-to-bf16 + torch.matmul; `torch bf16/fp32` is torch.matmul on resident dequantized "
+             "experts. GB/s = bytes of the distinct experts a call touches / time.", "",
+             "| shape | method | T | ktlite ms | path | weight GB/s | % BW | numba FMA ms | deq+oneDNN ms "
+             "| torch bf16 ms | torch fp32 ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['method']} | {r['T']} | {r['auto'] * 1e3:.2f} | {r['path']} | {r['gbs']:.1f} "
+                     f"| {r['bw_frac'] * 100:.0f} % | {r['fma'] * 1e3:.2f} | {r['onednn'] * 1e3:.2f} "
+                     f"| {r['bf16'] * 1e3:.2f} | {r['fp32'] * 1e3:.2f} |")
+    lines += ["", "Quantization error on gaussian weights (relative Frobenius error; MoE output = one expert's "
+              "down(SiLU(gate x) * up x), 16 tokens, vs the unquantized expert):", "",
+              "| shape | method | weight rel. err | MoE output rel. err |", "|---|---|---|---|"]
+    for shape, ex in extra.items():
+        for m, (we, oe) in ex["accuracy"].items():
+            lines.append(f"| {shape} | {m}{' (KTransformers layout)' if m == 'per-row INT4' else ''} "
+                         f"| {we * 100:.2f} % | {oe * 100:.2f} % |")
+    ov = extra.get(V2_LITE.name, {}).get("overlap")
+    if ov:
+        a = ov["alone"] * 1e3
+        lines += ["", f"Overlap (V2-Lite INT4, T=1, {max(1, hw['threads'] - 1)} kernel thread(s)); the caller works for "
+                  f"as long as one call ({a:.2f} ms) between submit() and wait(); serial would be {2 * a:.2f} ms:", "",
+                  f"- submit() returns in {ov['submit'] * 1e3:.3f} ms",
+                  f"- caller sleeping (GIL free, like waiting on the GPU): {ov['sleep'] * 1e3:.2f} ms",
+                  f"- caller in a GIL-holding Python loop, default 5 ms switch interval: {ov['busy'] * 1e3:.2f} ms",
+                  f"- same with sys.setswitchinterval(2e-4): {ov['busy_fast_switch'] * 1e3:.2f} ms"]
+    lines += ["", "Reading the numbers:",
+              "- The machine is a shared 2-core VM: when another process takes a core, a 2-thread parallel region "
+              "waits for its descheduled half and a call can take 2-20x longer. Compare rows of one run only; the "
+              "load average above says how quiet the run was.",
+              "- Decode (GEMV kernel) is bound by weight decoding, not by memory: every method runs at roughly "
+              "10 G weights/s on 2 cores, so BF16 (2 bytes/weight, decode = one shift) gets closest to the "
+              "bandwidth and INT4's halved bytes buy little time. The INT8/INT4 decode loops compile to largely "
+              "scalar code (LLVM fully unrolls the 64-byte chunk loop, then SLP does not vectorize it); fixing that "
+              "is the main open lever.",
+              "- Prefill: dequantizing an expert to bf16 costs about as much as its small-m GEMM, and on 2 cores "
+              "the two compete for the same FLOPs, so INT8/INT4 prefill lands near, not below, torch bf16 on "
+              "resident bf16 experts.",
+              "- INT4 < 8 % error is out of reach for a 4-bit code on gaussian data: the rate-distortion bound at "
+              "4 bits is 2^-4 = 6.25 % per matrix, uniform levels cost ~1.4x that (9 % at G=64, 8.1 % at G=32), "
+              "and the MoE output compounds three matrices (~1.7x). Group-wise INT4 has 40 % less error than "
+              "per-row INT4 at either level.",
+              "", "Targets:"]
+    for r in rows:
+        if r["method"] == "INT4" and r["T"] == 1:
+            lines.append(f"- {r['shape']} decode T=1 INT4 at {r['bw_frac'] * 100:.0f} % of measured bandwidth "
+                         f"(target >= 60 %): {'met' if r['bw_frac'] >= 0.6 else 'MISSED'}.")
+        if r["method"] in ("INT8", "INT4") and r["T"] == 512:
+            ok = r["auto"] <= r["bf16"]
+            lines.append(f"- {r['shape']} prefill T=512 {r['method']}: {r['auto'] * 1e3:.0f} ms vs torch bf16 "
+                         f"{r['bf16'] * 1e3:.0f} ms (target: not slower): {'met' if ok else 'MISSED'}.")
+    for shape, ex in extra.items():
+        if "INT4" in ex["accuracy"]:
+            we, oe = ex["accuracy"]["INT4"]
+            lines.append(f"- {shape} INT4 relative error {we * 100:.1f} % (weights), {oe * 100:.1f} % (MoE output) "
+                         f"vs per-row INT4 {ex['accuracy']['per-row INT4'][1] * 100:.1f} % (target < 8 %): "
+                         f"{'met' if we < 0.08 else 'MISSED'}.")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(text: str) -> None:
+    old = RESULTS.read_text() if RESULTS.is_file() else "# Benchmarks\n"
+    pattern = re.compile(re.escape(SECTION) + r".*?(?=^## |\Z)", re.S | re.M)
+    new = pattern.sub(lambda _: text + "\n", old) if pattern.search(old) else old.rstrip() + "\n\n" + text
+    RESULTS.write_text(new)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer T values and a short time budget")
+    ap.add_argument("--methods", default="INT4,INT8,BF16")
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--no-write", action="store_true", help="print only, leave bench/RESULTS.md alone")
+    args = ap.parse_args()
+    methods = args.methods.split(",")
+    tokens = [1, 16, 512] if args.quick else [1, 4, 16, 128, 512]
+    budget = 0.3 if args.quick else 0.6
+    threads = numba.config.NUMBA_NUM_THREADS
+    import llvmlite.binding as llvm
+
+    hw = {"cpu": cpu_model(), "host": llvm.get_host_cpu_name(), "cores": os.cpu_count(), "threads": threads,
+          "load": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
+          "bw1": memory_bandwidth(1), "bw": memory_bandwidth(threads)}
+    rows, extra = [], {}
+    for shape in (V2_LITE, V3):
+        r, e = bench_shape(shape, methods, tokens if shape is V2_LITE else tokens[:-1] if args.quick else tokens,
+                           args.group_size, budget, hw["bw"])
+        rows += r
+        extra[shape.name] = e
+    hw["layer"] = numba.threading_layer()
+    hw["load_end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    text = render(hw, rows, extra, args.group_size)
+    print(text)
+    if not args.no_write:
+        write_results(text)
+        print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

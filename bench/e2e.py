@@ -1,0 +1,191 @@
+"""End-to-end prefill and decode throughput of the Engine on a DeepSeek-V2-Lite-shaped model.
+
+The model has V2-Lite's shapes (hidden 2048, 64 routed experts of 1408, top-6, 2 shared experts,
+MLA with kv_lora_rank 512) and random weights, cut to --layers layers (default 8, as in the
+llama.cpp figure of shared/MEASURED.md; --layers 27 is the full 16B model, ~29 GB of bf16 on disk).
+Routed experts run on the CPU as INT4 (Numba); the "GPU side" runs on the CPU in bf16 when no GPU
+is present. Printed next to each figure, measured in the same run:
+- the decode bound: measured memory bandwidth / bytes read per token (active experts at their
+  quantized size + every non-expert weight once per step);
+- transformers' `generate` on the same checkpoint (bf16, its eager MoE), batch 1.
+
+    python bench/e2e.py [--layers 8] [--batches 1,4,16] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from ktlite import Engine
+from ktlite.runtime.models import build
+from ktlite.runtime.models.config import parse_config
+from ktlite.runtime.tiny_model import train_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+V2_LITE = ROOT / "tests" / "data" / "deepseek-v2-lite" / "config.json"
+
+
+def write_checkpoint(path: Path, layers: int) -> Path:
+    """Random bf16 weights with V2-Lite shapes, one safetensors shard per layer (bounded RAM)."""
+    if (path / "config.json").is_file():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    raw = json.loads(V2_LITE.read_text())
+    raw["num_hidden_layers"] = layers
+    cfg = parse_config(raw)
+    with torch.device("meta"):
+        shapes = {n: t.shape for n, t in build(cfg, "meta", torch.bfloat16).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    weight_map = {}
+    groups: dict[str, list[str]] = {}
+    for name in shapes:
+        key = name.split(".")[2] if name.startswith("model.layers.") else "other"
+        groups.setdefault(key, []).append(name)
+    for key, names in tqdm(groups.items(), desc="writing random V2-Lite checkpoint", unit="shard"):
+        tensors = {}
+        for n in names:
+            shape = shapes[n]
+            if n.endswith("norm.weight"):
+                t = torch.ones(shape)
+            else:
+                t = torch.randn(shape, generator=g) * (1.0 / shape[-1] ** 0.5)
+            tensors[n] = t.float() if n.endswith("mlp.gate.weight") else t.to(torch.bfloat16)
+        fname = f"model-{key}.safetensors"
+        save_file(tensors, str(path / fname))
+        weight_map.update({n: fname for n in names})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    train_tokenizer().save(str(path / "tokenizer.json"))  # ids beyond its vocab decode to nothing
+    (path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+    return path
+
+
+def memory_bandwidth() -> float:
+    """GB/s of a numpy read of 256 MiB (best of 5), with numpy's own threads."""
+    a = np.ones(256 * 2**20 // 8)
+    best = min(_timed(a.sum) for _ in range(5))
+    return a.nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def bytes_per_decode_token(engine: Engine) -> int:
+    """Bytes one decode step of one token must read: non-expert weights + k active CPU experts."""
+    cfg = engine.runtime.runner.config
+    dense = sum(t.numel() * t.element_size() for n, t in engine.runtime.runner.model.state_dict().items()
+                if "embed_tokens" not in n)  # an embedding lookup reads one row
+    cpu = engine.runtime.cpu_moe
+    per_expert = cpu.nbytes() / sum(len(l.experts) for l in cpu.layers.values())
+    return int(dense + len(cfg.moe_layers) * cfg.num_experts_per_tok * per_expert)
+
+
+async def decode_rate(engine: Engine, batch: int, prompt_len: int, gen: int) -> tuple[float, float]:
+    """(aggregate decode tok/s, seconds to first token of the batch) for `batch` concurrent requests."""
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(0, 1000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    params = {"temperature": 0.0, "max_tokens": gen, "ignore_eos": True}
+    stamps: list[list[float]] = [[] for _ in range(batch)]
+    start = time.perf_counter()
+
+    async def one(i: int):
+        async for _ in engine.stream(input_ids=prompts[i], sampling_params=params):
+            stamps[i].append(time.perf_counter())
+
+    await asyncio.gather(*(one(i) for i in range(batch)))
+    first = max(s[0] for s in stamps)  # decode runs at full batch once every prompt is in
+    last = max(s[-1] for s in stamps)
+    tokens_after = sum(sum(1 for t in s if t > first) for s in stamps)
+    return tokens_after / (last - first), first - start
+
+
+def prefill_rate(engine: Engine, prompt_len: int) -> float:
+    ids = torch.randint(0, 1000, (prompt_len,), generator=torch.Generator().manual_seed(7)).tolist()
+    engine.generate(input_ids=ids, sampling_params={"max_tokens": 1})  # warm
+    t = time.perf_counter()
+    engine.generate(input_ids=ids, sampling_params={"max_tokens": 1, "ignore_eos": True})
+    return prompt_len / (time.perf_counter() - t)
+
+
+def transformers_decode_rate(path: Path, prompt_len: int, gen: int) -> float:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 1000, (1, prompt_len), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=gen, min_new_tokens=gen, do_sample=False)
+        t2 = time.perf_counter()
+    del model
+    return (gen - 1) / ((t2 - t1) - (t1 - t0))
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=24)
+    ap.add_argument("--kt-method", default="INT4")
+    ap.add_argument("--dir", default="/tmp/ktlite-bench")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
+    args = ap.parse_args()
+
+    path = write_checkpoint(Path(args.dir) / f"v2lite-{args.layers}layers", args.layers)
+    bw = memory_bandwidth()
+    threads = torch.get_num_threads()
+    rows = []
+    with Engine(str(path), kt_method=args.kt_method, dtype="bfloat16", max_total_tokens=16384,
+                chunked_prefill_size=512, context_length=4096) as engine:
+        per_token = bytes_per_decode_token(engine)
+        bound = bw * 1e9 / per_token
+        prefill = prefill_rate(engine, args.prefill_len)
+        rows.append(("prefill", f"{args.prefill_len} tokens", f"{prefill:.1f} tok/s", ""))
+        for b in [int(x) for x in args.batches.split(",")]:
+            rate, ttft = asyncio.run(decode_rate(engine, b, args.prompt_len, args.gen))
+            note = f"{rate / bound:.2f} of the bound ({bound:.1f} tok/s)" if b == 1 else f"{rate / b:.1f} tok/s per request"
+            rows.append((f"decode batch {b}", f"prompt {args.prompt_len}, {args.gen} new", f"{rate:.1f} tok/s", note))
+    if not args.skip_transformers:
+        hf = transformers_decode_rate(path, args.prompt_len, args.gen)
+        ours = float(rows[1][2].split()[0])
+        rows.append(("transformers generate", "batch 1, bf16", f"{hf:.2f} tok/s", f"ktlite is {ours / hf:.1f}x"))
+
+    head = (f"## End to end (bench/e2e.py)\nDeepSeek-V2-Lite shapes cut to {args.layers} layers, random weights, "
+            f"CPU experts {args.kt_method}, device side bf16 on CPU ({cpu_model()}, torch threads {threads}).\n"
+            f"Measured in the same run: memory bandwidth {bw:.1f} GB/s (numpy read); one decode token reads "
+            f"{per_token / 1e6:.0f} MB, so the bandwidth bound for batch-1 decode is {bw * 1e9 / per_token:.1f} tok/s.\n")
+    table = ["| what | shape | ktlite | note |", "|---|---|---|---|"] + [f"| {' | '.join(r)} |" for r in rows]
+    text = head + "\n" + "\n".join(table) + "\n"
+    print(text)
+    if args.write:
+        results = ROOT / "bench" / "RESULTS.md"
+        results.write_text((results.read_text() if results.exists() else "# Benchmark results\n") + "\n" + text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Benchmark ktlite's Triton kernels at DeepSeek-V3 shapes on a CUDA GPU.
+
+Prints markdown tables (paste into bench/RESULTS.md, "## Triton kernels"):
+- MLA decode: achieved KV-read bandwidth vs the GPU's peak (decode is bandwidth-bound),
+  128 heads, kv_lora_rank 512, rope 64, batch 1..64, context 1k..32k;
+- MLA extend, fused MoE (bf16 / INT8 / INT4 experts), FP8 block-scaled GEMM: TFLOPS vs peak, and
+  for small M the weight bandwidth, with torch (cuBLAS bf16) as the baseline where it has one.
+
+    python bench/triton_kernels.py [--quick] [--only decode|extend|moe|fp8] [--peak-bw GB/s] [--peak-tflops T]
+
+Without a CUDA GPU it says so and exits: the kernels' CPU path is the torch twin, and the
+Triton interpreter measures nothing useful about GPU speed.
+"""
+
+import argparse
+import logging
+import math
+import sys
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# name fragment -> (memory GB/s, dense bf16 TFLOPS, dense fp8 TFLOPS or 0); datasheet figures
+PEAKS = {
+    "H200": (4800, 989, 1979),
+    "H100 SXM": (3350, 989, 1979),
+    "H100 PCIe": (2000, 756, 1513),
+    "H100": (3350, 989, 1979),
+    "H20": (4000, 148, 296),
+    "A100-SXM4-80GB": (2039, 312, 0),
+    "A100 80GB PCIe": (1935, 312, 0),
+    "A100": (1555, 312, 0),
+    "L40S": (864, 362, 733),
+    "L4": (300, 121, 242),
+    "RTX 4090": (1008, 165, 330),
+    "RTX 3090": (936, 71, 0),
+    "A10": (600, 125, 0),
+}
+
+H, KV_LORA, ROPE, NOPE = 128, 512, 64, 128  # DeepSeek-V3 attention
+HIDDEN, INTER = 7168, 2048  # DeepSeek-V3 routed expert
+
+
+def peaks(args: argparse.Namespace) -> tuple[float, float, float]:
+    name = torch.cuda.get_device_name()
+    bw, bf16, fp8 = next((v for k, v in PEAKS.items() if k in name), (0, 0, 0))
+    bw = args.peak_bw or bw
+    bf16 = args.peak_tflops or bf16
+    if not bw or not bf16:
+        logger.warning("unknown GPU %r: pass --peak-bw and --peak-tflops for the ratio columns", name)
+    return bw, bf16, fp8 or bf16
+
+
+def bench_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100)
+
+
+def ratio(x: float, peak: float) -> str:
+    return f"{x / peak:.2f}" if peak else "-"
+
+
+def make_pool(lens: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    total = sum(lens)
+    kv = torch.randn(total, KV_LORA + ROPE, device="cuda", dtype=dtype)
+    req_to_token = torch.zeros(len(lens), max(lens), dtype=torch.int32, device="cuda")
+    slots = torch.randperm(total, device="cuda", dtype=torch.int64).to(torch.int32)  # scattered, like a used pool
+    start = 0
+    for i, n in enumerate(lens):
+        req_to_token[i, :n] = slots[start : start + n]
+        start += n
+    return kv, req_to_token, torch.arange(len(lens), dtype=torch.int32, device="cuda")
+
+
+def bench_decode(args: argparse.Namespace, bw: float) -> None:
+    from ktlite.kernels.triton.decode_attn import mla_decode_triton
+
+    print("\n### MLA decode (bf16 pool, 128 heads, 576-wide latent)\n")
+    print("| batch | context | ms | KV GB/s | of peak |")
+    print("|---|---|---|---|---|")
+    batches = [1, 16, 64] if args.quick else [1, 4, 16, 32, 64]
+    contexts = [1024, 8192, 32768] if args.quick else [1024, 4096, 8192, 16384, 32768]
+    scale = 1 / math.sqrt(NOPE + ROPE)
+    for b in batches:
+        for ctx in contexts:
+            if b * ctx * (KV_LORA + ROPE) * 2 > 8 << 30:  # keep the pool under 8 GiB
+                continue
+            kv, r2t, rows = make_pool([ctx] * b, torch.bfloat16)
+            q = torch.randn(b, H, KV_LORA + ROPE, device="cuda", dtype=torch.bfloat16)
+            seq = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+            ms = bench_ms(lambda: mla_decode_triton(q, kv, r2t, rows, seq, scale, KV_LORA))
+            gbs = b * ctx * (KV_LORA + ROPE) * 2 / ms / 1e6
+            print(f"| {b} | {ctx} | {ms:.3f} | {gbs:.0f} | {ratio(gbs, bw)} |")
+            del kv
+
+
+def bench_extend(args: argparse.Namespace, peak: float) -> None:
+    from ktlite.kernels.triton.extend_attn import mla_extend_triton
+
+    print("\n### MLA extend (bf16, absorbed: 576-wide QK, 512-wide PV per head)\n")
+    print("| prefix | chunk | ms | TFLOPS | of peak |")
+    print("|---|---|---|---|---|")
+    cases = [(0, 4096), (8192, 2048)] if args.quick else [(0, 1024), (0, 4096), (4096, 1024), (8192, 2048), (28672, 4096)]
+    scale = 1 / math.sqrt(NOPE + ROPE)
+    for prefix, chunk in cases:
+        kv, r2t, rows = make_pool([prefix + chunk], torch.bfloat16)
+        q = torch.randn(chunk, H, KV_LORA + ROPE, device="cuda", dtype=torch.bfloat16)
+        pl = torch.tensor([prefix], dtype=torch.int32, device="cuda")
+        el = torch.tensor([chunk], dtype=torch.int32, device="cuda")
+        ms = bench_ms(lambda: mla_extend_triton(q, kv, r2t, rows, pl, el, scale, KV_LORA, max_extend_len=chunk))
+        keys = chunk * prefix + chunk * (chunk + 1) / 2  # causal (query, key) pairs
+        tflops = H * keys * 2 * (KV_LORA + ROPE + KV_LORA) / ms / 1e9
+        print(f"| {prefix} | {chunk} | {ms:.3f} | {tflops:.1f} | {ratio(tflops, peak)} |")
+
+
+def bench_moe(args: argparse.Namespace, bw: float, peak: float) -> None:
+    from ktlite.kernels.triton.moe import fused_moe_triton
+    from ktlite.kernels.triton.quant import quantize_weight
+
+    experts, top_k = 32, 8  # 32 GPU experts of one layer, each token routed to 8 of them
+    print(f"\n### Fused MoE ({experts} experts {HIDDEN}->{INTER}x2->{HIDDEN}, top-{top_k}, bf16 activations)\n")
+    print("| weights | tokens | ms | TFLOPS | of peak | weight GB/s | of peak BW |")
+    print("|---|---|---|---|---|---|---|")
+    w13 = torch.randn(experts, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) / HIDDEN**0.5
+    w2 = torch.randn(experts, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16) / INTER**0.5
+    formats = {"bf16": (w13, w2, 2.0)}
+    for bits in (8, 4):
+        formats[f"int{bits} g128"] = (quantize_weight(w13, bits, 128), quantize_weight(w2, bits, 128), bits / 8 + 2 / 128)
+    tokens_list = [1, 64, 2048] if args.quick else [1, 8, 64, 256, 1024, 4096]
+    for name, (a, b, bytes_per_w) in formats.items():
+        for t in tokens_list:
+            x = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
+            ids = torch.rand(t, experts, device="cuda").argsort(-1)[:, :top_k].to(torch.int32)  # distinct per token
+            wts = torch.rand(t, top_k, device="cuda").softmax(-1)
+            ms = bench_ms(lambda: fused_moe_triton(x, a, b, ids, wts))
+            tflops = t * top_k * 6 * HIDDEN * INTER / ms / 1e9
+            touched = int(torch.unique(ids).numel())
+            gbs = touched * 3 * HIDDEN * INTER * bytes_per_w / ms / 1e6
+            print(f"| {name} | {t} | {ms:.3f} | {tflops:.1f} | {ratio(tflops, peak)} | {gbs:.0f} | {ratio(gbs, bw)} |")
+
+
+def bench_fp8(args: argparse.Namespace, bw: float, peak_bf16: float, peak_fp8: float) -> None:
+    from ktlite.kernels.triton.fp8 import fp8_linear_triton, supports_w8a8
+    from ktlite.kernels.triton.reference import fp8_dequantize
+
+    w8a8 = supports_w8a8(torch.device("cuda"))
+    peak = peak_fp8 if w8a8 else peak_bf16
+    print(f"\n### FP8 block-scaled GEMM ({'w8a8' if w8a8 else 'weight-only'}; baseline cuBLAS bf16 on the dequantized weight)\n")
+    print("| layer | M | N | K | ms | TFLOPS | of peak | weight GB/s | vs bf16 matmul |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    layers = {  # DeepSeek-V3 (N, K)
+        "q_b_proj": (24576, 1536),
+        "kv_b_proj": (32768, 512),
+        "o_proj": (7168, 16384),
+        "dense gate_up": (36864, 7168),
+        "dense down": (7168, 18432),
+    }
+    ms_list = [1, 64, 4096] if args.quick else [1, 16, 64, 256, 1024, 4096]
+    for layer, (n, k) in layers.items():
+        w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.float8_e4m3fn)
+        s = torch.rand(math.ceil(n / 128), math.ceil(k / 128), device="cuda") * 0.01 + 1e-3
+        w_bf16 = fp8_dequantize(w, s, torch.bfloat16)
+        for m in ms_list:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ms = bench_ms(lambda: fp8_linear_triton(x, w, s))
+            base = bench_ms(lambda: x @ w_bf16.T)
+            tflops = 2 * m * n * k / ms / 1e9
+            gbs = n * k / ms / 1e6
+            print(f"| {layer} | {m} | {n} | {k} | {ms:.3f} | {tflops:.1f} | {ratio(tflops, peak)} "
+                  f"| {gbs:.0f} ({ratio(gbs, bw)}) | {base / ms:.2f}x |")
+        del w_bf16
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--only", choices=("decode", "extend", "moe", "fp8"))
+    parser.add_argument("--peak-bw", type=float, default=0, help="GPU memory bandwidth, GB/s")
+    parser.add_argument("--peak-tflops", type=float, default=0, help="GPU dense bf16 TFLOPS")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/triton_kernels.py needs a CUDA GPU; none is visible here, so nothing was measured. "
+              "(On CPU ktlite runs the torch twins; the Triton interpreter is for correctness only.)")
+        return 0
+    bw, bf16, fp8 = peaks(args)
+    print(f"GPU: {torch.cuda.get_device_name()} (peak {bw} GB/s, {bf16} bf16 TFLOPS, {fp8} fp8 TFLOPS)")
+    if args.only in (None, "decode"):
+        bench_decode(args, bw)
+    if args.only in (None, "extend"):
+        bench_extend(args, bf16)
+    if args.only in (None, "moe"):
+        bench_moe(args, bw, bf16)
+    if args.only in (None, "fp8"):
+        bench_fp8(args, bw, bf16, fp8)
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Engine flags: one dataclass whose field names are the SGLang/KTransformers flag names.
+
+`Engine(model_path, **flags)` and `ktlite serve --flag` both end here, so a launch script's flags
+and a script's keyword arguments mean the same thing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from ktlite.errors import ConfigError
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    served_model_name: str | None = None
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    dtype: str = "auto"  # weights/activations on the device side; "auto": bfloat16 on cuda, float32 on cpu
+    kv_cache_dtype: str = "auto"  # "auto": the activation dtype
+    # projections of a block-FP8 checkpoint: "auto" keeps them FP8 on CUDA and dequantizes them on a
+    # CPU device (where every matmul would dequantize again); "fp8" keeps them FP8 anywhere
+    weight_dtype: str = "auto"
+    seed: int = 0
+    # memory plan
+    gpu_memory: str | int | None = None  # bytes or "16GiB"; default: what the device reports
+    mem_fraction_static: float = 0.80
+    max_total_tokens: int | None = None
+    chunked_prefill_size: int = 8192
+    max_running_requests: int = 64
+    max_queued_requests: int | None = None
+    context_length: int | None = None
+    enable_mixed_chunk: bool = False
+    # hybrid experts (KTransformers names)
+    kt_method: str = "INT4"
+    kt_group_size: int = 64
+    kt_weight_path: str | None = None
+    kt_cpuinfer: int | None = None
+    kt_threadpool_count: int = 1
+    kt_num_gpu_experts: int = 0
+    kt_gpu_experts_ratio: float | None = None
+    kt_gpu_prefill_token_threshold: int | None = None
+    kt_enable_dynamic_expert_update: bool = False
+    kt_expert_update_interval: int = 32
+    kt_expert_placement_strategy: str = "uniform"
+    init_expert_location: str | None = None
+    record_expert_distribution: str | None = None
+    kt_max_deferred_experts_per_token: int = 0
+    tensor_parallel_size: int = 1
+
+    @classmethod
+    def from_kwargs(cls, model_path: str, **flags: Any) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(flags) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}")
+        config = cls(model_path=str(model_path), **flags)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if not os.path.isdir(self.model_path):
+            raise ConfigError(f"--model-path {self.model_path}: not a folder")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ConfigError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ConfigError(f"--chunked-prefill-size must be positive (or -1 for no chunking), got {self.chunked_prefill_size}")
+        if self.max_running_requests < 1:
+            raise ConfigError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ConfigError(f"--max-total-tokens must be >= 1, got {self.max_total_tokens}")
+        if self.kt_threadpool_count < 1:
+            raise ConfigError(f"--kt-threadpool-count must be >= 1, got {self.kt_threadpool_count}")
+        if self.kt_cpuinfer is not None and self.kt_cpuinfer < self.kt_threadpool_count:
+            raise ConfigError(f"--kt-cpuinfer ({self.kt_cpuinfer}) must be >= --kt-threadpool-count ({self.kt_threadpool_count})")
+        if self.kt_max_deferred_experts_per_token < 0:
+            raise ConfigError("--kt-max-deferred-experts-per-token must be >= 0")
+        if self.kt_expert_update_interval < 1:
+            raise ConfigError("--kt-expert-update-interval must be >= 1")
+        if self.weight_dtype not in ("auto", "fp8"):
+            raise ConfigError(f"--weight-dtype must be auto or fp8, got {self.weight_dtype!r}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _dtype(self.dtype, "--dtype")
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else _dtype(self.kv_cache_dtype, "--kv-cache-dtype")
+
+    def keeps_fp8(self, checkpoint_is_fp8: bool) -> bool:
+        """Whether FP8 projections stay FP8 on the device (see weight_dtype)."""
+        if not checkpoint_is_fp8:
+            if self.weight_dtype == "fp8":
+                raise ConfigError("--weight-dtype fp8: this checkpoint has no block-FP8 weights")
+            return False
+        return self.weight_dtype == "fp8" or self.torch_device.type == "cuda"
+
+    @property
+    def cpu_threads(self) -> int:
+        return self.kt_cpuinfer or os.cpu_count() or 1
+
+
+def _dtype(name: str, flag: str) -> torch.dtype:
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+             "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+    if name not in table:
+        raise ConfigError(f"{flag} must be one of auto, bfloat16, float16, float32; got {name!r}")
+    return table[name]

@@ -1,0 +1,330 @@
+"""CPUMoE: the routed experts that live in CPU RAM, quantized, for every MoE layer, and their runs.
+
+API (what the runtime calls):
+
+    moe = CPUMoE(method="INT4", group_size=64, num_threads=None, threadpool_count=1,
+                 prefill_threshold=None, prefill_dtype=torch.bfloat16)
+    moe.add_layer(layer_idx, gate[E, I, H], up[E, I, H], down[E, H, I], cpu_experts=None)
+    # or, streaming tensor by tensor (the loader / converted weights):
+    moe.reserve_layer(layer_idx, n_experts, hidden, inter, cpu_experts=None)
+    moe.set_expert(layer_idx, expert, gate[I, H], up[I, H], down[H, I])
+    out = moe.forward(layer_idx, hidden[T, H], topk_ids[T, k], topk_weights[T, k], skip_mask[E])
+    handle = moe.submit(...same args...);  ...GPU work...;  out = handle.wait()
+    moe.warmup(); moe.nbytes(); moe.close()
+    moe.swap_expert(layer_idx, new, old, gate, up, down)   # dynamic placement: new -> GPU, old -> CPU
+    moe.dequantized_expert(layer_idx, expert, dtype)       # (gate_up [2I, H], down [H, I]) as stored
+
+`out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])` over the selected experts
+that run here, in hidden's dtype and device. `skip_mask[e] = True` marks an expert that is not on
+CPU (e.g. on the GPU): it contributes nothing here. Only `cpu_experts` are stored (no resident copy
+of GPU experts); selecting an expert that is neither stored nor masked raises KtliteError, since
+that means the placement and the mask disagree. Ids < 0 (padding) are ignored.
+
+Paths, per expert and call: an expert with fewer than `prefill_threshold` tokens (default per
+method, DEFAULT_PREFILL_THRESHOLD) runs in the fused GEMV kernel (kernels.py, fp32 math on the exact
+dequantized weights; decode is always this path); one with more is dequantized once and runs
+torch.matmul in `prefill_dtype` (gemm.py; bf16 is the fast choice, fp32 the exact one). Choosing
+per expert rather than by T matters: at T=16, V2-Lite experts see ~1.5 tokens each, V3's ~16.
+
+Threads: `num_threads` (--kt-cpuinfer) numba threads split into `threadpool_count`
+(--kt-threadpool-count) pools; experts of a layer are dealt round-robin to pools, each pool runs its
+share of a call in its own worker thread, and the results are summed. Kernels release the GIL, so
+`submit` returns at once and the caller's thread keeps running (torch matmuls in the prefill path
+use torch's own intra-op threads).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+
+from ktlite.errors import KtliteError
+from ktlite.kernels.cpu import gemm, kernels
+from ktlite.kernels.cpu.quant import (
+    QuantizedWeight,
+    check_group_size,
+    dequantize,
+    empty_quantized,
+    normalize_kt_method,
+    quantize_into,
+)
+from ktlite.kernels.cpu.threads import ExpertPools
+
+logger = logging.getLogger(__name__)
+
+# tokens per expert from which dequantize + oneDNN beats the GEMV kernel (bench/RESULTS.md: the
+# kernel reads each weight once but runs ~10x fewer FLOP/s; dequantizing costs ~1 GEMV per expert)
+DEFAULT_PREFILL_THRESHOLD = {"INT4": 16, "INT8": 16, "BF16": 4}
+
+
+@dataclass
+class ExpertLayer:
+    """The CPU experts of one MoE layer, stacked in slot order."""
+
+    n_experts: int
+    hidden: int
+    inter: int
+    experts: np.ndarray  # [S] global expert id of each slot
+    slot_of: np.ndarray  # [E] slot of each expert, -1 if not on CPU
+    pool_of: np.ndarray  # [S] pool that owns each slot
+    gate_up: QuantizedWeight  # [S, 2I, H]: gate rows then up rows
+    down: QuantizedWeight  # [S, H, I]
+
+    def kp(self, qw: QuantizedWeight) -> int:
+        return qw.scales.shape[-1] * qw.group_size if qw.method != "BF16" else qw.k
+
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes() + self.down.nbytes()
+
+
+@dataclass
+class _PoolWork:
+    """One pool's share of a call: pairs (token, weight) grouped by slot."""
+
+    slots: np.ndarray  # [M] int64
+    tok_ptr: np.ndarray  # [M + 1] int64: pairs of slots[m] are tok_ptr[m]:tok_ptr[m + 1]
+    tok_idx: np.ndarray  # [P] int64
+    tok_w: np.ndarray  # [P] float32
+
+    def select(self, which: np.ndarray) -> _PoolWork:
+        """The slots where `which` [M] is True."""
+        pair = np.repeat(which, np.diff(self.tok_ptr))
+        counts = np.diff(self.tok_ptr)[which]
+        return _PoolWork(self.slots[which], np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+                         self.tok_idx[pair], self.tok_w[pair])
+
+
+def _group(slots: np.ndarray, tok: np.ndarray, weights: np.ndarray) -> _PoolWork:
+    order = np.argsort(slots, kind="stable")
+    uniq, counts = np.unique(slots[order], return_counts=True)
+    return _PoolWork(uniq.astype(np.int64), np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+                     np.ascontiguousarray(tok[order], np.int64), np.ascontiguousarray(weights[order], np.float32))
+
+
+class CPUMoEHandle:
+    """A submitted call; `wait()` returns the summed output."""
+
+    def __init__(self, futures: list[Future], shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
+        self._futures, self._shape, self._dtype, self._device = futures, shape, dtype, device
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self) -> torch.Tensor:
+        out = None
+        for f in self._futures:
+            part = f.result()
+            out = part if out is None else out.add_(part)
+        if out is None:
+            out = torch.zeros(self._shape)
+        return out.to(device=self._device, dtype=self._dtype)
+
+
+class CPUMoE:
+    def __init__(
+        self,
+        method: str,
+        group_size: int = 64,
+        num_threads: int | None = None,
+        threadpool_count: int = 1,
+        prefill_threshold: int | None = None,
+        prefill_dtype: torch.dtype = torch.bfloat16,
+    ):
+        self.method = normalize_kt_method(method)
+        self.group_size = check_group_size(self.method, group_size)
+        self._group_shift = group_size.bit_length() - 1
+        if prefill_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"prefill_dtype must be torch.bfloat16 or torch.float32, got {prefill_dtype}")
+        self.prefill_threshold = DEFAULT_PREFILL_THRESHOLD[self.method] if prefill_threshold is None else prefill_threshold
+        self.prefill_dtype = prefill_dtype
+        self.pools = ExpertPools(num_threads, threadpool_count)
+        self.layers: dict[int, ExpertLayer] = {}
+        self._scratch_bufs: dict[int, np.ndarray] = {}
+
+    # ---- storing experts ----
+    def reserve_layer(
+        self, layer_idx: int, n_experts: int, hidden: int, inter: int, cpu_experts: Sequence[int] | None = None
+    ) -> ExpertLayer:
+        """Allocate (zeroed) storage for the CPU experts of a layer, to be filled by set_expert."""
+        self.layers[layer_idx] = self._new_layer(n_experts, hidden, inter, cpu_experts)
+        return self.layers[layer_idx]
+
+    def _new_layer(self, n_experts: int, hidden: int, inter: int, cpu_experts: Sequence[int] | None) -> ExpertLayer:
+        experts = np.arange(n_experts) if cpu_experts is None else np.unique(np.asarray(cpu_experts, np.int64))
+        if experts.size and (experts[0] < 0 or experts[-1] >= n_experts):
+            raise ValueError(f"cpu_experts must lie in [0, {n_experts}), got {experts.tolist()}")
+        slot_of = np.full(n_experts, -1, np.int64)
+        slot_of[experts] = np.arange(experts.size)
+        s = experts.size
+        return ExpertLayer(
+            n_experts, hidden, inter, experts, slot_of, np.arange(s) % self.pools.count,
+            empty_quantized(self.method, self.group_size, (s,), 2 * inter, hidden),
+            empty_quantized(self.method, self.group_size, (s,), hidden, inter),
+        )
+
+    def set_expert(self, layer_idx: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        """Quantize one expert into its slot; experts not reserved for CPU are ignored."""
+        self._fill(self._layer(layer_idx), expert, gate, up, down)
+
+    @staticmethod
+    def _fill(layer: ExpertLayer, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        slot = int(layer.slot_of[expert])
+        if slot >= 0:
+            quantize_into(layer.gate_up, (slot,), torch.cat([gate, up], dim=0))
+            quantize_into(layer.down, (slot,), down)
+
+    def add_layer(
+        self,
+        layer_idx: int,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        down: torch.Tensor,
+        cpu_experts: Sequence[int] | None = None,
+    ) -> None:
+        """gate/up [E, I, H], down [E, H, I]; only `cpu_experts` (default: all) are kept."""
+        n_experts, inter, hidden = gate.shape
+        layer = self.reserve_layer(layer_idx, n_experts, hidden, inter, cpu_experts)
+        for e in layer.experts.tolist():
+            self.set_expert(layer_idx, e, gate[e], up[e], down[e])
+
+    def swap_expert(self, layer_idx: int, new: int, old: int, gate: torch.Tensor, up: torch.Tensor,
+                    down: torch.Tensor) -> None:
+        """Dynamic placement: expert `new` leaves the CPU (to the GPU) and `old` (gate/up/down, source
+        weights) takes its slot, so the CPU store never grows."""
+        layer = self._layer(layer_idx)
+        slot = int(layer.slot_of[new])
+        if slot < 0:
+            raise KtliteError(f"layer {layer_idx}: expert {new} is not on CPU, it cannot be swapped out")
+        if layer.slot_of[old] >= 0:
+            raise KtliteError(f"layer {layer_idx}: expert {old} is already on CPU")
+        layer.slot_of[new], layer.slot_of[old] = -1, slot
+        layer.experts[slot] = old
+        self._fill(layer, old, gate, up, down)
+
+    def dequantized_expert(self, layer_idx: int, expert: int,
+                           dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored weights of a CPU expert as (gate_up [2I, H], down [H, I]) in `dtype`: exactly the
+        values the kernels compute with."""
+        layer = self._layer(layer_idx)
+        slot = int(layer.slot_of[expert])
+        if slot < 0:
+            raise KtliteError(f"layer {layer_idx}: expert {expert} is not on CPU")
+        gu, dn = layer.gate_up, layer.down
+        sub = lambda qw: QuantizedWeight(qw.method, qw.group_size, qw.k, qw.qweight[slot], qw.scales[slot])
+        return dequantize(sub(gu)).to(dtype), dequantize(sub(dn)).to(dtype)
+
+    def _layer(self, layer_idx: int) -> ExpertLayer:
+        if layer_idx not in self.layers:
+            raise KtliteError(f"layer {layer_idx} has no CPU experts loaded (have {sorted(self.layers)})")
+        return self.layers[layer_idx]
+
+    def nbytes(self) -> int:
+        """Resident bytes of all stored experts."""
+        return sum(layer.nbytes() for layer in self.layers.values())
+
+    # ---- running ----
+    def forward(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                skip_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.submit(layer_idx, hidden, topk_ids, topk_weights, skip_mask).wait()
+
+    def submit(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               skip_mask: torch.Tensor | None = None) -> CPUMoEHandle:
+        layer = self._layer(layer_idx)
+        if hidden.dim() != 2 or hidden.shape[1] != layer.hidden:
+            raise ValueError(f"hidden must be [T, {layer.hidden}], got {tuple(hidden.shape)}")
+        works = self._route(layer, topk_ids, topk_weights, skip_mask)
+        x = hidden.detach().to("cpu")
+        futures = [self.pools.submit(p, self._run_pool, layer, w, x) for p, w in enumerate(works) if w.slots.size]
+        return CPUMoEHandle(futures, (hidden.shape[0], layer.hidden), hidden.dtype, hidden.device)
+
+    def _route(self, layer: ExpertLayer, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               skip_mask: torch.Tensor | None) -> list[_PoolWork]:
+        """One _PoolWork per pool: its (token, weight) pairs grouped by slot."""
+        ids = topk_ids.detach().to("cpu", torch.int64).numpy()
+        weights = topk_weights.detach().to("cpu", torch.float32).numpy()
+        tok = np.broadcast_to(np.arange(ids.shape[0])[:, None], ids.shape)
+        keep = (ids >= 0) & (ids < layer.n_experts)
+        if skip_mask is not None:
+            skip = skip_mask.detach().to("cpu", torch.bool).numpy()
+            keep[keep] &= ~skip[ids[keep]]
+        ids, tok, weights = ids[keep], tok[keep], weights[keep]
+        slots = layer.slot_of[ids]
+        if (slots < 0).any():
+            missing = sorted(set(ids[slots < 0].tolist()))
+            raise KtliteError(f"experts {missing} were selected but are neither on CPU nor in skip_mask")
+        return [_group(slots[mine], tok[mine], weights[mine])
+                for mine in (layer.pool_of[slots] == p for p in range(self.pools.count))]
+
+    def _run_pool(self, layer: ExpertLayer, work: _PoolWork, x: torch.Tensor) -> torch.Tensor:
+        """One pool's share (runs in the pool's thread): experts with fewer than prefill_threshold
+        tokens go through the fused GEMV kernel, the others through dequantize + matmul."""
+        counts = np.diff(work.tok_ptr)
+        out = torch.zeros(x.shape[0], layer.hidden)
+        light = work.select(counts < self.prefill_threshold)
+        if light.slots.size:
+            gu, dn = layer.gate_up, layer.down
+            act = np.empty((light.tok_idx.size, layer.inter), np.float32)
+            kernels.moe_rows(np.ascontiguousarray(x.float().numpy()), light.slots, light.tok_ptr, light.tok_idx,
+                             light.tok_w, gu.qweight, gu.scales, dn.qweight, dn.scales, self._group_shift,
+                             layer.kp(gu), layer.kp(dn), self._scratch(layer), act, out.numpy())
+        heavy = work.select(counts >= self.prefill_threshold)
+        if heavy.slots.size:
+            self._run_matmul(layer, heavy, x.to(self.prefill_dtype), out)
+        return out
+
+    def _run_matmul(self, layer: ExpertLayer, w: _PoolWork, x: torch.Tensor, out: torch.Tensor) -> None:
+        gu, dn = layer.gate_up, layer.down
+        scratch = self._scratch(layer)
+        for m, slot in enumerate(w.slots.tolist()):
+            lo, hi = w.tok_ptr[m], w.tok_ptr[m + 1]
+            idx = torch.from_numpy(w.tok_idx[lo:hi])
+            w_gu = gemm.dequant_matrix(gu.qweight[slot], gu.scales[slot], self._group_shift, layer.kp(gu),
+                                       layer.hidden, self.prefill_dtype, scratch)
+            w_dn = gemm.dequant_matrix(dn.qweight[slot], dn.scales[slot], self._group_shift, layer.kp(dn),
+                                       layer.inter, self.prefill_dtype, scratch)
+            y = gemm.expert_mlp_matmul(x[idx], w_gu, w_dn)
+            out.index_add_(0, idx, y.float() * torch.from_numpy(w.tok_w[lo:hi])[:, None])
+
+    def _scratch(self, layer: ExpertLayer) -> np.ndarray:
+        # one pair of fp32 row buffers per numba thread, per calling (pool) thread, reused across calls
+        size = max(layer.kp(layer.gate_up), layer.kp(layer.down))
+        key = threading.get_ident()
+        buf = self._scratch_bufs.get(key)
+        if buf is None or buf.shape[2] < size:
+            buf = self._scratch_bufs[key] = np.empty((numba.config.NUMBA_NUM_THREADS, 2, size), np.float32)
+        return buf
+
+    def warmup(self) -> None:
+        """Compile (or load from numba's cache) and run both paths once in every pool."""
+        h = i = 2 * self.group_size
+        g = torch.Generator().manual_seed(0)
+        layer = self._new_layer(2, h, i, None)
+        for e in range(2):
+            self._fill(layer, e, torch.randn(i, h, generator=g), torch.randn(i, h, generator=g),
+                       torch.randn(h, i, generator=g))
+        t = max(self.prefill_threshold, 1)
+        x = torch.randn(t, h, generator=g)
+        ids = torch.zeros(t, 2, dtype=torch.int64)
+        ids[0, 1] = 1  # expert 0 gets every token (matmul path), expert 1 one token (GEMV kernel)
+        work = self._route(layer, ids, torch.ones(t, 2), None)
+        for p in range(self.pools.count):
+            for w in work:
+                if w.slots.size:
+                    self.pools.submit(p, self._run_pool, layer, w, x).result()
+
+    def close(self) -> None:
+        self.pools.close()
+        self.layers.clear()
+
+    def __enter__(self) -> CPUMoE:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

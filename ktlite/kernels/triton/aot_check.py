@@ -1,0 +1,129 @@
+"""Compile every Triton kernel for real CUDA targets on a machine without a GPU.
+
+The interpreter runs kernels as numpy and accepts things a GPU compile rejects (e4m3 pointers on
+sm80, tl.dot shapes, shared memory beyond the SM's limit). Triton ships ptxas, so the full
+ttir -> ptx -> cubin pipeline runs on a CPU box; this is what the tests call in a subprocess
+(TRITON_INTERPRET must be unset there, or triton.jit hands out interpreted functions).
+
+    python -m ktlite.kernels.triton.aot_check [--only mla|moe|fp8] [--arch 80 90]
+
+Configurations mirror the wrappers' GPU defaults at DeepSeek-V3 sizes.
+"""
+
+import argparse
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ktlite.kernels.triton import decode_attn, extend_attn, fp8, moe
+
+logger = logging.getLogger(__name__)
+
+# usable shared memory per block (bytes) by compute capability
+_SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+
+
+@dataclass
+class KernelConfig:
+    family: str
+    label: str
+    fn: object  # triton JITFunction
+    pointers: dict[str, str]  # arg -> pointer type, e.g. "*bf16"; other non-constexpr args are i32
+    constexprs: dict[str, object]
+    num_warps: int = 4
+    num_stages: int = 2
+    min_arch: int = 80
+    floats: tuple[str, ...] = field(default=())  # fp32 scalar args
+
+    def signature(self) -> dict[str, str]:
+        sig = {}
+        for name in self.fn.arg_names:
+            if name in self.constexprs:
+                sig[name] = "constexpr"
+            elif name in self.pointers:
+                sig[name] = self.pointers[name]
+            else:
+                sig[name] = "fp32" if name in self.floats else "i32"
+        return sig
+
+
+def configs(dt: str = "bf16") -> list[KernelConfig]:
+    """Kernel variants the wrappers launch on a GPU, with activations in dt."""
+    mla = {"Q": f"*{dt}", "KV": f"*{dt}", "ReqToToken": "*i32", "ReqPoolIdx": "*i32", "SeqLens": "*i32",
+           "MidO": "*fp32", "MidLse": "*fp32", "Out": f"*{dt}", "PrefixLens": "*i32", "ExtendLens": "*i32",
+           "ExtendStart": "*i64"}
+    dims = dict(KV_LORA=512, ROPE=64, BLOCK_C=512, BLOCK_R=64)
+    out = [
+        KernelConfig("mla", "decode stage1", decode_attn._decode_stage1, mla,
+                     dict(dims, BLOCK_H=16, BLOCK_N=32), floats=("qk_scale",)),
+        KernelConfig("mla", "decode stage2", decode_attn._decode_stage2, mla,
+                     dict(KV_LORA=512, BLOCK_C=512, BLOCK_S=8)),
+        KernelConfig("mla", "extend", extend_attn._extend_kernel, mla,
+                     dict(dims, BLOCK_T=2, BLOCK_H=16, BLOCK_N=32), num_warps=8, num_stages=1, floats=("qk_scale",)),
+    ]
+    for bits, w_ty, s_ty in ((16, dt, dt), (8, "i8", "fp16"), (4, "u8", "fp16")):
+        for gated in (True, False):
+            for block_m in (16, 64):
+                ptrs = {"A": f"*{dt}", "W": f"*{w_ty}", "Scales": f"*{s_ty}", "Out": f"*{dt}", "SortedIds": "*i32",
+                        "ExpertIds": "*i32", "NumPadded": "*i32", "TopkWeights": "*fp32"}
+                consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, WEIGHTED=not gated, BITS=bits,
+                              BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64 if bits == 16 else 128)
+                label = f"moe {'gate_up' if gated else 'down'} bits={bits} BM={block_m}"
+                out.append(KernelConfig("moe", label, moe._moe_gemm_kernel, ptrs, consts, num_stages=3))
+    for mode, min_arch in (("weight-only", 89), ("e4m3-bits", 80), ("w8a8", 89)):
+        for block_m in (16, 64):
+            ptrs = {"X": "*fp8e4nv" if mode == "w8a8" else f"*{dt}", "XScale": "*fp32",
+                    "W": "*u8" if mode == "e4m3-bits" else "*fp8e4nv", "WScale": "*fp32", "Bias": f"*{dt}",
+                    "Out": f"*{dt}"}
+            consts = dict(W8A8=mode == "w8a8", E4M3_BITS=mode == "e4m3-bits", HAS_BIAS=True, SCALE_BLOCK=128,
+                          BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, GROUP_M=8)
+            out.append(KernelConfig("fp8", f"fp8 {mode} BM={block_m}", fp8._fp8_gemm_kernel, ptrs, consts,
+                                    num_stages=3, min_arch=min_arch))
+    return out
+
+
+def compile_config(cfg: KernelConfig, arch: int) -> int:
+    """Compile cfg for sm{arch}; returns shared memory bytes, raises if it does not fit."""
+    if not isinstance(cfg.fn, triton.runtime.jit.JITFunction):
+        raise RuntimeError("kernels were imported under TRITON_INTERPRET; run aot_check without it")
+    src = ASTSource(cfg.fn, cfg.signature(), cfg.constexprs)
+    kernel = triton.compile(
+        src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    )
+    shared = kernel.metadata.shared
+    limit = _SHARED_LIMIT.get(arch, min(_SHARED_LIMIT.values()))
+    if shared > limit:
+        raise RuntimeError(f"needs {shared} B shared memory, sm{arch} allows {limit}")
+    return shared
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("mla", "moe", "fp8"))
+    parser.add_argument("--arch", type=int, nargs="+", default=[80, 90])
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    args = parser.parse_args(argv)
+    failures = 0
+    for cfg in configs(args.dtype):
+        if args.only and cfg.family != args.only:
+            continue
+        for arch in args.arch:
+            if arch < cfg.min_arch:
+                continue
+            start = time.perf_counter()
+            try:
+                shared = compile_config(cfg, arch)
+                print(f"ok   sm{arch} {cfg.label:40s} shared={shared:6d} B  {time.perf_counter() - start:.1f}s")
+            except Exception as exc:  # report every failing variant, not just the first
+                failures += 1
+                print(f"FAIL sm{arch} {cfg.label:40s} {type(exc).__name__}: {str(exc).splitlines()[-1][:300]}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Pieces shared by the Triton kernels: the interpreter switch and a tl.dot that works under it."""
+
+import os
+
+import triton
+import triton.language as tl
+
+# Read once at import, like triton.jit itself: a kernel module decorated without TRITON_INTERPRET
+# compiles for a GPU forever, one decorated with it is interpreted forever.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def dot(a, b, acc):
+    """acc + a @ b with fp32 accumulation.
+
+    The interpreter (triton 3.9) stores bf16 as uint16 and its tl.dot multiplies those bit
+    patterns, so under TRITON_INTERPRET both operands are widened to fp32 first; the products of
+    bf16/fp16/fp8 values are exact in fp32, so this matches the GPU's fp32-accumulating MMA.
+    On a GPU the branch folds away (constexpr) and tensor cores see the native dtype.
+    """
+    if _INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def cast_like(x, like):
+    """x converted to like's dtype. The interpreter turns int -> bf16 into garbage (NaN), so under
+    TRITON_INTERPRET the conversion goes through fp32 (exact for int8/int4 values)."""
+    if _INTERPRET:
+        return x.to(tl.float32).to(like.dtype)
+    else:
+        return x.to(like.dtype)

@@ -1,0 +1,72 @@
+"""Weight-only INT8/INT4 format for GPU experts (symmetric, group-wise along the input dim).
+
+Layout of a stacked expert weight of logical shape [E, N, K] (N outputs, K inputs), group size G
+(64 or 128, must divide K):
+- scales: [E, N, K // G], fp16 or fp32; dequantized w[e, n, k] = q[e, n, k] * scales[e, n, k // G].
+- bits=8: qweight int8 [E, N, K], q in [-127, 127].
+- bits=4: qweight uint8 [E, N, K // 2], q in [-8, 7] stored as the nibble q + 8. Within group g,
+  byte g*G/2 + j holds k = g*G + j in its low nibble and k = g*G + G/2 + j in its high nibble, so
+  the kernel unpacks a group into two contiguous K halves (two tl.dot calls, no interleave
+  shuffle). This is the same nibble order the CPU INT4 kernels were measured with (MEASURED.md).
+"""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A stacked per-expert weight [E, N, K] in the layout above."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        num_experts, n, groups = self.scales.shape
+        return num_experts, n, groups * self.group_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+
+def quantize_weight(
+    w: torch.Tensor, bits: int, group_size: int = 128, scale_dtype: torch.dtype = torch.float16
+) -> QuantizedWeight:
+    """Quantize w [E, N, K] (any float dtype) to the INT8/INT4 group-wise format."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    num_experts, n, k = w.shape
+    if k % group_size or group_size % 2:
+        raise ValueError(f"group_size {group_size} must be even and divide the input dim {k}")
+    qmax = 127 if bits == 8 else 7
+    groups = w.float().reshape(num_experts, n, k // group_size, group_size)
+    scales = (groups.abs().amax(dim=-1) / qmax).clamp(min=1e-10).to(scale_dtype)
+    # round against the stored (possibly fp16) scale so dequantization reproduces it exactly
+    q = torch.round(groups / scales.float()[..., None]).clamp(-qmax - (bits == 4), qmax)
+    if bits == 8:
+        qweight = q.to(torch.int8).reshape(num_experts, n, k)
+    else:
+        nib = (q + 8).to(torch.uint8)
+        half = group_size // 2
+        qweight = (nib[..., :half] | (nib[..., half:] << 4)).reshape(num_experts, n, k // 2)
+    return QuantizedWeight(qweight.contiguous(), scales.contiguous(), bits, group_size)
+
+
+def dequantize_expert(w: QuantizedWeight, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert e of w as a dense [N, K] tensor in dtype."""
+    _, n, k = w.shape
+    groups = k // w.group_size
+    if w.bits == 8:
+        q = w.qweight[e].float().reshape(n, groups, w.group_size)
+    else:
+        packed = w.qweight[e].reshape(n, groups, w.group_size // 2)
+        q = torch.cat([packed & 0xF, packed >> 4], dim=-1).float() - 8
+    return (q * w.scales[e].float()[..., None]).reshape(n, k).to(dtype)

@@ -1,0 +1,144 @@
+"""Plain-torch twins of the Triton kernels: same signatures, the reference in tests and the
+fallback when the "GPU side" is a CPU device.
+
+They favour clarity, but are also what a CPU-only run executes, so they avoid obvious waste
+(MoE computes only experts that received tokens; matmuls run in the weights' dtype).
+"""
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ktlite.kernels.triton.quant import QuantizedWeight, dequantize_expert
+
+logger = logging.getLogger(__name__)
+
+FP8_BLOCK = 128  # DeepSeek-V3 weight_scale_inv covers 128x128 weight blocks
+
+
+def mla_extend_torch(
+    q: torch.Tensor,
+    kv_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    sm_scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """Absorbed-MLA causal attention of new tokens over their request's prefix + themselves.
+
+    q: [N, H, kv_lora_rank + rope] (N = sum(extend_lens), requests concatenated in order);
+    kv_buffer: [slots, kv_lora_rank + rope]; req_to_token: [max_reqs, max_context] int32;
+    req_pool_indices, prefix_lens, extend_lens: [B]. Returns [N, H, kv_lora_rank] in q's dtype.
+    Token i of request b sees positions 0..prefix_lens[b] + i (computed in fp32).
+    """
+    out = torch.empty(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)
+    start = 0
+    rows = req_pool_indices.tolist()
+    for row, prefix, n in zip(rows, prefix_lens.tolist(), extend_lens.tolist()):
+        if n == 0:
+            continue
+        total = prefix + n
+        kv = kv_buffer[req_to_token[row, :total].long()].float()  # [total, Dk]
+        qb = q[start : start + n].float()  # [n, H, Dk]
+        scores = torch.einsum("nhd,ld->nhl", qb, kv) * sm_scale
+        # query i (absolute position prefix + i) may not see keys after itself
+        pos_q = torch.arange(n, device=q.device) + prefix
+        pos_k = torch.arange(total, device=q.device)
+        scores.masked_fill_((pos_k[None, :] > pos_q[:, None])[:, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out[start : start + n] = torch.einsum("nhl,lc->nhc", probs, kv[:, :kv_lora_rank]).to(q.dtype)
+        start += n
+    return out
+
+
+def mla_decode_torch(
+    q: torch.Tensor,
+    kv_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """Absorbed-MLA decode: one new token per request, whose latent is already in the pool.
+
+    q: [B, H, kv_lora_rank + rope]; seq_lens: [B] including the current token.
+    Returns [B, H, kv_lora_rank]. Decode is extend with one token after a prefix of seq_len - 1.
+    """
+    return mla_extend_torch(
+        q, kv_buffer, req_to_token, req_pool_indices, seq_lens - 1,
+        torch.ones_like(seq_lens), sm_scale, kv_lora_rank,
+    )
+
+
+def _expert_weight(w: torch.Tensor | QuantizedWeight, e: int, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(w, QuantizedWeight):
+        return dequantize_expert(w, e, dtype)
+    return w[e].to(dtype)
+
+
+def local_pairs(
+    topk_ids: torch.Tensor, expert_mask: torch.Tensor | None, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flattened expert ids [T*k] (int64) and which pairs this device computes: id in [0, E) and
+    expert_mask[id] True. Ids outside [0, E) (e.g. -1) also mean "held elsewhere", so the runtime
+    may pass a compact stack of this device's experts with ids remapped to it."""
+    flat = topk_ids.reshape(-1).long()
+    keep = (flat >= 0) & (flat < num_experts)
+    if expert_mask is not None:
+        keep &= expert_mask[flat.clamp(0, num_experts - 1)]
+    return flat, keep
+
+
+def fused_moe_torch(
+    hidden: torch.Tensor,
+    w13: torch.Tensor | QuantizedWeight,
+    w2: torch.Tensor | QuantizedWeight,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    expert_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * down_e(silu(gate_e x) * up_e x) over selected experts e = topk_ids[t, j]
+    with expert_mask[e] True (all experts if None); the others, and ids outside [0, E), contribute 0
+    (the CPU side computes them).
+
+    hidden: [T, H]; w13: [E, 2I, H] (rows 0:I gate, I:2I up) or QuantizedWeight of that shape;
+    w2: [E, H, I] or QuantizedWeight; topk_ids/topk_weights: [T, k]. Returns [T, H] in hidden's dtype.
+    """
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    flat_ids, keep = local_pairs(topk_ids, expert_mask, w13.shape[0])
+    flat_w = topk_weights.reshape(-1).float()
+    for e in torch.unique(flat_ids[keep]).tolist():
+        pairs = torch.nonzero((flat_ids == e) & keep).squeeze(1)
+        tokens = pairs // top_k
+        x = hidden[tokens]
+        gate_up = x @ _expert_weight(w13, e, hidden.dtype).T  # [n, 2I]
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        act = (F.silu(gate) * up).to(hidden.dtype)
+        y = (act @ _expert_weight(w2, e, hidden.dtype).T).float() * flat_w[pairs, None]
+        out.index_add_(0, tokens, y)
+    return out.to(hidden.dtype)
+
+
+def fp8_dequantize(weight: torch.Tensor, weight_scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float8_e4m3fn [N, K] * its 128x128 block's scale_inv [ceil(N/128), ceil(K/128)] -> dtype.
+
+    A CPU run should call this once at load time rather than per forward.
+    """
+    n, k = weight.shape
+    scale = weight_scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+    return (weight.float() * scale).to(dtype)
+
+
+def fp8_linear_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ dequant(weight [N, K] fp8, weight_scale_inv) ^T + bias -> [M, N] in x's dtype."""
+    return F.linear(x, fp8_dequantize(weight, weight_scale_inv, x.dtype), bias)

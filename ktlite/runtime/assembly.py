@@ -1,0 +1,180 @@
+"""Build the runtime from a checkpoint folder and the flags: plan first, then allocate and load.
+
+Order matters for the promise "an impossible config fails before allocating": the memory plan is
+made from config.json alone and raises before any tensor exists. Then the device model (everything
+but routed experts), the GPU expert buffers and the KV pool are allocated through the plan, the
+CPU experts are quantized into the CPU store layer by layer, and the kernels are warmed up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from ktlite.config import EngineConfig
+from ktlite.kernels.cpu.moe import CPUMoE
+from ktlite.runtime import models
+from ktlite.runtime.convert import load_converted
+from ktlite.runtime.experts import DynamicPlacement, ExpertStats, initial_placement
+from ktlite.runtime.hybrid_moe import ExpertSource, HybridMoE
+from ktlite.runtime.kv_cache import KVPool
+from ktlite.runtime.loader import CheckpointReader, load_weights
+from ktlite.runtime.memory import MemoryPlan, PlanInputs, make_plan
+from ktlite.runtime.model_runner import ModelRunner
+from ktlite.runtime.models.config import DeepseekConfig, load_config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    runner: ModelRunner
+    plan: MemoryPlan
+    cpu_moe: CPUMoE
+    moe_layers: dict[int, HybridMoE]
+    context_length: int
+    vocab_size: int
+    stats: ExpertStats | None = None
+    dynamic: DynamicPlacement | None = None
+    record_path: str | None = None
+
+    def placement(self) -> dict[int, list[int]]:
+        return {l: sorted(m.gpu_experts) for l, m in self.moe_layers.items()}
+
+    def after_step(self) -> None:
+        """Called by the scheduler after every forward step (on its thread, between steps)."""
+        if self.dynamic is not None:
+            for layer, (bring, evict) in self.dynamic.step(self.placement()).items():
+                self.moe_layers[layer].move(bring, evict)
+
+    def close(self) -> None:
+        if self.stats is not None and self.record_path:
+            self.stats.save(self.record_path)
+            logger.info("expert distribution written to %s", self.record_path)
+        self.cpu_moe.close()
+
+
+def expert_source(reader: CheckpointReader) -> ExpertSource:
+    def read(layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+        return tuple(reader.get(prefix + f"{p}_proj.weight", torch.float32) for p in ("gate", "up", "down"))
+
+    return read
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+CPU_DEVICE_CONTEXTS = 4  # KV pool of a CPU-only run without --max-total-tokens: this many full contexts
+
+
+def _free_ram() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 8 * 2**30
+
+
+def plan_inputs(config: EngineConfig, cfg: DeepseekConfig) -> PlanInputs:
+    """The plan's view of the flags. On a CPU-only run the "GPU" is the CPU: without --gpu-memory it
+    plans against half the free RAM, and the KV pool defaults to a few full contexts rather than
+    all of that."""
+    context = config.context_length or cfg.max_position_embeddings
+    gpu_memory, max_total = config.gpu_memory, config.max_total_tokens
+    if config.torch_device.type == "cpu":
+        gpu_memory = gpu_memory or _free_ram() // 2
+        max_total = max_total or CPU_DEVICE_CONTEXTS * context
+    return PlanInputs(
+        gpu_memory=gpu_memory,
+        mem_fraction_static=config.mem_fraction_static,
+        max_total_tokens=max_total,
+        # a chunk longer than the context is never formed, so it need not be planned for
+        chunked_prefill_size=min(config.chunked_prefill_size, context) if config.chunked_prefill_size > 0 else -1,
+        max_running_requests=config.max_running_requests,
+        context_length=context,
+        kt_num_gpu_experts=config.kt_num_gpu_experts,
+        kt_gpu_experts_ratio=config.kt_gpu_experts_ratio,
+        kt_gpu_prefill_token_threshold=config.kt_gpu_prefill_token_threshold,
+        tensor_parallel_size=config.tensor_parallel_size,
+        dtype="fp8" if config.keeps_fp8(cfg.fp8_block_size is not None) else _DTYPE_NAMES[config.torch_dtype],
+        kv_cache_dtype=_DTYPE_NAMES[config.torch_kv_dtype],
+    )
+
+
+def _load_cpu_experts(cpu: CPUMoE, source: ExpertSource, cfg: DeepseekConfig, placement: dict[int, list[int]]) -> None:
+    todo = [(l, e) for l in cfg.moe_layers for e in range(cfg.n_routed_experts) if e not in placement[l]]
+    for l in cfg.moe_layers:
+        cpu_ids = [e for e in range(cfg.n_routed_experts) if e not in placement[l]]
+        cpu.reserve_layer(l, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cpu_ids)
+    for l, e in tqdm(todo, desc=f"CPU experts ({cpu.method})", unit="expert", disable=not todo):
+        cpu.set_expert(l, e, *source(l, e))
+
+
+def assemble(config: EngineConfig, progress: bool = True) -> Runtime:
+    cfg = load_config(config.model_path)
+    device, dtype = config.torch_device, config.torch_dtype
+    plan = make_plan(cfg, plan_inputs(config, cfg))  # raises PlanError before anything is allocated
+    logger.info("memory plan:\n%s", plan.format_table())
+
+    reader = CheckpointReader(config.model_path)
+    model = models.build(cfg, device, dtype, routed_experts=False,
+                         fp8_weights=config.keeps_fp8(cfg.fp8_block_size is not None))
+    load_weights(model, reader, progress=progress)
+    source = expert_source(reader)
+
+    per_layer = plan.gpu_experts_total  # the plan resolved --kt-gpu-experts-ratio vs --kt-num-gpu-experts
+    stats = ExpertStats.load(config.init_expert_location, cfg.n_routed_experts) if config.init_expert_location else None
+    placement = initial_placement(cfg.moe_layers, cfg.n_routed_experts, per_layer,
+                                  config.kt_expert_placement_strategy, stats=stats, seed=config.seed)
+
+    # fp32 runs (the CPU reference setting) keep the CPU prefill path exact too
+    prefill_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    cpu = CPUMoE(config.kt_method, config.kt_group_size, config.cpu_threads, config.kt_threadpool_count,
+                 prefill_dtype=prefill_dtype)
+    with contextlib.ExitStack() as on_failure:  # a failed load must not leave the CPU pools running
+        on_failure.callback(cpu.close)
+        if config.kt_weight_path:  # experts converted ahead of time by `ktlite convert`
+            cpu_ids = {l: [e for e in range(cfg.n_routed_experts) if e not in placement[l]] for l in cfg.moe_layers}
+            load_converted(config.kt_weight_path, cpu, reader.config, cpu_ids)
+        else:
+            _load_cpu_experts(cpu, source, cfg, placement)
+        cpu.warmup()
+
+        observers = []
+        record = ExpertStats(cfg.n_routed_experts) if config.record_expert_distribution else None
+        if record is not None:
+            observers.append(record.record)
+        dynamic = None
+        if config.kt_enable_dynamic_expert_update and per_layer:
+            dynamic = DynamicPlacement(config.kt_expert_update_interval, cfg.n_routed_experts)
+            observers.append(dynamic.observe)
+
+        h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+        layerwise = None
+        if config.kt_gpu_prefill_token_threshold is not None:
+            layerwise = (plan.alloc("layerwise_buffer", (e, 2 * i, h), dtype, device),
+                         plan.alloc("layerwise_buffer", (e, h, i), dtype, device))
+        moe_layers = {}
+        for l in cfg.moe_layers:
+            n = len(placement[l])
+            w13 = plan.alloc("gpu_experts", (n, 2 * i, h), dtype, device)
+            w2 = plan.alloc("gpu_experts", (n, h, i), dtype, device)
+            mlp = model.model.layers[l].mlp
+            moe_layers[l] = HybridMoE(l, mlp.gate, mlp.shared_experts, placement[l], w13, w2, cpu, source,
+                                      config.kt_gpu_prefill_token_threshold, layerwise, observers)
+
+        context = plan.context_length
+        pool = KVPool(cfg.num_hidden_layers, plan.kv_pool_tokens, cfg.kv_latent_dim, config.max_running_requests,
+                      context, config.torch_kv_dtype, device, alloc=plan.alloc)
+        runner = ModelRunner(model, pool, moe_layers, config.kt_max_deferred_experts_per_token)
+        if config.kt_max_deferred_experts_per_token:
+            logger.info("--kt-max-deferred-experts-per-token %d: outputs change slightly (deferred experts "
+                        "join one layer later)", config.kt_max_deferred_experts_per_token)
+        logger.info("ready: %d KV tokens, %d GPU experts per MoE layer, CPU experts %.2f GiB (%s)",
+                    plan.kv_pool_tokens, per_layer, cpu.nbytes() / 2**30, cpu.method)
+        on_failure.pop_all()
+        return Runtime(runner, plan, cpu, moe_layers, context, cfg.vocab_size, stats=record, dynamic=dynamic,
+                       record_path=config.record_expert_distribution)
+

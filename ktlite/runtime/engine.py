@@ -1,0 +1,178 @@
+"""`Engine`: the one object scripts, the CLI and the server drive.
+
+The scheduler runs on an event loop in a background thread that the engine owns, so the same
+engine works from a plain script (`generate`), from inside any running event loop
+(`async_generate`, `stream`), and from several threads at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ktlite.config import EngineConfig
+from ktlite.errors import RequestError
+from ktlite.runtime.assembly import Runtime, assemble
+from ktlite.runtime.sampling import SamplingParams
+from ktlite.runtime.scheduler import Scheduler, SchedulerConfig, StreamEvent
+from ktlite.runtime.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def _params(sampling_params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+    if sampling_params is None:
+        return SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        sampling_params.validate()
+        return sampling_params
+    return SamplingParams.from_dict(sampling_params)
+
+
+class Engine:
+    """`Engine(model_path, **flags)`; flags are the CLI's names in snake_case (see EngineConfig)."""
+
+    def __init__(self, model_path: str, **flags: Any):
+        self.config = EngineConfig.from_kwargs(model_path, **flags)
+        self.tokenizer = Tokenizer(self.config.model_path)
+        self.runtime: Runtime = assemble(self.config)
+        self.scheduler = Scheduler(
+            self.runtime.runner,
+            self.tokenizer,
+            SchedulerConfig(
+                chunked_prefill_size=self.config.chunked_prefill_size,
+                max_running_requests=self.config.max_running_requests,
+                context_length=self.runtime.context_length,
+                enable_mixed_chunk=self.config.enable_mixed_chunk,
+                max_queued_requests=self.config.max_queued_requests,
+            ),
+            after_step=self.runtime.after_step,
+        )
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ktlite-engine", daemon=True)
+        self._thread.start()
+        self._task = asyncio.run_coroutine_threadsafe(self.scheduler.run(), self._loop)
+        self._closed = False
+
+    # ---- prompts ------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | None, input_ids: Sequence[int] | None) -> list[int]:
+        if (prompt is None) == (input_ids is None):
+            raise RequestError("give exactly one of prompt or input_ids", "prompt")
+        if input_ids is not None:
+            ids = [int(t) for t in input_ids]
+            bad = [t for t in ids if not 0 <= t < self.runtime.vocab_size]
+            if bad:
+                raise RequestError(f"token ids out of range [0, {self.runtime.vocab_size}): {bad[:5]}", "input_ids")
+            return ids
+        if not isinstance(prompt, str):
+            raise RequestError("prompt must be a string", "prompt")
+        return self.tokenizer.encode(prompt)
+
+    # ---- async API (any event loop) -----------------------------------------------------------
+    async def _on_engine_loop(self, coro):
+        """Run a coroutine on the engine's loop and await it from whatever loop we are on."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    async def stream_ids(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> AsyncIterator[StreamEvent]:
+        """Events for one request; the last one carries finish_reason. Closing the iterator early aborts it."""
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+        rid = rid or uuid.uuid4().hex
+
+        async def add():
+            return self.scheduler.add(rid, prompt_ids, params)
+
+        queue = await self._on_engine_loop(add())
+        finished = False
+        try:
+            while not finished:
+                event: StreamEvent = await self._on_engine_loop(queue.get())
+                finished = event.finish_reason is not None
+                yield event
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    async def stream(self, prompt: str | None = None, sampling_params=None, input_ids=None) -> AsyncIterator[StreamEvent]:
+        async for event in self.stream_ids(self._prompt_ids(prompt, input_ids), _params(sampling_params)):
+            yield event
+
+    async def _collect(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        text, ids, event = [], [], None
+        async for event in self.stream_ids(prompt_ids, params):
+            text.append(event.text)
+            ids.extend(event.token_ids)
+        return GenerationResult("".join(text), ids, event.finish_reason, event.prompt_tokens, event.completion_tokens)
+
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None):
+        """Like `generate`, awaitable from any event loop."""
+        params = _params(sampling_params)
+        batch = self._batch(prompt, input_ids)
+        results = await asyncio.gather(*(self._collect(ids, params) for ids in batch[0]))
+        return results if batch[1] else results[0]
+
+    def _batch(self, prompt, input_ids) -> tuple[list[list[int]], bool]:
+        """-> (token lists, whether the caller passed a list)."""
+        if isinstance(prompt, (list, tuple)):
+            return [self._prompt_ids(p, None) for p in prompt], True
+        if input_ids is not None and len(input_ids) and isinstance(input_ids[0], (list, tuple)):
+            return [self._prompt_ids(None, ids) for ids in input_ids], True
+        return [self._prompt_ids(prompt, input_ids)], False
+
+    # ---- sync API -----------------------------------------------------------------------------
+    def generate(self, prompt=None, sampling_params=None, input_ids=None):
+        """Prompt (str or list of str) or input_ids (list or list of lists) -> GenerationResult(s).
+
+        Blocks until done; the requests of a list run concurrently (continuous batching)."""
+        params = _params(sampling_params)
+        batch, is_list = self._batch(prompt, input_ids)
+
+        async def run_all():
+            return await asyncio.gather(*(self._collect(ids, params) for ids in batch))
+
+        results = asyncio.run_coroutine_threadsafe(run_all(), self._loop).result()
+        return results if is_list else results[0]
+
+    def chat(self, messages: list[dict[str, Any]], sampling_params=None) -> GenerationResult:
+        return self.generate(input_ids=self.tokenizer.encode_chat(messages), sampling_params=sampling_params)
+
+    def abort(self, rid: str) -> None:
+        self._loop.call_soon_threadsafe(self.scheduler.abort, rid)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.call_soon_threadsafe(self.scheduler.close)
+        try:
+            self._task.result(timeout=30)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            self.runtime.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

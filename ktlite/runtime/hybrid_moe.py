@@ -1,0 +1,150 @@
+"""One MoE layer split between GPU experts and CPU experts.
+
+The router runs on the device. The (token, expert) pairs of CPU experts go to the CPU store
+asynchronously (`submit`), the device meanwhile runs its own experts (fused MoE) and the shared
+experts, then the CPU result is added. A prefill chunk longer than `--kt-gpu-prefill-token-threshold`
+instead copies the layer's CPU experts into the planned layerwise buffer and runs all experts on
+the device: for long chunks the copy costs less than CPU compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from ktlite.kernels.triton import fused_moe
+from ktlite.runtime.models.deepseek import MLP, Router
+
+# (layer, expert) -> (gate [I, H], up [I, H], down [H, I]) in full precision
+ExpertSource = Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class CPUExperts(Protocol):
+    def submit(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               skip_mask: torch.Tensor | None = None): ...
+
+    def swap_expert(self, layer: int, remove: int, add: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None: ...
+
+    def dequantized_expert(self, layer: int, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class HybridMoE:
+    def __init__(
+        self,
+        layer_idx: int,
+        router: Router,
+        shared_experts: MLP | None,
+        gpu_experts: list[int],
+        w13: torch.Tensor,  # [n_gpu, 2I, H] device buffer from the plan
+        w2: torch.Tensor,  # [n_gpu, H, I]
+        cpu: CPUExperts,
+        source: ExpertSource,
+        layerwise_threshold: int | None = None,
+        layerwise_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,  # [E, 2I, H], [E, H, I]
+        observers: list[Callable[[int, torch.Tensor], None]] | None = None,
+    ):
+        self.layer_idx = layer_idx
+        self.router, self.shared_experts = router, shared_experts
+        self.num_experts = router.weight.shape[0]
+        self.w13, self.w2 = w13, w2
+        self.cpu, self.source = cpu, source
+        self.layerwise_threshold = layerwise_threshold
+        self.layerwise_buffers = layerwise_buffers
+        self.observers = observers or []
+        device = w13.device
+        self.slot_of = torch.full((self.num_experts,), -1, dtype=torch.int64, device=device)
+        self.gpu_experts: list[int] = []
+        for slot, e in enumerate(gpu_experts):
+            self._install(slot, e)
+
+    def _install(self, slot: int, expert: int) -> None:
+        gate, up, down = self.source(self.layer_idx, expert)
+        self.w13[slot] = torch.cat((gate, up), dim=0).to(self.w13.dtype)
+        self.w2[slot] = down.to(self.w2.dtype)
+        self.slot_of[expert] = slot
+        if slot < len(self.gpu_experts):
+            self.gpu_experts[slot] = expert
+        else:
+            self.gpu_experts.append(expert)
+
+    @property
+    def on_gpu(self) -> torch.Tensor:
+        """[E] bool: the experts this layer runs on the device (the CPU skips them)."""
+        return self.slot_of >= 0
+
+    def move(self, bring: list[int], evict: list[int]) -> None:
+        """Swap experts: each evicted GPU expert's slot takes one incoming expert.
+
+        The incoming expert's CPU slot takes the evicted one (quantized from the source), so every
+        expert lives in exactly one place and neither side's memory grows.
+        """
+        for new, old in zip(bring, evict, strict=True):
+            slot = int(self.slot_of[old])
+            self.slot_of[old] = -1
+            self.cpu.swap_expert(self.layer_idx, new, old, *self.source(self.layer_idx, old))
+            self._install(slot, new)
+
+    def __call__(self, x: torch.Tensor, defer: int = 0) -> tuple[torch.Tensor, object | None]:
+        """x [N, hidden] on the device -> (routed + shared expert output [N, hidden], deferred handle).
+
+        With `defer` = D > 0 (--kt-max-deferred-experts-per-token), each token's D lowest-weighted
+        CPU experts are left running: the returned handle's `wait()` is their contribution, which
+        the caller adds after the next layer so the CPU overlaps one more layer of GPU work.
+        """
+        topk_ids, topk_weights = self.router(x)
+        for observe in self.observers:
+            observe(self.layer_idx, topk_ids)
+        deferred = None
+        if self.layerwise_threshold is not None and x.shape[0] > self.layerwise_threshold:
+            out = self._all_on_device(x, topk_ids, topk_weights)
+        else:
+            out, deferred = self._hybrid(x, topk_ids, topk_weights, defer)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out, deferred
+
+    def _split_deferred(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, defer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids run now, ids deferred): the D lowest-weighted CPU experts of each token; -1 = not here."""
+        on_cpu = ~self.on_gpu[topk_ids]
+        rank_key = torch.where(on_cpu, topk_weights.float(), float("inf"))  # GPU experts never deferred
+        lowest = rank_key.argsort(dim=-1)[:, :defer]
+        is_deferred = torch.zeros_like(on_cpu).scatter_(1, lowest, True) & on_cpu
+        return topk_ids.masked_fill(is_deferred, -1), topk_ids.masked_fill(~is_deferred, -1)
+
+    def _hybrid(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                defer: int) -> tuple[torch.Tensor, object | None]:
+        on_gpu = self.on_gpu
+        now_ids, later_ids = (topk_ids, None) if defer <= 0 else self._split_deferred(topk_ids, topk_weights, defer)
+        x_cpu, w_cpu, mask_cpu = x.cpu(), topk_weights.cpu(), on_gpu.cpu()
+        handle = deferred = None
+        if not bool(on_gpu[topk_ids].all()):
+            handle = self.cpu.submit(self.layer_idx, x_cpu, now_ids.cpu(), w_cpu, mask_cpu)
+            if later_ids is not None and bool((later_ids >= 0).any()):
+                deferred = self.cpu.submit(self.layer_idx, x_cpu, later_ids.cpu(), w_cpu, mask_cpu)
+        out = torch.zeros_like(x)
+        if self.gpu_experts:
+            # Slots are local ids; experts elsewhere map to slot n_gpu, which the mask disables, so
+            # the weights need no padding row.
+            n_gpu = len(self.gpu_experts)
+            local_ids = torch.where(on_gpu[topk_ids], self.slot_of[topk_ids], n_gpu)
+            local_mask = torch.ones(n_gpu + 1, dtype=torch.bool, device=x.device)
+            local_mask[n_gpu] = False
+            out = fused_moe(x, self.w13, self.w2, local_ids, topk_weights, local_mask)
+        if handle is not None:
+            out = out + handle.wait().to(x.device, x.dtype)
+        return out, deferred
+
+    def _all_on_device(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        w13_all, w2_all = self.layerwise_buffers
+        needed = torch.zeros(self.num_experts, dtype=torch.bool, device=x.device)
+        needed[topk_ids.reshape(-1)] = True
+        for e in needed.nonzero().flatten().tolist():  # only experts some token chose are copied
+            slot = int(self.slot_of[e])
+            if slot >= 0:
+                w13_all[e], w2_all[e] = self.w13[slot], self.w2[slot]
+            else:
+                # the CPU store's own (dequantized) weights, so results match the hybrid path
+                w13_all[e], w2_all[e] = self.cpu.dequantized_expert(self.layer_idx, e, w13_all.dtype)
+        return fused_moe(x, w13_all, w2_all, topk_ids, topk_weights, needed)

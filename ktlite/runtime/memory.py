@@ -1,0 +1,679 @@
+"""The GPU memory plan: bytes per component per device, computed before anything is allocated.
+
+Inputs are the model's `DeepseekConfig` and the serving flags (`PlanInputs`, SGLang/KTransformers
+names). The plan has one table per tensor-parallel rank (`RankPlan`), because under TP each GPU holds
+its own shard:
+
+- MLA heads are split: q_proj / q_b_proj / kv_b_proj column-parallel, o_proj row-parallel;
+  q_a_proj, kv_a_proj_with_mqa and every norm are replicated;
+- dense MLP and shared experts are split along the intermediate size;
+- embeddings and lm_head are vocab-parallel (ceil(vocab / tp) rows per rank);
+- routers (fp32) are replicated; the GPU routed experts are expert-parallel (each rank holds 1/tp of
+  each layer's GPU experts, the first `count % tp` ranks one more);
+- every rank keeps a full copy of the MLA latent KV pool (the latent is shared by all heads).
+
+The budget rule (stated again in every verdict):
+    static budget   = mem_fraction_static x device memory  >= weights + GPU experts + KV pool
+                                                              + request table
+    headroom budget = (1 - mem_fraction_static) x device   >= prefill workspace + layerwise buffer
+What the headroom does not use is slack for the CUDA context, cuBLAS/Triton scratch and allocator
+fragmentation. Without `max_total_tokens` the KV pool takes every whole token the static budget
+leaves (the same count on all ranks); with it, the pool has exactly that size. Either way the pool
+must hold at least one prefill chunk.
+
+Weight bytes follow the GPU weight format (`dtype`): "fp8" (the default "auto" for DeepSeek's
+block-FP8 checkpoints) stores each linear projection as 1 byte per value plus one float32 scale per
+128x128 block (ceil(N/128) * ceil(K/128) * 4 bytes); embeddings, lm_head and norms stay in the
+activation dtype (bf16) and routers in float32, exactly as the checkpoints store them. "bfloat16",
+"float16", "float32" store everything but the routers in that dtype.
+
+API for the runtime:
+    inputs = PlanInputs(gpu_memory="24GiB", kt_num_gpu_experts=4, ...)    # validates; ConfigError
+    plan = make_plan(cfg, inputs)            # raises PlanDoesNotFit (a PlanError) before allocating
+    plan.kv_pool_tokens, plan.kv_bytes_per_token, plan.gpu_experts_per_layer[rank]
+    kv = plan.alloc("kv_pool", (layers, tokens, plan.cfg.kv_latent_dim), dtype, device, rank)
+    planned = plan.bytes("attention", rank)
+    allocated = allocated_by_component(model.named_parameters())  # names -> component_of()
+    allocated.update(plan.allocated(rank))                         # what went through alloc()
+    assert not plan.mismatches(allocated, rank)                    # {} when within 1 %
+    print(plan.format_table())
+`component_of(name)` maps every HF parameter/buffer name of the reference model (and FP8
+`*_scale_inv` tensors) to its component; routed experts map to "gpu_experts" because a routed
+expert tensor that lives on the GPU is a GPU expert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import re
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ktlite.errors import ConfigError, PlanError
+from ktlite.runtime.models.config import DeepseekConfig
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_COMPONENTS = ("embeddings", "lm_head", "attention", "dense_mlp", "shared_experts", "norms_router")
+STATIC_COMPONENTS = WEIGHT_COMPONENTS + ("gpu_experts", "kv_pool", "request_table")
+HEADROOM_COMPONENTS = ("prefill_workspace", "layerwise_buffer")
+COMPONENTS = STATIC_COMPONENTS + HEADROOM_COMPONENTS
+
+WEIGHT_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "bfloat16", "float16", "float32")
+_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "bfloat16": 2, "float16": 2, "float32": 4}
+TENSOR_PARALLEL_CHOICES = (2, 4, 8)  # what a "use more GPUs" suggestion may propose
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_GIB, _MIB = 2**30, 2**20
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from 17179869184, "16GiB", "24GB" (10^9), "800MiB", "1.5G" (bare K/M/G/T are binary)."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    unit = match.group(2).lower() if match else None
+    if unit not in _SIZE_UNITS:
+        raise ConfigError(f"--gpu-memory {value!r}: expected a size like 16GiB, 24GB, 800MiB or a byte count")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def _gib(n: float) -> str:
+    return f"{n / _GIB:.2f} GiB"
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Serving flags that decide GPU memory (field = flag name without dashes).
+
+    gpu_memory: bytes per GPU (or a size string); None = the free memory of each visible CUDA device.
+    chunked_prefill_size: prompt tokens per prefill forward (SGLang's default 8192); -1 = no chunking,
+      a whole prompt (up to context_length) in one forward.
+    max_running_requests: requests batched together; their decode tokens can ride along with a
+      prefill chunk, so one forward has up to chunked_prefill_size + max_running_requests tokens.
+    context_length: longest request (default: the config's max_position_embeddings).
+    kt_num_gpu_experts: routed experts per MoE layer on the GPU(s), over all ranks;
+      kt_gpu_experts_ratio (fraction of n_routed_experts, rounded) wins when both are given.
+    kt_gpu_prefill_token_threshold: prompts this long run layerwise prefill on the GPU, which needs a
+      buffer for one MoE layer's routed experts; None = no layerwise prefill.
+    dtype: GPU weight format, see WEIGHT_DTYPES; kv_cache_dtype: see KV_CACHE_DTYPES ("auto" = the
+      activation dtype: bf16, or fp16/fp32 when the weights run in that).
+    """
+
+    gpu_memory: int | str | None = None
+    mem_fraction_static: float = 0.80
+    max_total_tokens: int | None = None
+    chunked_prefill_size: int = 8192
+    max_running_requests: int = 64
+    context_length: int | None = None
+    kt_num_gpu_experts: int = 0
+    kt_gpu_experts_ratio: float | None = None
+    kt_gpu_prefill_token_threshold: int | None = None
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.gpu_memory is not None:
+            object.__setattr__(self, "gpu_memory", parse_size(self.gpu_memory))
+            _require(self.gpu_memory > 0, "--gpu-memory", self.gpu_memory, "must be positive")
+        _require(0 < self.mem_fraction_static <= 1, "--mem-fraction-static", self.mem_fraction_static, "must be in (0, 1]")
+        _require(self.max_total_tokens is None or self.max_total_tokens >= 1, "--max-total-tokens", self.max_total_tokens, "must be >= 1")
+        _require(self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1, "--chunked-prefill-size",
+                 self.chunked_prefill_size, "must be >= 1, or -1 to disable chunking")
+        _require(self.max_running_requests >= 1, "--max-running-requests", self.max_running_requests, "must be >= 1")
+        _require(self.context_length is None or self.context_length >= 1, "--context-length", self.context_length, "must be >= 1")
+        _require(self.kt_num_gpu_experts >= 0, "--kt-num-gpu-experts", self.kt_num_gpu_experts, "must be >= 0")
+        _require(self.kt_gpu_experts_ratio is None or 0 <= self.kt_gpu_experts_ratio <= 1, "--kt-gpu-experts-ratio",
+                 self.kt_gpu_experts_ratio, "must be in [0, 1]")
+        _require(self.kt_gpu_prefill_token_threshold is None or self.kt_gpu_prefill_token_threshold >= 1,
+                 "--kt-gpu-prefill-token-threshold", self.kt_gpu_prefill_token_threshold, "must be >= 1")
+        _require(self.tensor_parallel_size >= 1, "--tensor-parallel-size", self.tensor_parallel_size, "must be >= 1")
+        _require(self.dtype in WEIGHT_DTYPES, "--dtype", self.dtype, f"must be one of {', '.join(WEIGHT_DTYPES)}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "--kv-cache-dtype", self.kv_cache_dtype,
+                 f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+def _require(ok: bool, flag: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{flag} {value}: {rule}")
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    """PlanInputs with the model-dependent defaults filled in and checked against the config."""
+
+    weight_dtype: str  # "fp8" | "bfloat16" | "float16" | "float32"
+    act_dtype: str  # embeddings, norms, activations
+    kv_dtype: str
+    gpu_experts: int  # per MoE layer, all ranks together
+    context_length: int
+    chunk_tokens: int  # prompt tokens in one prefill forward
+
+
+def _resolve(cfg: DeepseekConfig, inputs: PlanInputs) -> _Resolved:
+    tp = inputs.tensor_parallel_size
+    if cfg.num_attention_heads % tp:
+        raise ConfigError(f"--tensor-parallel-size {tp}: the model's {cfg.num_attention_heads} attention heads "
+                          "must split evenly across the GPUs")
+    if inputs.dtype == "fp8" and cfg.fp8_block_size is None:
+        raise ConfigError("--dtype fp8: this checkpoint is not block-FP8; use auto/bfloat16/float16/float32")
+    weight = ("fp8" if cfg.fp8_block_size else "bfloat16") if inputs.dtype == "auto" else inputs.dtype
+    act = "bfloat16" if weight == "fp8" else weight
+    kv = act if inputs.kv_cache_dtype == "auto" else inputs.kv_cache_dtype
+    experts = cfg.n_routed_experts
+    if inputs.kt_gpu_experts_ratio is not None:
+        count = round(inputs.kt_gpu_experts_ratio * experts)
+    else:
+        count = inputs.kt_num_gpu_experts
+        _require(count <= experts, "--kt-num-gpu-experts", count, f"must be in 0..{experts} (n_routed_experts)")
+    context = inputs.context_length or cfg.max_position_embeddings
+    _require(context <= cfg.max_position_embeddings, "--context-length", context,
+             f"exceeds the model's max_position_embeddings {cfg.max_position_embeddings}")
+    chunk = context if inputs.chunked_prefill_size == -1 else inputs.chunked_prefill_size
+    return _Resolved(weight, act, kv, count, context, chunk)
+
+
+# ---- what each rank holds --------------------------------------------------------------------
+
+_DENSE_MLP = re.compile(r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.weight")
+
+
+def component_of(name: str) -> str:
+    """The plan component of a reference-model parameter/buffer (or its FP8 `_scale_inv`)."""
+    base = name.removesuffix("_scale_inv")
+    if base.startswith("model.embed_tokens."):
+        return "embeddings"
+    if base.startswith("lm_head."):
+        return "lm_head"
+    if base.endswith("norm.weight") or ".mlp.gate." in base or base == "model.rotary.inv_freq":
+        return "norms_router"
+    if ".mlp.experts." in base:
+        return "gpu_experts"
+    if ".mlp.shared_experts." in base:
+        return "shared_experts"
+    if ".self_attn." in base:
+        return "attention"
+    if _DENSE_MLP.fullmatch(base):
+        return "dense_mlp"
+    raise ValueError(f"{name!r} has no memory-plan component; add it to ktlite.runtime.memory.component_of")
+
+
+def allocated_by_component(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
+    """Bytes per component of (name, tensor) pairs, e.g. model.named_parameters() (lists a tied
+    tensor once) chained with named_buffers()."""
+    out: dict[str, int] = defaultdict(int)
+    for name, tensor in named_tensors:
+        out[component_of(name)] += tensor.numel() * tensor.element_size()
+    return dict(out)
+
+
+def _mlp_shapes(prefix: str, hidden: int, inter: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+    yield prefix + "gate_proj.weight", (inter, hidden)
+    yield prefix + "up_proj.weight", (inter, hidden)
+    yield prefix + "down_proj.weight", (hidden, inter)
+
+
+def _rank_shapes(cfg: DeepseekConfig, tp: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape on one rank) of every GPU tensor of the model except the routed experts."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads // tp
+    yield "model.embed_tokens.weight", (_ceil_div(cfg.vocab_size, tp), h)
+    if not cfg.tie_word_embeddings:  # tied: lm_head is the embedding tensor, counted once
+        yield "lm_head.weight", (_ceil_div(cfg.vocab_size, tp), h)
+    yield "model.norm.weight", (h,)
+    yield "model.rotary.inv_freq", (cfg.qk_rope_head_dim // 2,)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (h,)
+        yield p + "post_attention_layernorm.weight", (h,)
+        a = p + "self_attn."
+        if cfg.q_lora_rank is None:
+            yield a + "q_proj.weight", (heads * cfg.qk_head_dim, h)
+        else:
+            yield a + "q_a_proj.weight", (cfg.q_lora_rank, h)
+            yield a + "q_a_layernorm.weight", (cfg.q_lora_rank,)
+            yield a + "q_b_proj.weight", (heads * cfg.qk_head_dim, cfg.q_lora_rank)
+        yield a + "kv_a_proj_with_mqa.weight", (cfg.kv_latent_dim, h)
+        yield a + "kv_a_layernorm.weight", (cfg.kv_lora_rank,)
+        yield a + "kv_b_proj.weight", (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        yield a + "o_proj.weight", (h, heads * cfg.v_head_dim)
+        if not cfg.is_moe_layer(i):
+            yield from _mlp_shapes(p + "mlp.", h, _ceil_div(cfg.intermediate_size, tp))
+            continue
+        yield p + "mlp.gate.weight", (cfg.n_routed_experts, h)
+        if cfg.topk_method == "noaux_tc":
+            yield p + "mlp.gate.e_score_correction_bias", (cfg.n_routed_experts,)
+        if cfg.n_shared_experts:
+            shared = _ceil_div(cfg.moe_intermediate_size * cfg.n_shared_experts, tp)
+            yield from _mlp_shapes(p + "mlp.shared_experts.", h, shared)
+
+
+def _tensor_bytes(cfg: DeepseekConfig, name: str, shape: tuple[int, ...], weight: str, act: str) -> int:
+    numel = math.prod(shape)
+    if ".mlp.gate." in name or name == "model.rotary.inv_freq":
+        return numel * 4  # routers and rope frequencies stay float32
+    if not name.endswith("proj.weight") and not name.endswith("proj_with_mqa.weight"):
+        return numel * _DTYPE_BYTES[act]  # embeddings, lm_head, norms
+    if weight != "fp8":
+        return numel * _DTYPE_BYTES[weight]
+    bn, bk = cfg.fp8_block_size or (128, 128)
+    return numel + _ceil_div(shape[0], bn) * _ceil_div(shape[1], bk) * 4  # + one fp32 scale per block
+
+
+@functools.lru_cache(maxsize=64)
+def _weight_bytes(cfg: DeepseekConfig, tp: int, weight: str, act: str) -> dict[str, int]:
+    """Bytes per component of one rank's non-expert weights (cached: knob searches re-plan often)."""
+    out = dict.fromkeys(WEIGHT_COMPONENTS, 0)
+    for name, shape in _rank_shapes(cfg, tp):
+        out[component_of(name)] += _tensor_bytes(cfg, name, shape, weight, act)
+    return out
+
+
+def expert_bytes(cfg: DeepseekConfig, weight_dtype: str) -> int:
+    """Bytes of one routed expert (gate, up, down) in a GPU weight format."""
+    shapes = _mlp_shapes(f"model.layers.{cfg.first_k_dense_replace}.mlp.experts.0.", cfg.hidden_size, cfg.moe_intermediate_size)
+    return sum(_tensor_bytes(cfg, name, shape, weight_dtype, weight_dtype) for name, shape in shapes)
+
+
+def workspace_bytes(cfg: DeepseekConfig, tokens: int, logits_rows: int, tp: int, act: str, gpu_moe: bool) -> int:
+    """Estimated activation bytes of one forward of `tokens` tokens on one rank (an upper bound:
+    tensors of a phase are summed as if none were freed early).
+
+    With a = activation bytes, H = hidden, h = heads per rank, D = kv_lora_rank + qk_rope_head_dim:
+      per token:
+        stream    4 H a                     residual, normed input, layer output, CPU-expert result
+        + max(attention, mlp), where
+        attention (q_lora + h qk_head_dim + D + h D + h kv_lora_rank + h v_head_dim) a
+                                            q_a, q, new latent, absorbed q, latent output, W_UV output
+        mlp       max(dense: 3 I/tp a,
+                      moe: router 2 E 4 + k 12  (fp32 logits + scores, top-k ids + weights)
+                           + shared 3 I_shared/tp a
+                           + GPU experts k (I_moe + H) a + 4 H  (fused-MoE act + per-pair output +
+                             fp32 sum; only when GPU experts or layerwise prefill run)
+      plus logits_rows x vocab x 4 (fp32 logits of the last token of each request, vocab gathered).
+    """
+    a = _DTYPE_BYTES[act]
+    h, heads = cfg.hidden_size, cfg.num_attention_heads // tp
+    attention = (
+        (cfg.q_lora_rank or 0) + heads * cfg.qk_head_dim + cfg.kv_latent_dim + heads * cfg.kv_latent_dim
+        + heads * cfg.kv_lora_rank + heads * cfg.v_head_dim
+    ) * a
+    has_dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    dense = 3 * _ceil_div(cfg.intermediate_size, tp) * a if has_dense else 0
+    moe = 0
+    if cfg.moe_layers:
+        k = cfg.num_experts_per_tok
+        moe = 2 * cfg.n_routed_experts * 4 + k * 12
+        moe += 3 * _ceil_div(cfg.moe_intermediate_size * cfg.n_shared_experts, tp) * a
+        if gpu_moe:
+            moe += k * (cfg.moe_intermediate_size + h) * a + 4 * h
+    per_token = 4 * h * a + max(attention, dense, moe)
+    return tokens * per_token + logits_rows * cfg.vocab_size * 4
+
+
+# ---- the plan ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    component: str
+    bytes: int
+    note: str
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    device_bytes: int
+    static_budget: int
+    headroom_budget: int
+    rows: tuple[Row, ...]
+
+    def bytes(self, component: str) -> int:
+        return next(r.bytes for r in self.rows if r.component == component)
+
+    @property
+    def static_bytes(self) -> int:
+        return sum(r.bytes for r in self.rows if r.component in STATIC_COMPONENTS)
+
+    @property
+    def headroom_bytes(self) -> int:
+        return sum(r.bytes for r in self.rows if r.component in HEADROOM_COMPONENTS)
+
+    def problems(self, label: str) -> list[str]:
+        out = []
+        if self.static_bytes > self.static_budget:
+            out.append(f"{label}: weights + GPU experts + KV pool need {_gib(self.static_bytes)} but the static "
+                       f"budget is {_gib(self.static_budget)} ({_gib(self.static_bytes - self.static_budget)} over)")
+        if self.headroom_bytes > self.headroom_budget:
+            out.append(f"{label}: prefill workspace + layerwise buffer need {_gib(self.headroom_bytes)} but the "
+                       f"headroom is {_gib(self.headroom_budget)} ({_gib(self.headroom_bytes - self.headroom_budget)} over)")
+        return out
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """One change that alone makes the plan fit; `field`/`value` re-plan it (None: not a flag)."""
+
+    text: str
+    field: str | None = None
+    value: object = None
+
+
+@dataclass
+class MemoryPlan:
+    cfg: DeepseekConfig
+    inputs: PlanInputs
+    weight_dtype: str
+    kv_dtype: str
+    context_length: int
+    chunk_tokens: int
+    kv_pool_tokens: int
+    kv_bytes_per_token: int
+    gpu_experts_total: int  # per MoE layer, all ranks
+    gpu_experts_per_layer: tuple[int, ...]  # per rank: how many of each MoE layer's experts it holds
+    ranks: tuple[RankPlan, ...]
+    problems: tuple[str, ...]  # empty when the plan fits
+    ledger: dict[int, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def rows(self, rank: int = 0) -> tuple[Row, ...]:
+        return self.ranks[rank].rows
+
+    def bytes(self, component: str, rank: int = 0) -> int:
+        if component not in COMPONENTS:
+            raise ValueError(f"unknown component {component!r}; one of {', '.join(COMPONENTS)}")
+        return self.ranks[rank].bytes(component)
+
+    def alloc(self, component: str, shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device,
+              rank: int = 0) -> torch.Tensor:
+        """torch.empty(shape) whose bytes are recorded against `component` on `rank`."""
+        planned = self.bytes(component, rank)
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        used = self.ledger[rank][component] = self.ledger[rank][component] + tensor.numel() * tensor.element_size()
+        if used > planned * 1.01:
+            logger.warning("%s on GPU %d: allocated %d bytes, planned %d", component, rank, used, planned)
+        return tensor
+
+    def allocated(self, rank: int = 0) -> dict[str, int]:
+        """Bytes that went through alloc() on `rank`, per component."""
+        return dict(self.ledger[rank])
+
+    def mismatches(self, allocated: Mapping[str, int], rank: int = 0, rel_tol: float = 0.01) -> dict[str, tuple[int, int]]:
+        """{component: (planned, allocated)} for the given components that differ by more than rel_tol."""
+        out = {}
+        for component, used in allocated.items():
+            planned = self.bytes(component, rank)
+            if abs(used - planned) > rel_tol * planned:
+                out[component] = (planned, used)
+        return out
+
+    # ---- text ----
+
+    def _header(self) -> list[str]:
+        c, i = self.cfg, self.inputs
+        fmt = f"fp8 with fp32 scales per {c.fp8_block_size or (128, 128)} block" if self.weight_dtype == "fp8" else self.weight_dtype
+        experts = f"{len(c.moe_layers)} MoE layers x {c.n_routed_experts} routed experts" if c.moe_layers else "no MoE layers"
+        return [
+            f"{c.architecture}: {c.num_hidden_layers} layers ({experts}), GPU weights {fmt}, KV cache {self.kv_dtype}",
+            f"flags: --mem-fraction-static {i.mem_fraction_static:.2f} --chunked-prefill-size {i.chunked_prefill_size} "
+            f"--max-running-requests {i.max_running_requests} --context-length {self.context_length} "
+            f"--kt-num-gpu-experts {self.gpu_experts_total} --tensor-parallel-size {i.tensor_parallel_size}"
+            + (f" --max-total-tokens {i.max_total_tokens}" if i.max_total_tokens else "")
+            + (f" --kt-gpu-prefill-token-threshold {i.kt_gpu_prefill_token_threshold}"
+               if i.kt_gpu_prefill_token_threshold else ""),
+        ]
+
+    def _rank_lines(self, rp: RankPlan) -> list[str]:
+        tp, frac = len(self.ranks), self.inputs.mem_fraction_static
+        width = max(len(c) for c in COMPONENTS + ("headroom total",))
+        line = f"  {{:<{width}}} {{:>10}} {{:>18}}  {{}}".format
+        out = [f"GPU {rp.rank} of {tp}: {_gib(rp.device_bytes)}", line("component", "GiB", "bytes", "note")]
+
+        def section(components: tuple[str, ...], total_name: str, total: int, budget: int, rule: str) -> None:
+            for r in rp.rows:
+                if r.component in components:
+                    out.append(line(r.component, f"{r.bytes / _GIB:.2f}", f"{r.bytes:,}", r.note))
+            verdict = "ok" if total <= budget else f"OVER by {_gib(total - budget)}"
+            out.append(line(total_name, f"{total / _GIB:.2f}", f"{total:,}", f"budget {_gib(budget)} = {rule}: {verdict}"))
+
+        section(STATIC_COMPONENTS, "static total", rp.static_bytes, rp.static_budget, f"{frac:.2f} x device")
+        section(HEADROOM_COMPONENTS, "headroom total", rp.headroom_bytes, rp.headroom_budget, f"{1 - frac:.2f} x device")
+        return out
+
+    def table(self) -> str:
+        lines = self._header()
+        for rp in self.ranks:
+            lines += [""] + self._rank_lines(rp)
+        return "\n".join(lines)
+
+    def verdict(self) -> str:
+        rule = (f"Rule: {self.inputs.mem_fraction_static:.2f} x GPU memory (--mem-fraction-static) holds the weights, "
+                "GPU experts and KV pool; the rest holds the prefill workspace and layerwise-prefill buffer.")
+        if not self.fits:
+            return f"verdict: does NOT fit. {'; '.join(self.problems)}. {rule}"
+        per_rank = "/".join(map(str, self.gpu_experts_per_layer))
+        copies = " (a full copy on each GPU)" if len(self.ranks) > 1 else ""
+        text = (f"verdict: fits. KV pool {self.kv_pool_tokens:,} tokens x {self.kv_bytes_per_token:,} bytes{copies}; "
+                f"{self.gpu_experts_total} GPU experts per MoE layer ({per_rank} per GPU). ")
+        if self.kv_pool_tokens < self.context_length:
+            text += (f"A single request can use at most {self.kv_pool_tokens:,} tokens, less than context length "
+                     f"{self.context_length:,}. ")
+        return text + rule
+
+    def format_table(self) -> str:
+        return f"{self.table()}\n{self.verdict()}"
+
+
+class PlanDoesNotFit(PlanError):
+    """make_plan's error: `plan` is the failing plan, `suggestions` the changes that make it fit."""
+
+    def __init__(self, plan: MemoryPlan, suggestions: list[Suggestion]):
+        self.plan, self.suggestions = plan, suggestions
+        fixes = "; ".join(s.text for s in suggestions) or "nothing a single flag can change (see the table)"
+        tp = len(plan.ranks)
+        gpus = f"{tp} GPUs of {_gib(plan.ranks[0].device_bytes)}" if tp > 1 else f"one GPU of {_gib(plan.ranks[0].device_bytes)}"
+        super().__init__(
+            f"The model does not fit on {gpus}. {'; '.join(plan.problems)}. "
+            f"ktlite keeps {plan.inputs.mem_fraction_static:.2f} of each GPU's memory (--mem-fraction-static) for the "
+            "weights, GPU experts and KV pool, and the rest for the prefill workspace and layerwise-prefill buffer. "
+            f"To fit, change one of: {fixes}.\n\n{plan.table()}"
+        )
+
+
+def _plan(cfg: DeepseekConfig, inputs: PlanInputs, device_bytes: tuple[int, ...]) -> MemoryPlan:
+    """The plan for given device sizes, fitting or not (pure arithmetic, allocates nothing)."""
+    res = _resolve(cfg, inputs)
+    tp, frac = inputs.tensor_parallel_size, inputs.mem_fraction_static
+    weights = _weight_bytes(cfg, tp, res.weight_dtype, res.act_dtype)
+    per_expert = expert_bytes(cfg, res.weight_dtype)
+    moe_layers = len(cfg.moe_layers)
+    experts_on = tuple(res.gpu_experts // tp + (r < res.gpu_experts % tp) for r in range(tp))
+    kv_per_token = cfg.num_hidden_layers * cfg.kv_latent_dim * _DTYPE_BYTES[res.kv_dtype]
+    request_table = inputs.max_running_requests * res.context_length * 4  # int32 token slots per request
+    static_budget = [int(frac * d) for d in device_bytes]
+    fixed = [sum(weights.values()) + experts_on[r] * moe_layers * per_expert + request_table for r in range(tp)]
+
+    problems: list[str] = []
+    if inputs.max_total_tokens is not None:
+        kv_tokens = inputs.max_total_tokens
+    else:  # whole tokens the tightest rank leaves; at least one chunk (else the static check fails)
+        kv_tokens = max(min((b - f) // kv_per_token for b, f in zip(static_budget, fixed)), res.chunk_tokens)
+    if kv_tokens < res.chunk_tokens:
+        problems.append(f"The KV pool ({kv_tokens:,} tokens) must hold at least one prefill chunk "
+                        f"({res.chunk_tokens:,} tokens)")
+
+    layerwise = inputs.kt_gpu_prefill_token_threshold is not None
+    lw_experts = _ceil_div(cfg.n_routed_experts, tp) if layerwise and moe_layers else 0
+    forward_tokens = res.chunk_tokens + inputs.max_running_requests
+    shard = _ceil_div(cfg.vocab_size, tp)
+    heads = cfg.num_attention_heads // tp
+    ranks = []
+    for r, dev in enumerate(device_bytes):
+        gpu_moe = layerwise or experts_on[r] > 0
+        notes = {
+            "embeddings": f"{shard:,} of {cfg.vocab_size:,} rows x {cfg.hidden_size}, {res.act_dtype}",
+            "lm_head": "tied to the embeddings" if cfg.tie_word_embeddings else f"{shard:,} vocab rows x {cfg.hidden_size}, {res.act_dtype}",
+            "attention": f"{cfg.num_hidden_layers} layers, {heads} of {cfg.num_attention_heads} heads, {res.weight_dtype}",
+            "dense_mlp": f"{cfg.num_hidden_layers - moe_layers} layers, intermediate {_ceil_div(cfg.intermediate_size, tp)}",
+            "shared_experts": f"{moe_layers} layers x {cfg.n_shared_experts}",
+            "norms_router": "norms (replicated), fp32 routers, rope table",
+            "gpu_experts": f"{experts_on[r]} per layer x {moe_layers} layers x {per_expert:,} B",
+            "kv_pool": f"{kv_tokens:,} tokens x {kv_per_token:,} B ({cfg.num_hidden_layers} x {cfg.kv_latent_dim} "
+                       f"x {res.kv_dtype})",
+            "request_table": f"{inputs.max_running_requests} requests x {res.context_length:,} token slots, int32",
+            "prefill_workspace": f"estimate for {forward_tokens:,} tokens per forward",
+            "layerwise_buffer": f"one MoE layer's {lw_experts} experts" if layerwise else "off (no --kt-gpu-prefill-token-threshold)",
+        }
+        sizes = {
+            **weights,
+            "gpu_experts": experts_on[r] * moe_layers * per_expert,
+            "kv_pool": kv_tokens * kv_per_token,
+            "request_table": request_table,
+            "prefill_workspace": workspace_bytes(cfg, forward_tokens, inputs.max_running_requests, tp, res.act_dtype, gpu_moe),
+            "layerwise_buffer": lw_experts * per_expert,
+        }
+        rows = tuple(Row(c, sizes[c], notes[c]) for c in COMPONENTS)
+        ranks.append(RankPlan(r, dev, static_budget[r], dev - static_budget[r], rows))
+    alike = all((rp.device_bytes, rp.rows) == (ranks[0].device_bytes, ranks[0].rows) for rp in ranks)
+    if alike:  # one line for all GPUs rather than the same line per GPU
+        problems += ranks[0].problems("Each GPU" if tp > 1 else "GPU 0")
+    else:
+        for rp in ranks:
+            problems += rp.problems(f"GPU {rp.rank}")
+    return MemoryPlan(
+        cfg=cfg, inputs=inputs, weight_dtype=res.weight_dtype, kv_dtype=res.kv_dtype,
+        context_length=res.context_length, chunk_tokens=res.chunk_tokens, kv_pool_tokens=kv_tokens,
+        kv_bytes_per_token=kv_per_token, gpu_experts_total=res.gpu_experts, gpu_experts_per_layer=experts_on,
+        ranks=tuple(ranks), problems=tuple(problems),
+    )
+
+
+def _device_bytes(inputs: PlanInputs) -> tuple[int, ...]:
+    tp = inputs.tensor_parallel_size
+    if inputs.gpu_memory is not None:
+        return (int(inputs.gpu_memory),) * tp
+    if not torch.cuda.is_available():
+        raise ConfigError("no CUDA GPU is visible, so its memory is unknown: pass --gpu-memory (e.g. --gpu-memory 24GiB) "
+                          "to plan for a GPU this machine does not have")
+    if torch.cuda.device_count() < tp:
+        raise ConfigError(f"--tensor-parallel-size {tp}: only {torch.cuda.device_count()} CUDA GPUs are visible")
+    return tuple(torch.cuda.mem_get_info(r)[0] for r in range(tp))  # free bytes: what we can still allocate
+
+
+def _largest(ok: Callable[[int], bool], lo: int, hi: int) -> int | None:
+    """Largest v in [lo, hi] with ok(v), for ok true up to some point and false after; None if ok(lo) fails."""
+    if hi < lo or not ok(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def _experts_suggestion(cfg: DeepseekConfig, inputs: PlanInputs, count: int) -> Suggestion:
+    """At most `count` GPU experts per layer, phrased in the flag the user set (the ratio wins)."""
+    if inputs.kt_gpu_experts_ratio is None:
+        return Suggestion(f"--kt-num-gpu-experts <= {count}", "kt_num_gpu_experts", count)
+    ratio = float(f"{count / cfg.n_routed_experts:.6g}")  # round(ratio * n_routed_experts) == count
+    return Suggestion(f"--kt-gpu-experts-ratio <= {ratio:g} ({count} experts per layer)", "kt_gpu_experts_ratio", ratio)
+
+
+def _suggestions(cfg: DeepseekConfig, inputs: PlanInputs, devices: tuple[int, ...], plan: MemoryPlan) -> list[Suggestion]:
+    """Every single-flag change that makes the plan fit, each at the largest (or smallest) value that does."""
+
+    def replan(**changes: object) -> MemoryPlan:
+        changed = dataclasses.replace(inputs, **changes)
+        n = changed.tensor_parallel_size
+        if "gpu_memory" in changes:
+            sizes = (int(changed.gpu_memory),) * n
+        else:  # more GPUs than detected: assume they are like the smallest one
+            sizes = devices if n == len(devices) else (min(devices),) * n
+        return _plan(cfg, changed, sizes)
+
+    def fits(**changes: object) -> bool:
+        return replan(**changes).fits
+
+    out: list[Suggestion] = []
+    n = plan.gpu_experts_total
+    best = _largest(lambda v: fits(kt_num_gpu_experts=v, kt_gpu_experts_ratio=None), 0, n - 1)
+    if best is not None:
+        out.append(_experts_suggestion(cfg, inputs, best))
+    if inputs.max_total_tokens is not None:
+        best = _largest(lambda v: fits(max_total_tokens=v), plan.chunk_tokens, inputs.max_total_tokens - 1)
+        if best is not None:
+            out.append(Suggestion(f"--max-total-tokens <= {best}", "max_total_tokens", best))
+    best = _largest(lambda v: fits(chunked_prefill_size=v), 1, plan.chunk_tokens - 1)
+    if best is not None:
+        out.append(Suggestion(f"--chunked-prefill-size <= {best}", "chunked_prefill_size", best))
+    if inputs.kt_gpu_prefill_token_threshold is not None and fits(kt_gpu_prefill_token_threshold=None):
+        out.append(Suggestion("drop --kt-gpu-prefill-token-threshold (no layerwise-prefill buffer)",
+                              "kt_gpu_prefill_token_threshold", None))
+    fractions = [k / 100 for k in range(1, 101) if fits(mem_fraction_static=k / 100)]
+    if fractions and fractions[0] > inputs.mem_fraction_static:
+        out.append(Suggestion(f"--mem-fraction-static >= {fractions[0]:.2f}", "mem_fraction_static", fractions[0]))
+    elif fractions and fractions[-1] < inputs.mem_fraction_static:
+        out.append(Suggestion(f"--mem-fraction-static <= {fractions[-1]:.2f}", "mem_fraction_static", fractions[-1]))
+
+    if not out:
+        out += _combined(cfg, inputs, replan)
+    weights_alone = any(sum(rp.bytes(c) for c in WEIGHT_COMPONENTS) > rp.static_budget for rp in plan.ranks)
+    if not out or weights_alone:
+        for tp in TENSOR_PARALLEL_CHOICES:
+            if tp > inputs.tensor_parallel_size and cfg.num_attention_heads % tp == 0 and fits(tensor_parallel_size=tp):
+                out.append(Suggestion(f"--tensor-parallel-size {tp} ({tp} GPUs like this one)", "tensor_parallel_size", tp))
+                break
+        if cfg.fp8_block_size and plan.weight_dtype != "fp8" and fits(dtype="fp8"):
+            out.append(Suggestion("--dtype auto (keep the checkpoint's FP8 weights)", "dtype", "auto"))
+    need = _largest(lambda mib: not fits(gpu_memory=mib * _MIB), 1, 2**26)  # largest size in MiB that fails
+    if need is not None and need < 2**26:
+        out.append(Suggestion(f"a GPU with at least {_gib((need + 1) * _MIB)} free", "gpu_memory", (need + 1) * _MIB))
+    return out
+
+
+def _combined(cfg: DeepseekConfig, inputs: PlanInputs, replan: Callable[..., MemoryPlan]) -> list[Suggestion]:
+    """When no single flag is enough: the most GPU experts that fit with the KV pool sized by what
+    is left and no layerwise buffer, and that pool's size."""
+    base = {"kt_gpu_experts_ratio": None, "max_total_tokens": None, "kt_gpu_prefill_token_threshold": None}
+    experts = _largest(lambda v: replan(**base, kt_num_gpu_experts=v).fits, 0, cfg.n_routed_experts)
+    if experts is None:
+        return []
+    settled = {**base, "kt_num_gpu_experts": experts}
+    current = replan().gpu_experts_total
+    parts = [_experts_suggestion(cfg, inputs, experts).text] if experts < current else []
+    if inputs.max_total_tokens is not None:
+        tokens = replan(**settled).kv_pool_tokens
+        parts.append(f"--max-total-tokens <= {tokens}")
+    if inputs.kt_gpu_prefill_token_threshold is not None:
+        parts.append("no --kt-gpu-prefill-token-threshold")
+    return [Suggestion(" with ".join(parts))]
+
+
+def make_plan(cfg: DeepseekConfig, inputs: PlanInputs) -> MemoryPlan:
+    """The memory plan per GPU; raises PlanDoesNotFit (a PlanError) listing components and fixes."""
+    devices = _device_bytes(inputs)
+    plan = _plan(cfg, inputs, devices)
+    if not plan.fits:
+        raise PlanDoesNotFit(plan, _suggestions(cfg, inputs, devices, plan))
+    logger.info("memory plan: KV pool %d tokens, %d GPU experts per MoE layer, %s static on GPU 0",
+                plan.kv_pool_tokens, plan.gpu_experts_total, _gib(plan.ranks[0].static_bytes))
+    return plan

@@ -1,0 +1,45 @@
+"""Linear layers that keep DeepSeek-V3's block-scaled FP8 weights as they are on the device.
+
+The weight stays float8_e4m3fn with one float32 `weight_scale_inv` per 128x128 block (names as in
+the checkpoint, so loading is a raw copy); the matmul goes through `fp8_linear` (Triton on CUDA,
+the torch twin elsewhere). One byte per weight instead of two is what lets DeepSeek-V3's attention
+and dense weights fit small GPUs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ktlite.kernels.triton import fp8_dequantize, fp8_linear
+
+BLOCK = 128
+
+
+class FP8Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn), requires_grad=False)
+        scales = (-(-out_features // BLOCK), -(-in_features // BLOCK))
+        self.register_buffer("weight_scale_inv", torch.empty(scales, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = fp8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return fp8_dequantize(self.weight, self.weight_scale_inv, dtype)
+
+
+def linear_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A linear layer's weight as a dense matrix in `dtype` (FP8 layers are dequantized)."""
+    return layer.dequantized(dtype) if isinstance(layer, FP8Linear) else layer.weight
+
+
+def swap_in_fp8(model: nn.Module) -> None:
+    """Replace every `*_proj` / `*_proj_with_mqa` nn.Linear (what DeepSeek-V3 stores in FP8) in place."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and (name.endswith("_proj") or name.endswith("_proj_with_mqa")):
+                setattr(parent, name, FP8Linear(child.in_features, child.out_features))

@@ -1,0 +1,236 @@
+"""Per-request sampling parameters and the batched sampler the scheduler calls once per step.
+
+Order of logits processing, per row: penalties -> min_tokens suppression of ending ids -> greedy
+argmax, or temperature -> top_k -> top_p -> min_p -> one draw with the request's own generator.
+
+Batch invariance: every sampled row goes through the same sorted pipeline and draws exactly one
+uniform number per step from its own CPU generator, so a request's tokens depend only on its
+seed, its logits and its params, never on which other requests share the batch or on the device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from ktlite.errors import RequestError
+
+# Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the request before this many tokens
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # <= 0 disables
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF-style, over prompt + output
+    frequency_penalty: float = 0.0  # OpenAI-style, over output
+    presence_penalty: float = 0.0  # OpenAI-style, over output
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # a single str is accepted and wrapped
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise RequestError(param=<field>) for the first wrong-typed or out-of-range field."""
+
+        def check(ok: bool, name: str, expected: str) -> None:
+            if not ok:
+                raise RequestError(f"{name} must be {expected}, got {getattr(self, name)!r}", param=name)
+
+        check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
+        check(_is_int(self.min_tokens) and 0 <= self.min_tokens, "min_tokens", "an integer >= 0")
+        check(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})")
+        check(_is_number(self.temperature) and 0 <= self.temperature <= 2, "temperature", "a number in [0, 2]")
+        check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
+        check(_is_int(self.top_k), "top_k", "an integer (<= 0 disables it)")
+        check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]")
+        check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "a number > 0")
+        for name in ("frequency_penalty", "presence_penalty"):
+            check(_is_number(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name, "a number in [-2, 2]")
+        check(self.seed is None or _is_int(self.seed), "seed", "an integer or null")
+        check(
+            isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "a non-empty string or a list of non-empty strings",
+        )
+        check(
+            isinstance(self.stop_token_ids, list) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "a list of non-negative integers",
+        )
+        check(isinstance(self.ignore_eos, bool), "ignore_eos", "a boolean")
+        check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "a boolean")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
+        """Build from a plain dict; None values mean "not given" (JSON null); unknown keys are an error."""
+        if not isinstance(d, Mapping):
+            raise RequestError(f"sampling parameters must be a mapping, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise RequestError(
+                f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}",
+                param=unknown[0],
+            )
+        return cls(**{k: v for k, v in d.items() if v is not None})
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def ending_token_ids(self, eos_token_ids: Iterable[int]) -> set[int]:
+        """Token ids that finish the request with "stop": stop_token_ids, plus EOS unless ignore_eos."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids.update(eos_token_ids)
+        return ids
+
+
+class SamplerState:
+    """What the sampler remembers about one request; keep it for the request's whole life
+    (including preemption and recompute) and `append` every token the request keeps."""
+
+    def __init__(self, prompt_ids: Sequence[int], seed: int | None = None):
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        # A CPU generator, one uniform per sampled step: the same seed gives the same draws on any
+        # device and in any batch.
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed % 2**64)  # torch takes [0, 2**64); OpenAI seeds may be negative
+        # Penalty bookkeeping, built on first use on the logits' device and then updated
+        # incrementally, so a step costs O(new tokens), not O(prompt + output).
+        self._seen: torch.Tensor | None = None  # [V] bool: token occurs in prompt + output
+        self._counts: torch.Tensor | None = None  # [V] float32: occurrences in output
+        self._counted = 0  # output_ids[:_counted] are already in _seen/_counts
+
+    def append(self, token_id: int) -> None:
+        self.output_ids.append(int(token_id))
+
+    def _penalty_tensors(self, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._seen is None or self._counts is None:
+            self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self._seen[torch.tensor(self.prompt_ids, dtype=torch.long, device=device)] = True
+            self._counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        new = self.output_ids[self._counted :]
+        if new:
+            idx = torch.tensor(new, dtype=torch.long, device=device)
+            self._seen[idx] = True
+            self._counts.index_add_(0, idx, torch.ones(len(new), dtype=torch.float32, device=device))
+            self._counted = len(self.output_ids)
+        return self._seen, self._counts
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: Sequence[SamplingParams], states: Sequence[SamplerState]
+) -> torch.Tensor:
+    """Return a penalised float32 copy of logits [B, V].
+
+    repetition (tokens in prompt + output): positive logits / penalty, negative logits * penalty;
+    then over output tokens: logit -= frequency_penalty * count + presence_penalty * (count > 0).
+    """
+    out = logits.to(torch.float32, copy=True)
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return out
+    vocab, device = out.shape[1], out.device
+    seen, counts = (torch.stack(t) for t in zip(*(states[i]._penalty_tensors(vocab, device) for i in rows)))
+    x = out[rows]  # [P, V]
+    rep = _column([params[i].repetition_penalty for i in rows], device)
+    x = torch.where(seen, torch.where(x < 0, x * rep, x / rep), x)
+    x -= _column([params[i].frequency_penalty for i in rows], device) * counts
+    x -= _column([params[i].presence_penalty for i in rows], device) * (counts > 0)
+    out[rows] = x
+    return out
+
+
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState]) -> torch.Tensor:
+    """Draw one token per row of logits [N, V] with temperature, top_k, top_p and min_p."""
+    vocab, device = logits.shape[1], logits.device
+    x = logits / _column([p.temperature for p in params], device)
+    # Filters work on the descending order; stable so ties break by token id on every device.
+    x, order = x.sort(dim=-1, descending=True, stable=True)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)[:, None]
+    x.masked_fill_(torch.arange(vocab, device=device) >= top_k, -math.inf)
+    probs = x.softmax(dim=-1)
+    # top_p: drop a token once the mass before it already reaches top_p (the top token always stays).
+    # top_p == 1 is skipped outright, since float cumsums can reach 1.0 before the tail.
+    top_p = _column([p.top_p if p.top_p < 1 else math.inf for p in params], device)
+    drop = probs.cumsum(dim=-1) - probs >= top_p
+    # min_p: relative to the top probability (a ratio, so unaffected by top_k/top_p renormalising).
+    drop |= probs < _column([p.min_p for p in params], device) * probs[:, :1]
+    cdf = probs.masked_fill_(drop, 0.0).cumsum(dim=-1)
+    # Inverse CDF with target in (0, total]: the first cdf >= target has a nonzero probability.
+    u = torch.cat([torch.rand(1, generator=s.generator) for s in states]).to(device)
+    target = (1.0 - u[:, None]) * cdf[:, -1:]
+    pick = torch.searchsorted(cdf, target)  # [N, 1]
+    return order.gather(1, pick).squeeze(1)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    states: Sequence[SamplerState],
+    eos_token_ids: Iterable[int] = (),
+) -> torch.Tensor:
+    """One token per row of logits [B, V] -> int64 [B] on the logits' device.
+
+    Does not modify `logits` and does not append to `states`: the scheduler appends the tokens
+    it keeps. `eos_token_ids` (the tokenizer's) are suppressed, with stop_token_ids, while a
+    request has fewer than min_tokens output tokens.
+    """
+    batch, vocab = logits.shape
+    if len(params) != batch or len(states) != batch:
+        raise ValueError(f"sample: {batch} logits rows but {len(params)} params and {len(states)} states")
+    x = apply_penalties(logits, params, states)
+    eos_token_ids = tuple(eos_token_ids)
+    for i, (p, s) in enumerate(zip(params, states)):
+        if len(s.output_ids) < p.min_tokens:
+            ids = [t for t in p.ending_token_ids(eos_token_ids) if t < vocab]
+            x[i, ids] = -math.inf
+    tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
+    greedy = [i for i, p in enumerate(params) if p.is_greedy]
+    sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    if greedy:
+        tokens[greedy] = x[greedy].argmax(dim=-1)
+    if sampled:
+        tokens[sampled] = _sample_rows(x[sampled], [params[i] for i in sampled], [states[i] for i in sampled])
+    return tokens

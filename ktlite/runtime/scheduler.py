@@ -1,0 +1,324 @@
+"""Continuous batching on asyncio: waiting -> running -> finished, with chunked prefill.
+
+Each step the scheduler builds one batch, runs the forward (and sampling) in a worker thread so the
+event loop keeps serving clients, then streams each request's new text to its own queue.
+
+Token accounting is uniform: a request's sequence is prompt + output; `computed` counts the tokens
+whose latents are in the pool. A step processes `sequence[computed:computed + n]` and samples when
+that reaches the end of the sequence. A decode is n = 1; a prefill chunk is larger; a preempted
+request (KV freed, computed = 0) simply prefills prompt + output again later.
+
+Policy:
+- FCFS admission from the waiting queue while request rows (`--max-running-requests`) and free KV
+  slots allow; a prefill step holds at most `--chunked-prefill-size` new tokens.
+- Without `--enable-mixed-chunk`, prefill and decode steps alternate while both have work, so a
+  long prompt does not stall the running streams; with it, decodes ride in the prefill batch.
+- When decode needs more KV than is free, the newest running request is preempted (KV freed,
+  requeued by arrival order) instead of failing.
+- Abort frees a request's KV at once (or right after the step it is in).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from ktlite.errors import RequestError
+from ktlite.runtime.kv_cache import KVPool
+from ktlite.runtime.model_runner import ForwardBatch, ModelRunner
+from ktlite.runtime.sampling import SamplerState, SamplingParams, sample
+from ktlite.runtime.stop import StopStringMatcher, finish_reason
+from ktlite.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StreamEvent:
+    """What a request's queue receives: new text/ids, and the finish reason on the last event."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    queue: asyncio.Queue
+    sampler: SamplerState
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    arrival: float = field(default_factory=time.monotonic)
+    order: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    row: int | None = None
+    computed: int = 0
+    finish_reason: str | None = None
+    aborted: bool = False
+    first_token_time: float | None = None
+
+    @property
+    def sequence_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """sequence[start:end] without concatenating prompt and output (decode asks every step)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:end] + self.output_ids[: max(0, end - p)]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens to process before the next token can be sampled."""
+        return self.sequence_len - self.computed
+
+
+@dataclass
+class SchedulerConfig:
+    chunked_prefill_size: int
+    max_running_requests: int
+    context_length: int
+    enable_mixed_chunk: bool = False
+    max_queued_requests: int | None = None
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: SchedulerConfig,
+                 after_step: Callable[[], None] | None = None):
+        self.runner, self.tokenizer, self.config = runner, tokenizer, config
+        self.pool: KVPool = runner.kv_pool
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._after_step = after_step
+        self._counter = itertools.count()
+        self._wakeup: asyncio.Event | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktlite-forward")
+        self._last_was_prefill = False
+        self._closed = False
+        self.steps = 0
+        self.preemptions = 0
+
+    # ---- submission -------------------------------------------------------------------------
+    def check_prompt(self, prompt_len: int, params: SamplingParams) -> None:
+        if prompt_len == 0:
+            raise RequestError("the prompt is empty", "prompt")
+        if prompt_len >= self.config.context_length:
+            raise RequestError(
+                f"the prompt has {prompt_len} tokens; this model's context is {self.config.context_length} tokens",
+                "messages",
+            )
+        if prompt_len + 1 > self.pool.num_slots:
+            raise RequestError(
+                f"the prompt has {prompt_len} tokens; the KV pool holds {self.pool.num_slots} tokens in all "
+                "(raise --max-total-tokens or the GPU memory)",
+                "messages",
+            )
+
+    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        """Queue a request (call on the scheduler's loop). Returns the queue its events arrive on."""
+        self.check_prompt(len(prompt_ids), params)
+        queue: asyncio.Queue = asyncio.Queue()
+        req = Request(
+            rid=rid, prompt_ids=list(prompt_ids), params=params, queue=queue,
+            sampler=SamplerState(prompt_ids, params.seed), detok=self.tokenizer.detokenizer(prompt_ids),
+            stops=StopStringMatcher(params.stop), order=next(self._counter),
+        )
+        self.waiting.append(req)
+        self._wake()
+        return queue
+
+    def abort(self, rid: str) -> None:
+        for req in itertools.chain(self.waiting, self.running):
+            if req.rid == rid:
+                req.aborted = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    async def run(self) -> None:
+        self._wakeup = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            self._reap_aborted()
+            plan = self._schedule()
+            if not plan:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch, sample_reqs = self._build_batch(plan)
+            logits_and_ids = await loop.run_in_executor(self._executor, self._forward_and_sample, batch, sample_reqs)
+            self._process(plan, sample_reqs, logits_and_ids)
+            self.steps += 1
+            if self._after_step is not None:
+                self._after_step()
+
+    def close(self) -> None:
+        self._closed = True
+        for req in self.waiting + self.running:
+            self._finish(req, "abort")
+        self._wake()
+        self._executor.shutdown(wait=False)
+
+    # ---- scheduling -------------------------------------------------------------------------
+    def _schedule(self) -> list[tuple[Request, int]]:
+        decoding = [r for r in self.running if r.remaining == 1]
+        prefilling = [r for r in self.running if r.remaining > 1]
+        want_prefill = bool(prefilling) or self._admissible()
+        mixed = self.config.enable_mixed_chunk and self.pool.free_tokens > len(decoding)
+        if want_prefill and (mixed or not decoding or not self._last_was_prefill):
+            plan = self._schedule_prefill(prefilling, decoding if mixed else [])
+            if plan:
+                self._last_was_prefill = True
+                return plan
+        self._last_was_prefill = False
+        return self._schedule_decode()
+
+    def _admissible(self) -> bool:
+        return bool(self.waiting) and len(self.running) < self.config.max_running_requests and self.pool.free_tokens > 0
+
+    def _schedule_decode(self) -> list[tuple[Request, int]]:
+        decoding = sorted((r for r in self.running if r.remaining == 1), key=lambda r: r.order)
+        while decoding and self.pool.free_tokens < len(decoding):
+            victim = max(self.running, key=lambda r: r.order)
+            if len(self.running) == 1:  # alone and still no room: the pool is its context limit
+                self._finish(victim, "length")
+            else:
+                self._preempt(victim)
+            decoding = [r for r in decoding if r is not victim]
+        return [(r, 1) for r in decoding]
+
+    def _schedule_prefill(self, prefilling: list[Request], decoding: list[Request]) -> list[tuple[Request, int]]:
+        budget = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else 1 << 62
+        free = self.pool.free_tokens - len(decoding)  # decodes riding along need one slot each
+        plan: list[tuple[Request, int]] = []
+        for req in sorted(prefilling, key=lambda r: r.order):
+            n = min(req.remaining, budget, free)
+            if n <= 0:
+                break
+            plan.append((req, n))
+            budget, free = budget - n, free - n
+        while self.waiting and budget > 0 and free > 0 and len(self.running) < self.config.max_running_requests:
+            req = self.waiting[0]
+            if req.sequence_len + 1 > self.pool.num_slots:  # a preempted request that outgrew the pool
+                self._finish(req, "length")
+                continue
+            n = min(req.remaining, budget, free)
+            self.waiting.pop(0)
+            req.row = self.pool.alloc_request()
+            self.running.append(req)
+            plan.append((req, n))
+            budget, free = budget - n, free - n
+        if not plan and prefilling and not decoding:
+            # a chunked prefill is stuck on KV: make room from the newest other request
+            others = [r for r in self.running if r is not prefilling[0]]
+            if others:
+                self._preempt(max(others, key=lambda r: r.order))
+                return self._schedule_prefill([r for r in prefilling if r.row is not None], [])
+            self._finish(prefilling[0], "length")  # cannot happen when the prompt fits the pool
+        return plan + [(r, 1) for r in decoding] if plan else []
+
+    def _preempt(self, req: Request) -> None:
+        logger.info("KV pool full: preempting request %s (%d tokens) to recompute later", req.rid, req.computed)
+        self.pool.free_request(req.row)
+        req.row, req.computed = None, 0
+        self.running.remove(req)
+        self.waiting.append(req)
+        self.waiting.sort(key=lambda r: r.order)
+        self.preemptions += 1
+
+    def _build_batch(self, plan: list[tuple[Request, int]]) -> tuple[ForwardBatch, list[Request]]:
+        chunks, prefix, rows, slots, want = [], [], [], [], []
+        for req, n in plan:
+            chunks.append(req.tokens(req.computed, req.computed + n))
+            prefix.append(req.computed)
+            rows.append(req.row)
+            slots.append(self.pool.alloc_tokens(req.row, n))
+            want.append(req.computed + n == req.sequence_len)
+        batch = ForwardBatch.build(chunks, prefix, rows, slots, want, self.runner.device)
+        return batch, [req for (req, _), w in zip(plan, want) if w]
+
+    def _forward_and_sample(self, batch: ForwardBatch, sample_reqs: list[Request]) -> list[int]:
+        logits = self.runner.forward(batch)
+        if not sample_reqs:
+            return []
+        ids = sample(logits, [r.params for r in sample_reqs], [r.sampler for r in sample_reqs],
+                     eos_token_ids=self.tokenizer.eos_token_ids)
+        return ids.tolist()
+
+    # ---- results ----------------------------------------------------------------------------
+    def _process(self, plan: list[tuple[Request, int]], sample_reqs: list[Request], new_ids: list[int]) -> None:
+        for req, n in plan:
+            req.computed += n
+        for req, token in zip(sample_reqs, new_ids):
+            if req.finish_reason is not None:
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            req.output_ids.append(token)
+            req.sampler.append(token)
+            reason = finish_reason(req.params, token, len(req.output_ids), self.tokenizer.eos_token_ids)
+            if reason is None and req.sequence_len >= self.config.context_length:
+                reason = "length"
+            text = "" if self._is_hidden(req, reason) else req.detok.push(token)
+            emit, hit = req.stops.feed(text)
+            if hit:
+                reason = "stop"
+            elif reason is not None:
+                emit += self._drain(req)
+            self._emit(req, emit, [token], reason)
+            if reason is not None:
+                self._finish(req, reason, notify=False)
+
+    @staticmethod
+    def _is_hidden(req: Request, reason: str | None) -> bool:
+        """EOS/stop ids end the text without adding to it (like OpenAI's finish_reason 'stop')."""
+        return reason == "stop" and req.params.skip_special_tokens
+
+    def _emit(self, req: Request, text: str, ids: list[int], reason: str | None) -> None:
+        req.queue.put_nowait(StreamEvent(text, ids, reason, len(req.prompt_ids), len(req.output_ids)))
+
+    def _finish(self, req: Request, reason: str, notify: bool = True) -> None:
+        if req.row is not None:
+            self.pool.free_request(req.row)
+            req.row = None
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if notify:
+            self._emit(req, self._drain(req), [], reason)
+
+    @staticmethod
+    def _drain(req: Request) -> str:
+        """Text held back by the detokenizer or the stop matcher, at the end of a stream."""
+        held, hit = req.stops.feed(req.detok.flush())
+        return held if hit else held + req.stops.flush()
+
+    def _reap_aborted(self) -> None:
+        for req in [r for r in self.waiting + self.running if r.aborted]:
+            self._finish(req, "abort")

@@ -1,0 +1,425 @@
+"""The OpenAI-compatible HTTP server: routes, auth, admission, streaming, shutdown.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
+GET /metrics. Every error is OpenAI's JSON shape `{"error": {message, type, param, code}}`.
+
+A request that is admitted gets its own rid (the response id) and runs through
+`Engine.stream_ids`; if the client goes away (a failed write, or aiohttp cancelling the handler
+when the connection drops) the stream iterator is closed, which aborts the request and frees its
+KV at once.
+
+Admission (`--max-queued-requests Q`): the server holds at most `--max-running-requests` + Q
+requests at once; the next one gets 503 with `Retry-After`, so a flood never piles up unbounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from ktlite.errors import RequestError
+from ktlite.server.metrics import Metrics
+from ktlite.server.protocol import (APIError, ParsedRequest, bad_request, chat_response, chunk, completion_response,
+                                    models_response, parse_chat, parse_completion, usage)
+from ktlite.server.sse import ClientGone, SSEWriter
+
+logger = logging.getLogger(__name__)
+
+ENGINE_KEY = web.AppKey("ktlite_server", object)
+MODEL_ALIASES = ("default",)  # SGLang's examples send model="default"
+
+
+@dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the engine's, else the model folder's name
+    max_queued_requests: int | None = None  # default: the engine config's (None: unbounded)
+    max_request_bytes: int = 64 * 2**20
+    retry_after_s: int = 1
+
+
+def served_name(engine, options: ServerOptions | None = None) -> str:
+    if options is not None and options.served_model_name:
+        return options.served_model_name
+    if engine.config.served_model_name:
+        return engine.config.served_model_name
+    return Path(engine.config.model_path).resolve().name
+
+
+class OpenAIServer:
+    def __init__(self, engine, options: ServerOptions | None = None):
+        self.engine = engine
+        self.options = options or ServerOptions()
+        self.model_name = served_name(engine, self.options)
+        self.metrics = Metrics(self.model_name)
+        queued = self.options.max_queued_requests
+        if queued is None:
+            queued = engine.config.max_queued_requests
+        self.capacity = None if queued is None else engine.config.max_running_requests + queued
+        self.created = int(time.time())
+
+    # ---- app ----------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=self.options.max_request_bytes)
+        app[ENGINE_KEY] = self
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/health_generate", self.health)
+        app.router.add_get("/metrics", self.metrics_page)
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        route = request.match_info.route.resource
+        endpoint = route.canonical if route is not None else "other"
+        status = 500
+        try:
+            if request.path.startswith("/v1/"):
+                self._check_auth(request)
+            response = await handler(request)
+            status = response.status
+            return response
+        except APIError as exc:
+            status = exc.status
+            return _error_response(exc)
+        except web.HTTPException as exc:  # aiohttp's own 404/405/413...
+            status = exc.status
+            if exc.status < 400:
+                raise
+            kind = "invalid_request_error" if exc.status < 500 else "server_error"
+            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
+            return _error_response(APIError(exc.status, exc.reason if exc.status != 413 else exc.text, kind, None, code))
+        except asyncio.CancelledError:
+            status = 499  # client closed the connection (nginx's convention)
+            raise
+        except Exception as exc:  # never a hang, never an HTML page
+            logger.exception("internal error on %s %s", request.method, request.path)
+            return _error_response(APIError(500, f"internal server error: {type(exc).__name__}: {exc}", "server_error",
+                                            None, "internal_error"))
+        finally:
+            self.metrics.count_request(endpoint, status)
+
+    def _check_auth(self, request: web.Request) -> None:
+        key = self.options.api_key
+        if not key:
+            return
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' (the server's --api-key)",
+                           "invalid_request_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+
+    # ---- simple routes ------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(models_response([self.model_name], self.created))
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        self._resolve_model(name)
+        return web.json_response(models_response([self.model_name], self.created)["data"][0])
+
+    async def health(self, request: web.Request) -> web.Response:
+        if getattr(self.engine, "_closed", False):
+            raise APIError(503, "the engine is shut down", "server_error", None, "unavailable")
+        return web.json_response({"status": "ok", "model": self.model_name})
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics.render(self.engine), content_type="text/plain",
+                            headers={"X-Content-Type": "text/plain; version=0.0.4"})
+
+    # ---- generation routes ---------------------------------------------------------------------
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        body = await self._json(request)
+        model = self._resolve_model(body.get("model") if isinstance(body, dict) else None)
+        parsed = parse_chat(body, self.engine.tokenizer, self.engine.runtime.context_length, model)
+        return await self._run(request, parsed, arrival)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        body = await self._json(request)
+        model = self._resolve_model(body.get("model") if isinstance(body, dict) else None)
+        parsed = parse_completion(body, self.engine.tokenizer, self.engine.runtime.vocab_size,
+                                  self.engine.runtime.context_length, model)
+        return await self._run(request, parsed, arrival)
+
+    async def _json(self, request: web.Request) -> Any:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise APIError(413, f"request body too large (limit {self.options.max_request_bytes} bytes)",
+                           "invalid_request_error", None, "request_too_large") from exc
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad_request(f"the request body is not valid JSON: {exc}", None, "invalid_json") from exc
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object", None, "invalid_json")
+        return body
+
+    def _resolve_model(self, name: Any) -> str:
+        if name is None:
+            return self.model_name
+        if not isinstance(name, str):
+            raise bad_request(f"model must be a string, got {name!r}", "model")
+        if name in (self.model_name, *MODEL_ALIASES) or name == self.engine.config.model_path:
+            return self.model_name
+        raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                       "invalid_request_error", "model", "model_not_found")
+
+    async def _run(self, request: web.Request, parsed: ParsedRequest, arrival: float) -> web.StreamResponse:
+        for ids in parsed.prompts:
+            try:
+                self.engine.scheduler.check_prompt(len(ids), parsed.params)
+            except RequestError as exc:
+                param = "prompt" if parsed.kind == "completion" else (exc.param or "messages")
+                code = "context_length_exceeded" if "context" in str(exc) or "KV pool" in str(exc) else None
+                raise bad_request(str(exc), param, code) from exc
+        self._admit(len(parsed.prompts))
+        self.metrics.in_flight += len(parsed.prompts)
+        try:
+            if parsed.stream:
+                return await self._stream(request, parsed, arrival)
+            return await self._complete(request, parsed, arrival)
+        finally:
+            self.metrics.in_flight -= len(parsed.prompts)
+
+    def _admit(self, n: int) -> None:
+        if getattr(self.engine, "_closed", False):
+            raise APIError(503, "the server is shutting down", "server_error", None, "unavailable",
+                           {"Retry-After": str(self.options.retry_after_s)})
+        if self.capacity is not None and self.metrics.in_flight + n > self.capacity:
+            raise APIError(
+                503, f"the server is at capacity ({self.capacity} requests: --max-running-requests "
+                f"{self.engine.config.max_running_requests} + --max-queued-requests "
+                f"{self.capacity - self.engine.config.max_running_requests}); retry later",
+                "server_error", None, "server_overloaded", {"Retry-After": str(self.options.retry_after_s)})
+
+    async def _events(self, request: web.Request, ids: list[int], parsed: ParsedRequest, rid: str, arrival: float):
+        """Engine events for one prompt, with metrics; closing this generator aborts the request."""
+        agen = self.engine.stream_ids(ids, parsed.params, rid=rid)
+        last = None
+        finished = False
+        try:
+            async for event in agen:
+                now = time.monotonic()
+                if event.token_ids:
+                    if last is None:
+                        self.metrics.ttft.observe(now - arrival)
+                    else:
+                        self.metrics.itl.observe((now - last) / len(event.token_ids))
+                    last = now
+                    self.metrics.generation_tokens += len(event.token_ids)
+                if event.finish_reason is not None:
+                    finished = True
+                    self.metrics.prompt_tokens += event.prompt_tokens
+                    self.metrics.e2e.observe(now - arrival)
+                yield event
+        finally:
+            if not finished:
+                self.metrics.aborted += 1
+            await agen.aclose()
+
+    async def _complete(self, request: web.Request, parsed: ParsedRequest, arrival: float) -> web.Response:
+        async def one(i: int, ids: list[int]) -> tuple[str, str, int, int]:
+            rid = parsed.request_id if len(parsed.prompts) == 1 else f"{parsed.request_id}-{i}"
+            texts, event = [], None
+            gen = self._events(request, ids, parsed, rid, arrival)
+            try:
+                async for event in gen:
+                    texts.append(event.text)
+                    transport = request.transport
+                    if transport is None or transport.is_closing():
+                        raise ClientGone()
+            finally:
+                await gen.aclose()
+            return "".join(texts), event.finish_reason, event.prompt_tokens, event.completion_tokens
+
+        tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(parsed.prompts)]
+        try:
+            results = await asyncio.gather(*tasks)
+        except ClientGone:
+            logger.info("client went away: request %s aborted", parsed.request_id)
+            await _cancel_all(tasks)
+            return web.Response(status=499)
+        except BaseException:  # cancelled (client gone) or failed: abort the other prompts too
+            await _cancel_all(tasks)
+            raise
+        if any(r[1] == "abort" for r in results):
+            raise APIError(503, "the request was aborted (the server is shutting down)", "server_error", None, "aborted")
+        if parsed.kind == "chat":
+            text, reason, p, c = results[0]
+            return web.json_response(chat_response(parsed, text, reason, p, c))
+        return web.json_response(completion_response(parsed, results))
+
+    async def _stream(self, request: web.Request, parsed: ParsedRequest, arrival: float) -> web.StreamResponse:
+        writer = SSEWriter(request)
+        await writer.start()
+        gen = self._events(request, parsed.prompts[0], parsed, parsed.request_id, arrival)
+        try:
+            if parsed.kind == "chat":
+                await writer.send(chunk(parsed, role=True))
+            elif parsed.echo_texts:
+                await writer.send(chunk(parsed, text=parsed.echo_texts[0]))
+            final = None
+            async for event in gen:
+                if event.text:
+                    await writer.send(chunk(parsed, text=event.text))
+                if event.finish_reason is not None:
+                    final = event
+            if final is None or final.finish_reason == "abort":
+                await writer.send({"error": {"message": "the request was aborted (the server is shutting down)",
+                                             "type": "server_error", "param": None, "code": "aborted"}})
+            else:
+                await writer.send(chunk(parsed, finish_reason=final.finish_reason))
+                if parsed.include_usage:
+                    await writer.send(chunk(parsed, no_choices=True,
+                                            usage_=usage(final.prompt_tokens, final.completion_tokens)))
+            await writer.done()
+        except ClientGone:
+            logger.info("client went away mid-stream: request %s aborted", parsed.request_id)
+        except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, then end the stream
+            logger.exception("request %s failed mid-stream", parsed.request_id)
+            try:
+                await writer.send({"error": {"message": str(exc), "type": "server_error", "param": None,
+                                             "code": "internal_error"}})
+                await writer.done()
+            except ClientGone:
+                pass
+        finally:
+            await gen.aclose()
+        return writer.response
+
+
+async def _cancel_all(tasks: list[asyncio.Future]) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _error_response(exc: APIError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+
+
+def create_app(engine, options: ServerOptions | None = None) -> web.Application:
+    return OpenAIServer(engine, options).app()
+
+
+# ---- start-up, running, shutdown -----------------------------------------------------------------
+def warmup(engine, tokens: int | None = None) -> tuple[int, float]:
+    """One greedy prefill of `tokens` (default: --chunked-prefill-size, capped by the context and the
+    KV pool) plus one decode token: the standard check that the config does not run out of memory
+    at prefill. Returns (tokens, seconds)."""
+    cfg = engine.config
+    if tokens is None:
+        tokens = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else engine.runtime.context_length
+    tokens = max(1, min(tokens, engine.runtime.context_length - 2, engine.runtime.runner.kv_pool.num_slots - 2))
+    rng = random.Random(0)
+    ids = [rng.randrange(min(engine.runtime.vocab_size, 1000) - 1) + 1 for _ in range(tokens)]
+    t0 = time.perf_counter()
+    engine.generate(input_ids=ids, sampling_params={"max_tokens": 1, "temperature": 0.0, "ignore_eos": True})
+    return tokens, time.perf_counter() - t0
+
+
+async def start_site(server: OpenAIServer, host: str, port: int) -> tuple[web.AppRunner, str]:
+    """Start listening; -> (runner, base url). Port 0 picks a free port."""
+    runner = web.AppRunner(server.app(), handler_cancellation=True, shutdown_timeout=2.0, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0]
+    bound_host, bound_port = bound[0], bound[1]
+    shown = host if host not in ("0.0.0.0", "::", "") else bound_host
+    if ":" in shown:
+        shown = f"[{shown}]"
+    return runner, f"http://{shown}:{bound_port}"
+
+
+def run_server(engine, options: ServerOptions, on_ready: Callable[[str], None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, then stop listening, abort what is in flight and shut the engine down."""
+    server = OpenAIServer(engine, options)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread / not POSIX
+                pass
+        runner, url = await start_site(server, options.host, options.port)
+        try:
+            if on_ready is not None:
+                on_ready(url)
+            await stop.wait()
+            logger.info("shutting down")
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+class ServerThread:
+    """The server on a background thread with its own loop (tests, `chat` helpers): `.url`, `.stop()`."""
+
+    def __init__(self, engine, options: ServerOptions | None = None):
+        self.options = options or ServerOptions(port=0)
+        self.server = OpenAIServer(engine, self.options)
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._runner: web.AppRunner | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="ktlite-http", daemon=True)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._runner, self.url = self._loop.run_until_complete(
+                start_site(self.server, self.options.host, self.options.port))
+        except BaseException as exc:  # noqa: BLE001 - reported to the starting thread
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._runner.cleanup())
+        self._loop.close()
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        self._ready.wait(60)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
