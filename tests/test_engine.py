@@ -211,3 +211,43 @@ def test_converted_experts_via_kt_weight_path(tiny_v3, tmp_path, batch, expected
     assert [r.token_ids for r in got] == expected
     with pytest.raises(CheckpointError, match="method"):
         Engine(str(tiny_v3), **{**EXACT, "kt_method": "INT8"}, kt_weight_path=str(tmp_path / "experts"))
+
+
+def test_recorded_distribution_drives_frequency_placement(tiny_v3, tmp_path, batch, expected):
+    import json
+
+    record = tmp_path / "experts.json"
+    with Engine(str(tiny_v3), **EXACT, record_expert_distribution=str(record)) as eng:
+        eng.generate(input_ids=batch, sampling_params=GREEDY)
+    data = json.loads(record.read_text())
+    top_k = 4  # tiny V3: num_experts_per_tok
+    tokens = sum(len(p) + GREEDY["max_tokens"] - 1 for p in batch)  # every prompt token and decoded input
+    assert {int(l) for l in data["layers"]} == {1, 2}
+    assert all(sum(c) == tokens * top_k for c in data["layers"].values())
+    with Engine(str(tiny_v3), **EXACT, kt_num_gpu_experts=4, kt_expert_placement_strategy="frequency",
+                init_expert_location=str(record)) as eng:
+        counts = data["layers"]["1"]
+        hottest = sorted(sorted(range(16), key=lambda e: (-counts[e], e))[:4])
+        assert eng.runtime.placement()[1] == hottest
+        assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == expected
+
+
+def test_deferred_experts_run_and_stay_close(tiny_v3, batch):
+    """Deferral changes outputs slightly by design (documented); it must still run every request."""
+    probe = {"temperature": 0.0, "max_tokens": 1}
+    with Engine(str(tiny_v3), **EXACT) as eng:
+        exact = eng.generate(input_ids=batch, sampling_params=GREEDY)
+    with Engine(str(tiny_v3), **EXACT, kt_max_deferred_experts_per_token=1) as eng:
+        deferred = eng.generate(input_ids=batch, sampling_params=GREEDY)
+        assert eng.runtime.runner.deferred_experts == 1
+        first = eng.generate(input_ids=batch, sampling_params=probe)
+    assert all(r.completion_tokens == GREEDY["max_tokens"] for r in deferred)
+    # the first token depends only on the prompt: most agree with the exact run
+    assert sum(f.token_ids[0] == e.token_ids[0] for f, e in zip(first, exact)) >= len(batch) - 2
+
+
+def test_sync_generate_works_inside_a_running_event_loop(engine, batch):
+    async def caller():
+        return engine.generate(input_ids=batch[0], sampling_params=GREEDY)  # blocking call from a coroutine
+
+    assert asyncio.run(caller()).completion_tokens == GREEDY["max_tokens"]
