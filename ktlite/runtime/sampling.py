@@ -23,12 +23,14 @@ from ktlite.errors import RequestError
 GREEDY_TEMPERATURE = 1e-5
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """A JSON-style integer: True/False are not numbers here."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
-    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+def is_number(value: Any) -> bool:
+    """A finite int or float (NaN and inf are rejected)."""
+    return is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
 @dataclass
@@ -64,24 +66,24 @@ class SamplingParams:
             if not ok:
                 raise RequestError(f"{name} must be {expected}, got {getattr(self, name)!r}", param=name)
 
-        check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
-        check(_is_int(self.min_tokens) and 0 <= self.min_tokens, "min_tokens", "an integer >= 0")
+        check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
+        check(is_int(self.min_tokens) and 0 <= self.min_tokens, "min_tokens", "an integer >= 0")
         check(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})")
-        check(_is_number(self.temperature) and 0 <= self.temperature <= 2, "temperature", "a number in [0, 2]")
-        check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
-        check(_is_int(self.top_k), "top_k", "an integer (<= 0 disables it)")
-        check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]")
-        check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "a number > 0")
+        check(is_number(self.temperature) and 0 <= self.temperature <= 2, "temperature", "a number in [0, 2]")
+        check(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
+        check(is_int(self.top_k), "top_k", "an integer (<= 0 disables it)")
+        check(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]")
+        check(is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "a number > 0")
         for name in ("frequency_penalty", "presence_penalty"):
-            check(_is_number(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name, "a number in [-2, 2]")
-        check(self.seed is None or _is_int(self.seed), "seed", "an integer or null")
+            check(is_number(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name, "a number in [-2, 2]")
+        check(self.seed is None or is_int(self.seed), "seed", "an integer or null")
         check(
             isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
             "stop",
             "a non-empty string or a list of non-empty strings",
         )
         check(
-            isinstance(self.stop_token_ids, list) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             "a list of non-negative integers",
         )

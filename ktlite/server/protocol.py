@@ -12,14 +12,13 @@ A prompt plus max_tokens beyond the context is a 400, as on OpenAI.
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from ktlite.errors import RequestError
-from ktlite.runtime.sampling import SamplingParams
+from ktlite.runtime.sampling import SamplingParams, is_int, is_number
 
 DEFAULT_CHAT_MAX_TOKENS = 1 << 20  # i.e. the context's end, whatever the model
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -45,14 +44,6 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))
 
 
 @dataclass
@@ -128,7 +119,7 @@ def _sampling(body: dict[str, Any], default_max_tokens: int, context_length: int
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     given = body.get(name) is not None
     max_tokens = body.get(name)
-    if given and not (_is_int(max_tokens) and max_tokens >= 1):
+    if given and not (is_int(max_tokens) and max_tokens >= 1):
         raise bad_request(f"{name} must be an integer >= 1, got {max_tokens!r}", name)
     longest = max(prompt_lens)
     room = context_length - longest
@@ -165,7 +156,7 @@ def _common(body: Any) -> None:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     n = body.get("n")
-    if n is not None and (not _is_int(n) or n < 1):
+    if n is not None and (not is_int(n) or n < 1):
         raise bad_request(f"n must be an integer >= 1, got {n!r}", "n")
     if n is not None and n > 1:
         raise bad_request("n > 1 is not supported by ktlite; send n separate requests (they batch together)", "n")
@@ -180,9 +171,9 @@ def _common(body: Any) -> None:
     if so is not None:
         _get(so, "include_usage", lambda v: isinstance(v, bool), "a boolean")
     for key in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        _get(body, key, _is_number, "a number")
+        _get(body, key, is_number, "a number")
     for key in ("top_k", "seed", "min_tokens"):
-        _get(body, key, _is_int, "an integer")
+        _get(body, key, is_int, "an integer")
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
@@ -215,11 +206,11 @@ def parse_completion(body: Any, tokenizer, vocab_size: int, context_length: int,
         raise bad_request("'prompt' is a required property", "prompt")
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(_is_int(t) for t in p)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(is_int(t) for t in p)
                                                      for p in prompt):
         prompts = list(prompt)
     else:
