@@ -167,9 +167,11 @@ def _make_engine(model_path: str, flags: dict[str, Any]):
 @click.option("--port", default=30000, show_default=True, type=int, help="Port (0: any free port).")
 @click.option("--api-key", default=None, envvar="KTLITE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*.")
 @click.option("--skip-server-warmup", is_flag=True, help="Skip the start-up prefill of --chunked-prefill-size tokens.")
+@click.option("--max-request-bytes", type=click.IntRange(min=1024), default=8 * 2**20, show_default=True,
+              help="Largest request body; bigger ones get 413.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False), default=None)
 def serve(model_path: str, engine_flags: dict[str, Any], host: str, port: int, api_key: str | None,
-          skip_server_warmup: bool, log_level: str | None) -> None:
+          skip_server_warmup: bool, max_request_bytes: int, log_level: str | None) -> None:
     """OpenAI-compatible HTTP server (chat/completions, models, health, metrics)."""
     if log_level:
         logging.getLogger().setLevel(log_level.upper())
@@ -178,7 +180,7 @@ def serve(model_path: str, engine_flags: dict[str, Any], host: str, port: int, a
     t0 = time.perf_counter()
     engine = _make_engine(model_path, engine_flags)
     click.echo(f"loaded {model_path} in {time.perf_counter() - t0:.1f} s")
-    options = ServerOptions(host=host, port=port, api_key=api_key)
+    options = ServerOptions(host=host, port=port, api_key=api_key, max_request_bytes=max_request_bytes)
     try:
         if not skip_server_warmup:
             n, secs = warmup(engine)

@@ -209,3 +209,14 @@ def test_swap_expert_and_dequantized_expert():
             m.dequantized_expert(0, 2)
         with pytest.raises(KtliteError, match="already on CPU"):
             m.swap_expert(0, 1, 5, gate[5], up[5], down[5])
+
+
+@pytest.mark.parametrize("method", ["INT8", "INT4"])
+@pytest.mark.parametrize("group", [32, 128])
+def test_group_sizes_both_paths(method, group):
+    """The vector row kernels pick scales per 32-weight block by shifts: G = 32 and 128 as well as 64."""
+    with CPUMoE(method, group, prefill_threshold=8, prefill_dtype=torch.float32) as m:
+        m.add_layer(0, *experts(3))
+        for t in (1, 4, 40):  # GEMV kernel (one and several tokens per expert), dequantize + matmul
+            x, ids, w = routing(t, seed=t)
+            assert relative_error(m.forward(0, x, ids, w), reference(*stored(m), x, ids, w)) < 1e-5

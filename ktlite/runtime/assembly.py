@@ -9,6 +9,7 @@ CPU experts are quantized into the CPU store layer by layer, and the kernels are
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 class Runtime:
     runner: ModelRunner
     plan: MemoryPlan
-    cpu_moe: CPUMoE
+    cpu_moe: CPUMoE | None  # None on tensor-parallel ranks other than 0 (rank 0 runs the CPU experts)
     moe_layers: dict[int, HybridMoE]
     context_length: int
     vocab_size: int
@@ -55,7 +56,8 @@ class Runtime:
         if self.stats is not None and self.record_path:
             self.stats.save(self.record_path)
             logger.info("expert distribution written to %s", self.record_path)
-        self.cpu_moe.close()
+        if self.cpu_moe is not None:
+            self.cpu_moe.close()
 
 
 def expert_source(reader: CheckpointReader) -> ExpertSource:
@@ -112,16 +114,22 @@ def _load_cpu_experts(cpu: CPUMoE, source: ExpertSource, cfg: DeepseekConfig, pl
         cpu.set_expert(l, e, *source(l, e))
 
 
-def assemble(config: EngineConfig, progress: bool = True) -> Runtime:
+def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
+    """The runtime of one process; `tp` (a tp_layers.TPContext) makes it one tensor-parallel rank's
+    shard (see ktlite/runtime/parallel.py): sliced weights, its share of the GPU experts, and the
+    CPU experts only on rank 0."""
     cfg = load_config(config.model_path)
     device, dtype = config.torch_device, config.torch_dtype
+    rank = tp.rank if tp is not None else 0
     plan = make_plan(cfg, plan_inputs(config, cfg))  # raises PlanError before anything is allocated
-    logger.info("memory plan:\n%s", plan.format_table())
+    if rank == 0:
+        logger.info("memory plan:\n%s", plan.format_table())
+    alloc = functools.partial(plan.alloc, rank=rank)
 
     reader = CheckpointReader(config.model_path)
     model = models.build(cfg, device, dtype, routed_experts=False,
-                         fp8_weights=config.keeps_fp8(cfg.fp8_block_size is not None))
-    load_weights(model, reader, progress=progress)
+                         fp8_weights=config.keeps_fp8(cfg.fp8_block_size is not None), tp=tp)
+    load_weights(model, reader, progress=progress, shards=getattr(model, "tp_shards", None))
     source = expert_source(reader)
 
     per_layer = plan.gpu_experts_total  # the plan resolved --kt-gpu-experts-ratio vs --kt-num-gpu-experts
@@ -131,19 +139,21 @@ def assemble(config: EngineConfig, progress: bool = True) -> Runtime:
 
     # fp32 runs (the CPU reference setting) keep the CPU prefill path exact too
     prefill_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    # one copy of the CPU experts in RAM: only rank 0 holds them (and computes them for all ranks)
     cpu = CPUMoE(config.kt_method, config.kt_group_size, config.cpu_threads, config.kt_threadpool_count,
-                 prefill_dtype=prefill_dtype)
+                 prefill_dtype=prefill_dtype) if rank == 0 else None
     with contextlib.ExitStack() as on_failure:  # a failed load must not leave the CPU pools running
-        on_failure.callback(cpu.close)
-        if config.kt_weight_path:  # experts converted ahead of time by `ktlite convert`
-            cpu_ids = {l: [e for e in range(cfg.n_routed_experts) if e not in placement[l]] for l in cfg.moe_layers}
-            load_converted(config.kt_weight_path, cpu, reader.config, cpu_ids)
-        else:
-            _load_cpu_experts(cpu, source, cfg, placement)
-        cpu.warmup()
+        if cpu is not None:
+            on_failure.callback(cpu.close)
+            if config.kt_weight_path:  # experts converted ahead of time by `ktlite convert`
+                cpu_ids = {l: [e for e in range(cfg.n_routed_experts) if e not in placement[l]] for l in cfg.moe_layers}
+                load_converted(config.kt_weight_path, cpu, reader.config, cpu_ids)
+            else:
+                _load_cpu_experts(cpu, source, cfg, placement)
+            cpu.warmup()
 
         observers = []
-        record = ExpertStats(cfg.n_routed_experts) if config.record_expert_distribution else None
+        record = ExpertStats(cfg.n_routed_experts) if config.record_expert_distribution and rank == 0 else None
         if record is not None:
             observers.append(record.record)
         dynamic = None
@@ -154,26 +164,32 @@ def assemble(config: EngineConfig, progress: bool = True) -> Runtime:
         h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
         layerwise = None
         if config.kt_gpu_prefill_token_threshold is not None:
-            layerwise = (plan.alloc("layerwise_buffer", (e, 2 * i, h), dtype, device),
-                         plan.alloc("layerwise_buffer", (e, h, i), dtype, device))
+            layerwise = (alloc("layerwise_buffer", (e, 2 * i, h), dtype, device),
+                         alloc("layerwise_buffer", (e, h, i), dtype, device))
         moe_layers = {}
         for l in cfg.moe_layers:
-            n = len(placement[l])
-            w13 = plan.alloc("gpu_experts", (n, 2 * i, h), dtype, device)
-            w2 = plan.alloc("gpu_experts", (n, h, i), dtype, device)
+            # expert parallel: rank r holds every tp-th of the layer's GPU experts (the plan's count)
+            mine = placement[l] if tp is None else placement[l][rank::tp.size]
+            others = [x for x in placement[l] if x not in mine]
+            n = len(mine)
+            w13 = alloc("gpu_experts", (n, 2 * i, h), dtype, device)
+            w2 = alloc("gpu_experts", (n, h, i), dtype, device)
             mlp = model.model.layers[l].mlp
-            moe_layers[l] = HybridMoE(l, mlp.gate, mlp.shared_experts, placement[l], w13, w2, cpu, source,
-                                      config.kt_gpu_prefill_token_threshold, layerwise, observers)
+            moe_layers[l] = HybridMoE(l, mlp.gate, mlp.shared_experts, mine, w13, w2, cpu, source,
+                                      config.kt_gpu_prefill_token_threshold, layerwise, observers,
+                                      remote_gpu_experts=others)
 
         context = plan.context_length
+        # every rank keeps the full latent pool: the MLA latent is per token, shared by all heads
         pool = KVPool(cfg.num_hidden_layers, plan.kv_pool_tokens, cfg.kv_latent_dim, config.max_running_requests,
-                      context, config.torch_kv_dtype, device, alloc=plan.alloc)
-        runner = ModelRunner(model, pool, moe_layers, config.kt_max_deferred_experts_per_token)
+                      context, config.torch_kv_dtype, device, alloc=alloc)
+        runner = ModelRunner(model, pool, moe_layers, config.kt_max_deferred_experts_per_token, tp=tp)
         if config.kt_max_deferred_experts_per_token:
             logger.info("--kt-max-deferred-experts-per-token %d: outputs change slightly (deferred experts "
                         "join one layer later)", config.kt_max_deferred_experts_per_token)
-        logger.info("ready: %d KV tokens, %d GPU experts per MoE layer, CPU experts %.2f GiB (%s)",
-                    plan.kv_pool_tokens, per_layer, cpu.nbytes() / 2**30, cpu.method)
+        if cpu is not None:
+            logger.info("ready: %d KV tokens, %d GPU experts per MoE layer, CPU experts %.2f GiB (%s)",
+                        plan.kv_pool_tokens, per_layer, cpu.nbytes() / 2**30, cpu.method)
         on_failure.pop_all()
         return Runtime(runner, plan, cpu, moe_layers, context, cfg.vocab_size, stats=record, dynamic=dynamic,
                        record_path=config.record_expert_distribution)

@@ -54,7 +54,13 @@ class Engine:
     def __init__(self, model_path: str, **flags: Any):
         self.config = EngineConfig.from_kwargs(model_path, **flags)
         self.tokenizer = Tokenizer(self.config.model_path)
-        self.runtime: Runtime = assemble(self.config)
+        self._failure: str | None = None  # set when a tensor-parallel rank dies
+        if self.config.tensor_parallel_size > 1:  # ranks 1..N-1 in their own processes
+            from ktlite.runtime.parallel import launch
+
+            self.runtime: Runtime = launch(self.config, on_failure=self._on_rank_failure)
+        else:
+            self.runtime = assemble(self.config)
         self.scheduler = Scheduler(
             self.runtime.runner,
             self.tokenizer,
@@ -63,7 +69,6 @@ class Engine:
                 max_running_requests=self.config.max_running_requests,
                 context_length=self.runtime.context_length,
                 enable_mixed_chunk=self.config.enable_mixed_chunk,
-                max_queued_requests=self.config.max_queued_requests,
             ),
             after_step=self.runtime.after_step,
         )
@@ -94,6 +99,7 @@ class Engine:
 
     async def stream_ids(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> AsyncIterator[StreamEvent]:
         """Events for one request; the last one carries finish_reason. Closing the iterator early aborts it."""
+        self._raise_if_failed()
         if self._closed:
             raise RuntimeError("the engine is shut down")
         rid = rid or uuid.uuid4().hex
@@ -107,6 +113,8 @@ class Engine:
             while not finished:
                 event: StreamEvent = await self._on_engine_loop(queue.get())
                 finished = event.finish_reason is not None
+                if finished and event.finish_reason == "abort":
+                    self._raise_if_failed()
                 yield event
         finally:
             if not finished:
@@ -159,13 +167,28 @@ class Engine:
         self._loop.call_soon_threadsafe(self.scheduler.abort, rid)
 
     # ---- lifecycle ----------------------------------------------------------------------------
+    def _on_rank_failure(self, message: str) -> None:
+        """A tensor-parallel rank died (called from the watcher thread): end every request."""
+        self._failure = message
+        self._loop.call_soon_threadsafe(self.scheduler.close)
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            from ktlite.runtime.parallel import RankFailure
+
+            raise RankFailure(f"{self._failure}; the engine has shut down")
+
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._loop.call_soon_threadsafe(self.scheduler.close)
         try:
-            self._task.result(timeout=30)
+            try:
+                self._task.result(timeout=30)
+            except Exception:
+                if self._failure is None:  # after a rank failure the scheduler's error is expected
+                    raise
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)

@@ -39,11 +39,12 @@ class HybridMoE:
         gpu_experts: list[int],
         w13: torch.Tensor,  # [n_gpu, 2I, H] device buffer from the plan
         w2: torch.Tensor,  # [n_gpu, H, I]
-        cpu: CPUExperts,
+        cpu: CPUExperts | None,  # None: the CPU experts are run by another tensor-parallel rank
         source: ExpertSource,
         layerwise_threshold: int | None = None,
         layerwise_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,  # [E, 2I, H], [E, H, I]
         observers: list[Callable[[int, torch.Tensor], None]] | None = None,
+        remote_gpu_experts: list[int] = (),  # tensor parallel: GPU experts other ranks hold
     ):
         self.layer_idx = layer_idx
         self.router, self.shared_experts = router, shared_experts
@@ -58,6 +59,9 @@ class HybridMoE:
         self.gpu_experts: list[int] = []
         for slot, e in enumerate(gpu_experts):
             self._install(slot, e)
+        self.remote = torch.zeros(self.num_experts, dtype=torch.bool, device=device)
+        if remote_gpu_experts:
+            self.remote[torch.tensor(list(remote_gpu_experts), dtype=torch.int64)] = True
 
     def _install(self, slot: int, expert: int) -> None:
         gate, up, down = self.source(self.layer_idx, expert)
@@ -71,8 +75,8 @@ class HybridMoE:
 
     @property
     def on_gpu(self) -> torch.Tensor:
-        """[E] bool: the experts this layer runs on the device (the CPU skips them)."""
-        return self.slot_of >= 0
+        """[E] bool: the experts this layer runs on a device, this rank's or another's (the CPU skips them)."""
+        return (self.slot_of >= 0) | self.remote
 
     def move(self, bring: list[int], evict: list[int]) -> None:
         """Swap experts: each evicted GPU expert's slot takes one incoming expert.
@@ -117,9 +121,9 @@ class HybridMoE:
                 defer: int) -> tuple[torch.Tensor, object | None]:
         on_gpu = self.on_gpu
         now_ids, later_ids = (topk_ids, None) if defer <= 0 else self._split_deferred(topk_ids, topk_weights, defer)
-        x_cpu, w_cpu, mask_cpu = x.cpu(), topk_weights.cpu(), on_gpu.cpu()
         handle = deferred = None
-        if not bool(on_gpu[topk_ids].all()):
+        if self.cpu is not None and not bool(on_gpu[topk_ids].all()):
+            x_cpu, w_cpu, mask_cpu = x.cpu(), topk_weights.cpu(), on_gpu.cpu()
             handle = self.cpu.submit(self.layer_idx, x_cpu, now_ids.cpu(), w_cpu, mask_cpu)
             if later_ids is not None and bool((later_ids >= 0).any()):
                 deferred = self.cpu.submit(self.layer_idx, x_cpu, later_ids.cpu(), w_cpu, mask_cpu)
@@ -128,7 +132,8 @@ class HybridMoE:
             # Slots are local ids; experts elsewhere map to slot n_gpu, which the mask disables, so
             # the weights need no padding row.
             n_gpu = len(self.gpu_experts)
-            local_ids = torch.where(on_gpu[topk_ids], self.slot_of[topk_ids], n_gpu)
+            slots = self.slot_of[topk_ids]
+            local_ids = torch.where(slots >= 0, slots, n_gpu)
             local_mask = torch.ones(n_gpu + 1, dtype=torch.bool, device=x.device)
             local_mask[n_gpu] = False
             out = fused_moe(x, self.w13, self.w2, local_ids, topk_weights, local_mask)

@@ -4,6 +4,10 @@ Every request in a batch contributes `extend_len` new tokens after `prefix_len` 
 decode step is the case extend_len == 1, a (chunked) prefill has more; a mixed batch holds both.
 Attention reads the MLA latent pool through `req_to_token` (decode kernel when every request adds
 one token, extend kernel otherwise); MoE layers run through `HybridMoE`.
+
+Under tensor parallelism (`tp`, see ktlite/runtime/parallel.py) every rank runs this same forward
+on its shard: the attention output and each MLP/MoE block's output are partial sums that are
+all-reduced once each (rank 0 adds deferred CPU experts to its partial before the all-reduce).
 """
 
 from __future__ import annotations
@@ -64,8 +68,9 @@ class ForwardBatch:
 
 class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, kv_pool: KVPool, moe_layers: dict[int, HybridMoE],
-                 deferred_experts: int = 0):
+                 deferred_experts: int = 0, tp=None):
         self.model, self.kv_pool, self.moe_layers = model, kv_pool, moe_layers
+        self.tp = tp  # a tp_layers.TPContext, or None for one process
         self.config = model.config
         self.deferred_experts = deferred_experts
         # a layer may defer CPU experts only if a later MoE layer can absorb their result
@@ -95,15 +100,21 @@ class ModelRunner:
             else:
                 o = mla_extend(q, pool.layer(i), pool.req_to_token, batch.req_pool_indices,
                                batch.prefix_lens, batch.extend_lens, cfg.softmax_scale, cfg.kv_lora_rank)
-            x = x + attn.output(o)
+            x = x + self._reduce(attn.output(o))
             h = layer.post_attention_layernorm(x)
             if i not in self.moe_layers:
-                x = x + layer.mlp(h)
+                x = x + self._reduce(layer.mlp(h))
                 continue
             out, deferred = self.moe_layers[i](h, self.deferred_experts if i < self._last_moe else 0)
-            x = x + out
+            if self.tp is not None and pending is not None:  # joins this rank's partial sum
+                out, pending = out + pending.wait().to(out.device, out.dtype), None
+            x = x + self._reduce(out)
             if pending is not None:
                 x = x + pending.wait().to(x.device, x.dtype)
             pending = deferred
         last = backbone.norm(x[batch.logit_rows])
         return self.model.lm_head(last).float()
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum a row-parallel partial over the ranks (the identity in one process)."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)

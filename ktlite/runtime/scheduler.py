@@ -92,7 +92,6 @@ class SchedulerConfig:
     max_running_requests: int
     context_length: int
     enable_mixed_chunk: bool = False
-    max_queued_requests: int | None = None
 
 
 class Scheduler:
@@ -162,13 +161,20 @@ class Scheduler:
     async def run(self) -> None:
         self._wakeup = asyncio.Event()
         loop = asyncio.get_running_loop()
+        empty = 0
         while not self._closed:
             self._reap_aborted()
             plan = self._schedule()
             if not plan:
+                # Scheduling itself can free room (a request finished at the pool's limit, or one
+                # preempted): look again before sleeping, or the waiting ones would never be woken.
+                empty += 1
+                if empty < 3 and (self.running or self._admissible()):
+                    continue
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            empty = 0
             batch, sample_reqs = self._build_batch(plan)
             logits_and_ids = await loop.run_in_executor(self._executor, self._forward_and_sample, batch, sample_reqs)
             self._process(plan, sample_reqs, logits_and_ids)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: routes, auth, admission, streaming, shutdown.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics. Every error is OpenAI's JSON shape `{"error": {message, type, param, code}}`.
+GET /metrics, GET /openapi.json (the OpenAPI description, `ktlite/server/openapi.py`). Every error
+is OpenAI's JSON shape `{"error": {message, type, param, code}}`.
 
 A request that is admitted gets its own rid (the response id) and runs through
 `Engine.stream_ids`; if the client goes away (a failed write, or aiohttp cancelling the handler
@@ -10,6 +11,11 @@ KV at once.
 
 Admission (`--max-queued-requests Q`): the server holds at most `--max-running-requests` + Q
 requests at once; the next one gets 503 with `Retry-After`, so a flood never piles up unbounded.
+Bodies must be UTF-8 JSON of at most `--max-request-bytes` (413 beyond it).
+
+Shutdown (SIGINT/SIGTERM): stop listening, abort what is in flight so every open stream ends with an
+error event (code "aborted") and `data: [DONE]` (non-streaming requests get a 503), wait a bounded
+time for those responses to go out, then close the connections and shut the engine down.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from aiohttp import web
 
 from ktlite.errors import RequestError
 from ktlite.server.metrics import Metrics
+from ktlite.server.openapi import openapi
 from ktlite.server.protocol import (APIError, ParsedRequest, bad_request, chat_response, chunk, completion_response,
                                     models_response, parse_chat, parse_completion, usage)
 from ktlite.server.sse import ClientGone, SSEWriter
@@ -48,7 +55,7 @@ class ServerOptions:
     api_key: str | None = None
     served_model_name: str | None = None  # default: the engine's, else the model folder's name
     max_queued_requests: int | None = None  # default: the engine config's (None: unbounded)
-    max_request_bytes: int = 64 * 2**20
+    max_request_bytes: int = 8 * 2**20  # --max-request-bytes
     retry_after_s: int = 1
 
 
@@ -71,6 +78,8 @@ class OpenAIServer:
             queued = engine.config.max_queued_requests
         self.capacity = None if queued is None else engine.config.max_running_requests + queued
         self.created = int(time.time())
+        self.shutting_down = False
+        self._active: set[str] = set()  # rids of the requests in the engine, aborted on shutdown
 
     # ---- app ----------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -83,6 +92,7 @@ class OpenAIServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/health_generate", self.health)
         app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_get("/openapi.json", self.openapi_page)
         return app
 
     @web.middleware
@@ -136,9 +146,12 @@ class OpenAIServer:
         return web.json_response(models_response([self.model_name], self.created)["data"][0])
 
     async def health(self, request: web.Request) -> web.Response:
-        if getattr(self.engine, "_closed", False):
+        if self.shutting_down or getattr(self.engine, "_closed", False):
             raise APIError(503, "the engine is shut down", "server_error", None, "unavailable")
         return web.json_response({"status": "ok", "model": self.model_name})
+
+    async def openapi_page(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi(api_key_required=bool(self.options.api_key)))
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics.render(self.engine), content_type="text/plain",
@@ -167,9 +180,13 @@ class OpenAIServer:
             raise APIError(413, f"request body too large (limit {self.options.max_request_bytes} bytes)",
                            "invalid_request_error", None, "request_too_large") from exc
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad_request(f"the request body is not valid JSON: {exc}", None, "invalid_json") from exc
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise bad_request(f"the request body is not UTF-8: {exc}"[:300], None, "invalid_encoding") from exc
+        try:
+            body = json.loads(text)
+        except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+            raise bad_request(f"the request body is not valid JSON: {exc}"[:300], None, "invalid_json") from exc
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object", None, "invalid_json")
         return body
@@ -202,7 +219,7 @@ class OpenAIServer:
             self.metrics.in_flight -= len(parsed.prompts)
 
     def _admit(self, n: int) -> None:
-        if getattr(self.engine, "_closed", False):
+        if self.shutting_down or getattr(self.engine, "_closed", False):
             raise APIError(503, "the server is shutting down", "server_error", None, "unavailable",
                            {"Retry-After": str(self.options.retry_after_s)})
         if self.capacity is not None and self.metrics.in_flight + n > self.capacity:
@@ -217,6 +234,7 @@ class OpenAIServer:
         agen = self.engine.stream_ids(ids, parsed.params, rid=rid)
         last = None
         finished = False
+        self._active.add(rid)
         try:
             async for event in agen:
                 now = time.monotonic()
@@ -233,6 +251,7 @@ class OpenAIServer:
                     self.metrics.e2e.observe(now - arrival)
                 yield event
         finally:
+            self._active.discard(rid)
             if not finished:
                 self.metrics.aborted += 1
             await agen.aclose()
@@ -307,6 +326,20 @@ class OpenAIServer:
             await gen.aclose()
         return writer.response
 
+    # ---- shutdown -----------------------------------------------------------------------------
+    async def drain(self, timeout: float = 10.0) -> int:
+        """Refuse new requests, abort the ones in flight and wait (at most `timeout` s) until their
+        responses are written (streams: an error event and [DONE]). -> requests still in flight."""
+        self.shutting_down = True
+        for rid in list(self._active):
+            self.engine.abort(rid)
+        deadline = time.monotonic() + timeout
+        while self.metrics.in_flight > 0 and time.monotonic() < deadline:
+            for rid in list(self._active):  # a request admitted after the first sweep
+                self.engine.abort(rid)
+            await asyncio.sleep(0.02)
+        return self.metrics.in_flight
+
 
 async def _cancel_all(tasks: list[asyncio.Future]) -> None:
     for t in tasks:
@@ -369,7 +402,12 @@ def run_server(engine, options: ServerOptions, on_ready: Callable[[str], None] |
             if on_ready is not None:
                 on_ready(url)
             await stop.wait()
-            logger.info("shutting down")
+            logger.info("shutting down: %d requests in flight", server.metrics.in_flight)
+            for site in list(runner.sites):
+                await site.stop()  # stop listening; open connections stay to get their last events
+            left = await server.drain()
+            if left:
+                logger.warning("%d requests still in flight at shutdown; their connections are closed", left)
         finally:
             await runner.cleanup()
 

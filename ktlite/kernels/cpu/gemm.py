@@ -2,8 +2,8 @@
 
 oneDNN's bf16 GEMM runs at several hundred GFLOP/s on 2 Zen cores against ~50 GFLOP/s for the
 fused numba kernel's fp32 FMAs (bench/RESULTS.md), so once an expert has enough tokens it pays to
-expand it once and let oneDNN do the math. Dequantization is a parallel numba kernel (kernels.py) that writes bf16 bits, rounded to
-nearest even.
+expand it once and let oneDNN do the math. Dequantization is a parallel numba kernel (kernels.py, vector
+intrinsics) that writes bf16 bits, rounded to nearest even, into a buffer the caller reuses across experts.
 """
 
 from __future__ import annotations
@@ -15,16 +15,18 @@ from ktlite.kernels.cpu.kernels import dequant_rows_bf16, dequant_rows_f32
 
 
 def dequant_matrix(q: np.ndarray, s: np.ndarray, group_shift: int, kp: int, k: int, dtype: torch.dtype,
-                   scratch: np.ndarray) -> torch.Tensor:
-    """One stored matrix -> torch [N, K] in `dtype` (bf16 or fp32); scratch [threads, 2, >= kp] fp32."""
+                   scratch: np.ndarray, out: np.ndarray | None = None) -> torch.Tensor:
+    """One stored matrix -> torch [N, K] in `dtype` (bf16 or fp32); scratch [threads, 2, >= kp] fp32.
+    `out` (uint16 for bf16, fp32 for fp32, [N, K], C-contiguous) is reused if given: a fresh 10-60 MB
+    array per expert page-faults on first touch, which cost as much as the decoding itself."""
     if q.dtype == np.uint16:  # BF16 storage: already the values
         w = torch.from_numpy(q[:, :k]).view(torch.bfloat16)
         return w if dtype == torch.bfloat16 else w.to(dtype)
     if dtype == torch.bfloat16:
-        out = np.empty((q.shape[0], k), np.uint16)
+        out = np.empty((q.shape[0], k), np.uint16) if out is None else out
         dequant_rows_bf16(q, s, group_shift, kp, scratch, out)
         return torch.from_numpy(out).view(torch.bfloat16)
-    out = np.empty((q.shape[0], k), np.float32)
+    out = np.empty((q.shape[0], k), np.float32) if out is None else out
     dequant_rows_f32(q, s, group_shift, kp, scratch, out)
     return torch.from_numpy(out)
 

@@ -1,163 +1,352 @@
-"""All numba code of the CPU experts: row decoding, the fused MoE GEMV kernel, dequantization.
+"""All numba code of the CPU experts: vector row primitives, the fused MoE GEMV kernel, dequantization.
 
 One file on purpose: numba's `cache=True` only checks the timestamp of the file that defines a
 cached function, not of the jitted helpers it inlines from other files, so splitting the decoders
 from the kernels let a stale cache silently run an old weight layout.
 
-Row primitives: `decode_row(qrow, srow, buf, group_shift)` (group size = 2**group_shift) writes the dequantized row (length Kp)
-into `buf`; the format is picked from qrow's dtype at compile time (int8 -> INT8, uint8 -> INT4,
-uint16 -> BF16), so every kernel is written once for all methods. Inner loops run a compile-time
-CHUNK of 64 bytes over 1-D views indexed from 0: numba then drops its negative-index fix-up and
-LLVM vectorizes them fully (a runtime trip count such as the group size, or a 32-byte chunk, ran
-3-25x slower). Group sizes are powers of two >= 32, so a chunk needs at most 2 (INT8) or 4 (INT4)
-scales, picked by shifts (k >> group_shift: no division in the loop).
+Row primitives are numba intrinsics that emit LLVM vector IR directly (16 fp32 lanes = one zmm
+register on AVX-512; LLVM splits them on narrower machines). Written as plain numba loops, LLVM
+fully unrolled the 64-byte chunk loop and then either left it scalar (`vcvtsi2ss` per weight, int64
+nibble arithmetic because numba widens integer ops to intp) or vectorized the *outer* loop with
+gathers; every format then ran at ~10 G weights/s on 2 cores, bound by decoding, not memory.
+Group size = 2**group_shift (32, 64 or 128), each row a whole number of 64-byte chunks (quant.py pads):
+
+- `row_dot(qrow, srow, x, xs, group_shift)` = sum_k w[k] x[k] straight from the stored row, for
+  x of length >= Kp (zero padded). Per 16 weights: widen bytes to int32 (`vpmovzxbd`/`vpmovsxbd`),
+  nibble and/shift (INT4), `vcvtdq2ps`, FMA with x; the products of a 32-weight block are summed in
+  a vector, multiplied by the block's scale and added to a vector accumulator (one horizontal sum per
+  row). INT4's -8 offset is folded out: sum (q - 8) s x = sum s (q x) - 8 sum_b s_b xs[b], with
+  xs[b] = sum of x over 32-block b (computed once per token). BF16: shift into fp32 bits + FMA.
+- `decode_row(qrow, srow, out, group_shift)` writes the dequantized row (length Kp) into `out`:
+  fp32, or bf16 bits (uint16, round to nearest even) when `out` is uint16 (the prefill path).
 
 `moe_rows` is the fused routed-expert MLP for few tokens (per-expert GEMV, parallel over output
 rows). One call runs every selected expert of one layer (one pool's share) in two parallel regions:
   1. gate/up rows: act[p, i] = SiLU(gate_i . x_t) * (up_i . x_t) for each (token t, expert) pair p;
   2. down rows:    out[t, h] += w_p * (down_h . act[p]).
-Each weight row is decoded once into an fp32 buffer and then dotted with every token routed to that
-expert, so weights stream from RAM once per call however many tokens share an expert. Rows are
-split in chunks across threads; a thread owns whole rows of `act`/`out`, so there are no races.
-For many tokens this is the "dequantize in the kernel + FMA" GEMM; gemm.py has the oneDNN one.
+Each row is dotted straight from its stored bytes with every token routed to that expert (the row
+stays in L1 between tokens, so weights stream from RAM once per call however many tokens share an
+expert). Rows are split in chunks across threads; a thread owns whole rows of `act`/`out`, so there
+are no races. For many tokens gemm.py's dequantize + oneDNN path is the faster one.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
-import numba
+from llvmlite import ir
 from numba import get_thread_id, njit, prange, types
-from numba.extending import overload
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 from ktlite.kernels.cpu.threads import ensure_threadsafe_layer
 
 ensure_threadsafe_layer()  # before the first parallel region of the process
-# numba's pedantic SSA check flags the select in the inlined decoders; the code is correct (tested)
-warnings.filterwarnings("ignore", message=r"variable '_decode_int", category=numba.NumbaWarning)
 
-CHUNK = 64  # bytes per inner loop; 32 left LLVM's 16-lane x 4 vector body unused
+CHUNK = 64  # bytes per chunk: 64 INT8 or 128 INT4 weights (quant.py's INT4 nibble layout)
+XS_BLOCK = 32  # weights per entry of xs (the smallest group size)
+
+_I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_LANES = 16
+_V8, _V16, _V32, _VF = (ir.VectorType(t, _LANES) for t in (_I8, _I16, _I32, _F32))
 
 
-def decode_row(qrow, srow, buf, group_shift):  # pragma: no cover - replaced by the overload in jit code
+def _c64(v):
+    return ir.Constant(_I64, v)
+
+
+def _cvec(vty, val):
+    return ir.Constant(vty, [val] * vty.count)
+
+
+def _splat(builder, val):
+    undef = ir.Constant(_VF, ir.Undefined)
+    v = builder.insert_element(undef, val, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES))
+
+
+def _vfma(builder, a, b, c):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _vload(builder, base, off, vty):
+    return builder.load(builder.bitcast(builder.gep(base, [off], inbounds=True), vty.as_pointer()), align=1)
+
+
+def _vstore(builder, val, base, off):
+    builder.store(val, builder.bitcast(builder.gep(base, [off], inbounds=True), val.type.as_pointer()), align=1)
+
+
+def _load(builder, base, off):
+    return builder.load(builder.gep(base, [off], inbounds=True))
+
+
+def _hsum(builder, v):
+    s = builder.extract_element(v, ir.Constant(_I32, 0))
+    for i in range(1, _LANES):
+        s = builder.fadd(s, builder.extract_element(v, ir.Constant(_I32, i)))
+    return s
+
+
+def _arrays(context, builder, sig, args, n):
+    """(data pointer, length) of the first n (1-D, C-contiguous) array arguments."""
+    out = []
+    for ty, val in zip(sig.args[:n], args[:n]):
+        a = context.make_array(ty)(context, builder, val)
+        out.append((a.data, builder.extract_value(a.shape, 0)))
+    return out
+
+
+def _is_vec(ty, dtype=None):
+    return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and (dtype is None or ty.dtype == dtype)
+
+
+def _nibbles(builder, qp, off):
+    """16 bytes at qp[off] -> (low nibbles, high nibbles) as int32 vectors."""
+    z = builder.zext(_vload(builder, qp, off, _V8), _V32)
+    return builder.and_(z, _cvec(_V32, 15)), builder.lshr(z, _cvec(_V32, 4))
+
+
+@intrinsic
+def _int4_row_dot(typingctx, q, s, x, xs, gs):
+    if not (_is_vec(q, types.uint8) and _is_vec(s, types.float32) and _is_vec(x, types.float32)
+            and _is_vec(xs, types.float32)):
+        return None
+    sig = types.float32(q, s, x, xs, types.int64)
+
+    def codegen(context, builder, sig, args):
+        (qp, nb), (sp, _), (xp, _), (xsp, _) = _arrays(context, builder, sig, args, 4)
+        gs = args[4]
+        acc_lo = cgutils.alloca_once_value(builder, _cvec(_VF, 0.0))
+        acc_hi = cgutils.alloca_once_value(builder, _cvec(_VF, 0.0))
+        off = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+        with cgutils.for_range(builder, builder.lshr(nb, _c64(6))) as loop:
+            c = loop.index
+            k0 = builder.shl(c, _c64(7))  # chunk c: bytes 64c.., weights 128c..
+            b0 = builder.shl(c, _c64(6))
+            sc = [_load(builder, sp, builder.lshr(builder.add(k0, _c64(32 * i)), gs)) for i in range(4)]
+            o = builder.load(off)
+            for i in range(4):
+                o = builder.fma(sc[i], _load(builder, xsp, builder.add(builder.shl(c, _c64(2)), _c64(i))), o)
+            builder.store(o, off)
+            lo, hi = zip(*(_nibbles(builder, qp, builder.add(b0, _c64(16 * p))) for p in range(4)))
+            part = []
+            for vals, base in ((lo, 0), (hi, 64)):  # 32-weight blocks base+0 and base+32
+                f = [builder.sitofp(v, _VF) for v in vals]
+                xv = [_vload(builder, xp, builder.add(k0, _c64(base + 16 * p)), _VF) for p in range(4)]
+                part.append(_vfma(builder, f[1], xv[1], builder.fmul(f[0], xv[0])))
+                part.append(_vfma(builder, f[3], xv[3], builder.fmul(f[2], xv[2])))
+            a = _vfma(builder, part[0], _splat(builder, sc[0]), builder.load(acc_lo))
+            builder.store(_vfma(builder, part[1], _splat(builder, sc[1]), a), acc_lo)
+            a = _vfma(builder, part[2], _splat(builder, sc[2]), builder.load(acc_hi))
+            builder.store(_vfma(builder, part[3], _splat(builder, sc[3]), a), acc_hi)
+        tot = _hsum(builder, builder.fadd(builder.load(acc_lo), builder.load(acc_hi)))
+        return builder.fsub(tot, builder.fmul(ir.Constant(_F32, 8.0), builder.load(off)))
+
+    return sig, codegen
+
+
+@intrinsic
+def _int8_row_dot(typingctx, q, s, x, gs):
+    if not (_is_vec(q, types.int8) and _is_vec(s, types.float32) and _is_vec(x, types.float32)):
+        return None
+    sig = types.float32(q, s, x, types.int64)
+
+    def codegen(context, builder, sig, args):
+        (qp, nb), (sp, _), (xp, _) = _arrays(context, builder, sig, args, 3)
+        gs = args[3]
+        accs = [cgutils.alloca_once_value(builder, _cvec(_VF, 0.0)) for _ in range(2)]
+        with cgutils.for_range(builder, builder.lshr(nb, _c64(6))) as loop:
+            k0 = builder.shl(loop.index, _c64(6))
+            f = [builder.sitofp(_vload(builder, qp, builder.add(k0, _c64(16 * p)), _V8), _VF) for p in range(4)]
+            xv = [_vload(builder, xp, builder.add(k0, _c64(16 * p)), _VF) for p in range(4)]
+            for h, acc in enumerate(accs):
+                part = _vfma(builder, f[2 * h + 1], xv[2 * h + 1], builder.fmul(f[2 * h], xv[2 * h]))
+                scale = _load(builder, sp, builder.lshr(builder.add(k0, _c64(32 * h)), gs))
+                builder.store(_vfma(builder, part, _splat(builder, scale), builder.load(acc)), acc)
+        return _hsum(builder, builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
+
+    return sig, codegen
+
+
+def _bf16_to_f32(builder, bits16):
+    return builder.bitcast(builder.shl(builder.zext(bits16, _V32), _cvec(_V32, 16)), _VF)
+
+
+@intrinsic
+def _bf16_row_dot(typingctx, q, x):
+    if not (_is_vec(q, types.uint16) and _is_vec(x, types.float32)):
+        return None
+    sig = types.float32(q, x)
+
+    def codegen(context, builder, sig, args):
+        (qp, n), (xp, _) = _arrays(context, builder, sig, args, 2)
+        accs = [cgutils.alloca_once_value(builder, _cvec(_VF, 0.0)) for _ in range(4)]
+        with cgutils.for_range(builder, builder.lshr(n, _c64(6))) as loop:  # 64 weights per step
+            k0 = builder.shl(loop.index, _c64(6))
+            for p, acc in enumerate(accs):
+                k = builder.add(k0, _c64(16 * p))
+                w = _bf16_to_f32(builder, _vload(builder, qp, k, _V16))
+                builder.store(_vfma(builder, w, _vload(builder, xp, k, _VF), builder.load(acc)), acc)
+        tot = builder.fadd(builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
+                           builder.fadd(builder.load(accs[2]), builder.load(accs[3])))
+        res = cgutils.alloca_once_value(builder, _hsum(builder, tot))
+        start = builder.and_(n, _c64(~63))
+        with cgutils.for_range(builder, builder.sub(n, start)) as loop:  # BF16 rows are not padded
+            k = builder.add(start, loop.index)
+            w = builder.bitcast(builder.shl(builder.zext(_load(builder, qp, k), _I32), ir.Constant(_I32, 16)), _F32)
+            builder.store(builder.fma(w, _load(builder, xp, k), builder.load(res)), res)
+        return builder.load(res)
+
+    return sig, codegen
+
+
+def _round_bf16(builder, v):
+    """fp32 vector -> bf16 bits, round to nearest even (as torch's .to(bfloat16) for finite values)."""
+    b = builder.bitcast(v, _V32)
+    r = builder.add(builder.add(b, _cvec(_V32, 0x7FFF)), builder.and_(builder.lshr(b, _cvec(_V32, 16)), _cvec(_V32, 1)))
+    return builder.trunc(builder.lshr(r, _cvec(_V32, 16)), _V16)
+
+
+def _decoder(qdtype):
+    int4 = qdtype == types.uint8
+
+    def typer(typingctx, q, s, out, gs):
+        if not (_is_vec(q, qdtype) and _is_vec(s, types.float32) and (_is_vec(out, types.float32)
+                                                                        or _is_vec(out, types.uint16))):
+            return None
+        bf16 = out.dtype == types.uint16
+        sig = types.void(q, s, out, types.int64)
+
+        def codegen(context, builder, sig, args):
+            (qp, nb), (sp, _), (op, _) = _arrays(context, builder, sig, args, 3)
+            gs = args[3]
+
+            def put(vals, k):
+                v = builder.fmul(builder.sitofp(vals, _VF), _splat(builder, _load(builder, sp, builder.lshr(k, gs))))
+                _vstore(builder, _round_bf16(builder, v) if bf16 else v, op, k)
+
+            with cgutils.for_range(builder, builder.lshr(nb, _c64(6))) as loop:
+                b0 = builder.shl(loop.index, _c64(6))
+                if int4:
+                    k0 = builder.shl(loop.index, _c64(7))
+                    for p in range(4):
+                        lo, hi = _nibbles(builder, qp, builder.add(b0, _c64(16 * p)))
+                        put(builder.sub(lo, _cvec(_V32, 8)), builder.add(k0, _c64(16 * p)))
+                        put(builder.sub(hi, _cvec(_V32, 8)), builder.add(k0, _c64(64 + 16 * p)))
+                else:
+                    for p in range(4):
+                        k = builder.add(b0, _c64(16 * p))
+                        put(builder.sext(_vload(builder, qp, k, _V8), _V32), k)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return intrinsic(typer)
+
+
+_decode_int4 = _decoder(types.uint8)
+_decode_int8 = _decoder(types.int8)
+
+
+def row_dot(qrow, srow, x, xs, group_shift):  # pragma: no cover - replaced by the overload in jit code
+    raise NotImplementedError("row_dot is only callable from numba-compiled code")
+
+
+def decode_row(qrow, srow, out, group_shift):  # pragma: no cover - replaced by the overload in jit code
     raise NotImplementedError("decode_row is only callable from numba-compiled code")
 
 
-def _decode_int8(qrow, srow, buf, group_shift):
-    for c in range(qrow.shape[0] // CHUNK):
-        k0 = CHUNK * c
-        sa = srow[k0 >> group_shift]
-        sb = srow[(k0 + CHUNK // 2) >> group_shift]  # differs from sa only for G = 32
-        wc = qrow[k0:k0 + CHUNK]
-        bc = buf[k0:k0 + CHUNK]
-        for j in range(CHUNK):
-            bc[j] = np.float32(wc[j]) * (sa if j < CHUNK // 2 else sb)
-
-
-def _decode_int4(qrow, srow, buf, group_shift):
-    # 64 bytes hold a 128-weight chunk: byte j -> k = j (low nibble) and k = j + 64 (high nibble)
-    for c in range(qrow.shape[0] // CHUNK):
-        k0 = 2 * CHUNK * c
-        sa = srow[k0 >> group_shift]
-        sb = srow[(k0 + CHUNK // 2) >> group_shift]
-        sc = srow[(k0 + CHUNK) >> group_shift]
-        sd = srow[(k0 + 3 * CHUNK // 2) >> group_shift]
-        wc = qrow[c * CHUNK:(c + 1) * CHUNK]
-        lo = buf[k0:k0 + CHUNK]
-        hi = buf[k0 + CHUNK:k0 + 2 * CHUNK]
-        for j in range(CHUNK):
-            b = np.int32(wc[j])
-            lo[j] = np.float32((b & 15) - 8) * (sa if j < CHUNK // 2 else sb)
-            hi[j] = np.float32((b >> 4) - 8) * (sc if j < CHUNK // 2 else sd)
-
-
-def _decode_bf16(qrow, srow, buf, group_shift):
-    bits = buf.view(np.uint32)
-    for j in range(qrow.shape[0]):
-        bits[j] = np.uint32(qrow[j]) << np.uint32(16)
-
-
-@overload(decode_row, inline="always", jit_options={"fastmath": True})
-def _decode_row_impl(qrow, srow, buf, group_shift):
-    dtype = qrow.dtype
-    if dtype == types.int8:
-        return _decode_int8
-    if dtype == types.uint8:
-        return _decode_int4
-    if dtype == types.uint16:
-        return _decode_bf16
+@overload(row_dot, inline="always")
+def _row_dot_impl(qrow, srow, x, xs, group_shift):
+    if qrow.dtype == types.uint8:
+        return lambda qrow, srow, x, xs, group_shift: _int4_row_dot(qrow, srow, x, xs, group_shift)
+    if qrow.dtype == types.int8:
+        return lambda qrow, srow, x, xs, group_shift: _int8_row_dot(qrow, srow, x, group_shift)
+    if qrow.dtype == types.uint16:
+        return lambda qrow, srow, x, xs, group_shift: _bf16_row_dot(qrow, x)
     return None
 
 
-@njit(nogil=True, fastmath=True, cache=True, inline="always")
-def dot(a, b):
-    """sum(a * b) over a's length (b may be longer)."""
-    s = np.float32(0.0)
-    for i in range(a.shape[0]):
-        s += a[i] * b[i]
-    return s
+@overload(decode_row, inline="always")
+def _decode_row_impl(qrow, srow, out, group_shift):
+    if qrow.dtype == types.uint8:
+        return lambda qrow, srow, out, group_shift: _decode_int4(qrow, srow, out, group_shift)
+    if qrow.dtype == types.int8:
+        return lambda qrow, srow, out, group_shift: _decode_int8(qrow, srow, out, group_shift)
+    return None
+
+
+@njit(nogil=True, cache=True, inline="always")
+def block_sums(x, xs):
+    """xs[b] = sum of x[32 b : 32 b + 32] (x's length is a multiple of 32)."""
+    for b in range(xs.shape[0]):
+        xb = x[XS_BLOCK * b:XS_BLOCK * (b + 1)]
+        s = np.float32(0.0)
+        for j in range(XS_BLOCK):
+            s += xb[j]
+        xs[b] = s
 
 
 ROWS_PER_CHUNK = 16  # rows a thread takes per expert before moving on: long sequential reads
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, group_shift, kp_hidden, kp_inter,
-             scratch, act, out):
-    """x [T, H] fp32; slots [M] expert slots into the stacked weights; pairs tok_ptr[m]:tok_ptr[m+1]
-    of expert m are tokens tok_idx[p] with weights tok_w[p]; gu_q/gu_s [E, 2I, ...] (gate rows then
-    up rows), d_q/d_s [E, H, ...]; scratch [threads, 2, >= max(kp)] row buffers (one pair per
-    thread: allocating them inside prange page-faulted and ran up to 20x slower); act [P, I] scratch;
-    out [T, H] fp32, accumulated into."""
-    hidden = x.shape[1]
+def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, group_shift, act, out):
+    """x [T, >= Kp(hidden)] fp32, zero beyond hidden; slots [M] expert slots into the stacked weights;
+    pairs tok_ptr[m]:tok_ptr[m+1] of expert m are tokens tok_idx[p] with weights tok_w[p];
+    gu_q/gu_s [E, 2I, ...] (gate rows then up rows), d_q/d_s [E, H, ...]; act [P, >= Kp(inter)] fp32
+    scratch, zero beyond I (only act[:, :I] is written); out [T, H] fp32, accumulated into."""
+    hidden = out.shape[1]
     inter = gu_q.shape[1] // 2
     n_experts = slots.shape[0]
+    xs = np.empty((x.shape[0], x.shape[1] // XS_BLOCK), np.float32)
+    for t in range(x.shape[0]):
+        block_sums(x[t], xs[t])
     for c in prange((inter + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK):
-        tid = get_thread_id()
-        bg = scratch[tid, 0, :kp_hidden]
-        bu = scratch[tid, 1, :kp_hidden]
-        gv = bg[:hidden]
-        uv = bu[:hidden]
         for m in range(n_experts):
             e = slots[m]
             for i in range(c * ROWS_PER_CHUNK, min(inter, (c + 1) * ROWS_PER_CHUNK)):
-                decode_row(gu_q[e, i], gu_s[e, i], bg, group_shift)
-                decode_row(gu_q[e, inter + i], gu_s[e, inter + i], bu, group_shift)
+                gq, gsc, uq, usc = gu_q[e, i], gu_s[e, i], gu_q[e, inter + i], gu_s[e, inter + i]
                 for p in range(tok_ptr[m], tok_ptr[m + 1]):
-                    xr = x[tok_idx[p]]
-                    g = dot(gv, xr)
-                    act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * dot(uv, xr)
+                    xr, xsr = x[tok_idx[p]], xs[tok_idx[p]]
+                    g = row_dot(gq, gsc, xr, xsr, group_shift)
+                    act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * row_dot(uq, usc, xr, xsr, group_shift)
+    acts = np.empty((act.shape[0], act.shape[1] // XS_BLOCK), np.float32)
+    for p in range(act.shape[0]):
+        block_sums(act[p], acts[p])
     for c in prange((hidden + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK):
-        bd = scratch[get_thread_id(), 0, :kp_inter]
-        dv = bd[:inter]
         for m in range(n_experts):
             e = slots[m]
             for h in range(c * ROWS_PER_CHUNK, min(hidden, (c + 1) * ROWS_PER_CHUNK)):
-                decode_row(d_q[e, h], d_s[e, h], bd, group_shift)
+                dq, dsc = d_q[e, h], d_s[e, h]
                 for p in range(tok_ptr[m], tok_ptr[m + 1]):
-                    out[tok_idx[p], h] += tok_w[p] * dot(dv, act[p])
+                    out[tok_idx[p], h] += tok_w[p] * row_dot(dq, dsc, act[p], acts[p], group_shift)
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+@njit(parallel=True, nogil=True, cache=True)
 def dequant_rows_f32(q, s, group_shift, kp, scratch, out):
-    """q/s [N, ...] one stored matrix -> out fp32 [N, K] (K <= kp); scratch as in moe_rows."""
+    """q/s [N, ...] one stored INT8/INT4 matrix -> out fp32 [N, K] (K <= kp); scratch [threads, 2,
+    >= kp] fp32 row buffers, used when K < kp (one per thread: allocating inside prange page-faults)."""
     k = out.shape[1]
     for n in prange(q.shape[0]):
-        buf = scratch[get_thread_id(), 0, :kp]
-        decode_row(q[n], s[n], buf, group_shift)
-        out[n, :] = buf[:k]
+        if k == kp:
+            decode_row(q[n], s[n], out[n], group_shift)
+        else:
+            buf = scratch[get_thread_id(), 0, :kp]
+            decode_row(q[n], s[n], buf, group_shift)
+            out[n, :] = buf[:k]
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+@njit(parallel=True, nogil=True, cache=True)
 def dequant_rows_bf16(q, s, group_shift, kp, scratch, out):
-    """q/s [N, ...] one stored matrix -> out uint16 bf16 bits [N, K] (K <= kp), round to nearest even."""
+    """q/s [N, ...] one stored INT8/INT4 matrix -> out uint16 bf16 bits [N, K] (K <= kp), round to
+    nearest even; scratch as in dequant_rows_f32."""
     k = out.shape[1]
     for n in prange(q.shape[0]):
-        buf = scratch[get_thread_id(), 0, :kp]
-        decode_row(q[n], s[n], buf, group_shift)
-        bits = buf.view(np.uint32)
-        row = out[n]
-        for j in range(k):
-            b = bits[j]
-            row[j] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        if k == kp:
+            decode_row(q[n], s[n], out[n], group_shift)
+        else:
+            buf = scratch[get_thread_id(), 0].view(np.uint16)[:kp]
+            decode_row(q[n], s[n], buf, group_shift)
+            out[n, :] = buf[:k]

@@ -21,8 +21,9 @@ of GPU experts); selecting an expert that is neither stored nor masked raises Kt
 that means the placement and the mask disagree. Ids < 0 (padding) are ignored.
 
 Paths, per expert and call: an expert with fewer than `prefill_threshold` tokens (default per
-method, DEFAULT_PREFILL_THRESHOLD) runs in the fused GEMV kernel (kernels.py, fp32 math on the exact
-dequantized weights; decode is always this path); one with more is dequantized once and runs
+method, DEFAULT_PREFILL_THRESHOLD) runs in the fused GEMV kernel (kernels.py: vector row dots straight
+from the stored bytes, fp32 math on the exact dequantized weights; decode is always this path); one
+with more is dequantized once (into per-thread buffers reused across experts and calls) and runs
 torch.matmul in `prefill_dtype` (gemm.py; bf16 is the fast choice, fp32 the exact one). Choosing
 per expert rather than by T matters: at T=16, V2-Lite experts see ~1.5 tokens each, V3's ~16.
 
@@ -147,6 +148,7 @@ class CPUMoE:
         self.pools = ExpertPools(num_threads, threadpool_count)
         self.layers: dict[int, ExpertLayer] = {}
         self._scratch_bufs: dict[int, np.ndarray] = {}
+        self._deq_bufs: dict[tuple[int, bool], np.ndarray] = {}
 
     # ---- storing experts ----
     def reserve_layer(
@@ -270,10 +272,12 @@ class CPUMoE:
         light = work.select(counts < self.prefill_threshold)
         if light.slots.size:
             gu, dn = layer.gate_up, layer.down
-            act = np.empty((light.tok_idx.size, layer.inter), np.float32)
-            kernels.moe_rows(np.ascontiguousarray(x.float().numpy()), light.slots, light.tok_ptr, light.tok_idx,
-                             light.tok_w, gu.qweight, gu.scales, dn.qweight, dn.scales, self._group_shift,
-                             layer.kp(gu), layer.kp(dn), self._scratch(layer), act, out.numpy())
+            # the row kernels read whole padded rows: x and act get zero columns up to Kp
+            xp = np.zeros((x.shape[0], layer.kp(gu)), np.float32)
+            xp[:, :layer.hidden] = x.float().numpy()
+            act = np.zeros((light.tok_idx.size, layer.kp(dn)), np.float32)
+            kernels.moe_rows(xp, light.slots, light.tok_ptr, light.tok_idx, light.tok_w, gu.qweight, gu.scales,
+                             dn.qweight, dn.scales, self._group_shift, act, out.numpy())
         heavy = work.select(counts >= self.prefill_threshold)
         if heavy.slots.size:
             self._run_matmul(layer, heavy, x.to(self.prefill_dtype), out)
@@ -282,13 +286,15 @@ class CPUMoE:
     def _run_matmul(self, layer: ExpertLayer, w: _PoolWork, x: torch.Tensor, out: torch.Tensor) -> None:
         gu, dn = layer.gate_up, layer.down
         scratch = self._scratch(layer)
+        buf_gu = self._dequant_buf(2 * layer.inter, layer.hidden)
+        buf_dn = self._dequant_buf(layer.hidden, layer.inter, second=True)
         for m, slot in enumerate(w.slots.tolist()):
             lo, hi = w.tok_ptr[m], w.tok_ptr[m + 1]
             idx = torch.from_numpy(w.tok_idx[lo:hi])
             w_gu = gemm.dequant_matrix(gu.qweight[slot], gu.scales[slot], self._group_shift, layer.kp(gu),
-                                       layer.hidden, self.prefill_dtype, scratch)
+                                       layer.hidden, self.prefill_dtype, scratch, buf_gu)
             w_dn = gemm.dequant_matrix(dn.qweight[slot], dn.scales[slot], self._group_shift, layer.kp(dn),
-                                       layer.inter, self.prefill_dtype, scratch)
+                                       layer.inter, self.prefill_dtype, scratch, buf_dn)
             y = gemm.expert_mlp_matmul(x[idx], w_gu, w_dn)
             out.index_add_(0, idx, y.float() * torch.from_numpy(w.tok_w[lo:hi])[:, None])
 
@@ -300,6 +306,18 @@ class CPUMoE:
         if buf is None or buf.shape[2] < size:
             buf = self._scratch_bufs[key] = np.empty((numba.config.NUMBA_NUM_THREADS, 2, size), np.float32)
         return buf
+
+    def _dequant_buf(self, n: int, k: int, second: bool = False) -> np.ndarray | None:
+        """A reused [n, k] output for dequantizing one matrix (per calling thread; two per thread: gate_up
+        and down), or None for BF16 storage, which needs none."""
+        if self.method == "BF16":
+            return None
+        dtype = np.uint16 if self.prefill_dtype == torch.bfloat16 else np.float32
+        key = (threading.get_ident(), second)
+        buf = self._deq_bufs.get(key)
+        if buf is None or buf.size < n * k or buf.dtype != dtype:
+            buf = self._deq_bufs[key] = np.empty(n * k, dtype)
+        return buf[:n * k].reshape(n, k)
 
     def warmup(self) -> None:
         """Compile (or load from numba's cache) and run both paths once in every pool."""
@@ -322,6 +340,7 @@ class CPUMoE:
     def close(self) -> None:
         self.pools.close()
         self.layers.clear()
+        self._deq_bufs.clear()
 
     def __enter__(self) -> CPUMoE:
         return self

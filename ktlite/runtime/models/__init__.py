@@ -18,15 +18,22 @@ def build(
     dtype: torch.dtype = torch.float32,
     routed_experts: bool = True,
     fp8_weights: bool = False,
+    tp=None,
 ) -> DeepseekForCausalLM:
     """An uninitialised model on `device`: weights in `dtype`, router in float32 (as DeepSeek keeps it).
 
     `routed_experts=False` leaves the routed expert weights out (the runtime places them itself);
-    `fp8_weights=True` keeps the projections of an FP8 checkpoint in FP8 (1 byte + block scales)."""
+    `fp8_weights=True` keeps the projections of an FP8 checkpoint in FP8 (1 byte + block scales);
+    `tp` (a `tp_layers.TPContext`) builds one tensor-parallel rank's shard, and `model.tp_shards` then
+    tells the loader which slice of each split tensor to read."""
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg, routed_experts).to(dtype)
         if fp8_weights:
             swap_in_fp8(model)  # after .to(dtype), which would otherwise cast the fp8 weights
+        if tp is not None:
+            from ktlite.runtime.models.tp_layers import shard_model
+
+            model.tp_shards = shard_model(model, cfg, tp)
     for module in model.modules():
         if isinstance(module, Router):
             module.float()
