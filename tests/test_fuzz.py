@@ -126,7 +126,7 @@ def request(url: str, method: str, path: str, body: bytes | None, headers: dict[
         conn.close()
 
 
-def check(status: int, headers: dict[str, str], data: bytes, stream_expected: bool | None = None) -> None:
+def check(status: int, headers: dict[str, str], data: bytes) -> None:
     COUNTS[status] = COUNTS.get(status, 0) + 1
     assert status in OK_STATUSES, (status, data[:500])
     if status != 200:
