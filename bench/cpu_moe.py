@@ -90,11 +90,16 @@ def timed(fn: Callable[[int], object], budget_s: float, max_calls: int = 50) -> 
 
 
 def timed_many(fns: dict[str, Callable[[int], object]], budget_s: float, max_calls: int = 50) -> dict[str, float]:
-    """timed() for several variants at once, interleaved round-robin (one call of each per round), so
-    that load from other processes hits every variant alike. A variant stops after its calls have used
-    `budget_s` (at least 3 calls, or 1 if a single call already takes longer than the budget)."""
-    for fn in fns.values():
+    """timed() for several variants at once, interleaved round-robin so that load from other processes
+    hits every variant alike. Each round runs a short block of consecutive calls per variant and keeps
+    all but the block's first (after a switch, the previous variant's OpenMP threads - torch's or
+    another pool's - still spin for a while and slow the first call down). A variant stops after its
+    calls have used `budget_s` (at least 3 timed calls, or 1 if one call takes longer than the budget)."""
+    first = {}
+    for k, fn in fns.items():
+        t = time.perf_counter()
         fn(0)
+        first[k] = time.perf_counter() - t
     times: dict[str, list[float]] = {k: [] for k in fns}
     spent = dict.fromkeys(fns, 0.0)
     i = 1
@@ -104,11 +109,15 @@ def timed_many(fns: dict[str, Callable[[int], object]], budget_s: float, max_cal
         if not live:
             break
         for k in live:
-            t = time.perf_counter()
-            fns[k](i)
-            times[k].append(time.perf_counter() - t)
-            spent[k] += times[k][-1]
-        i += 1
+            block = 3 if first[k] < budget_s / 10 else 1
+            for b in range(block):
+                t = time.perf_counter()
+                fns[k](i)
+                dt = time.perf_counter() - t
+                spent[k] += dt
+                i += 1
+                if b or block == 1:
+                    times[k].append(dt)
     return {k: min(v) for k, v in times.items()}
 
 
@@ -273,7 +282,7 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> st
              "Times are per call (fastest of several), for one MoE layer: `ktlite` is CPUMoE.forward (the path it picks per expert by its token count); "
              "`numba FMA` forces the fused GEMV kernel (dequantize in-kernel + fp32 FMA), `deq+oneDNN` forces "
              "dequantize-to-bf16 + torch.matmul; `torch bf16/fp32` is torch.matmul on resident dequantized "
-             "experts. All variants of one T are timed interleaved (one call of each per round). GB/s = bytes of the "
+             "experts. All variants of one T are timed interleaved (a few calls of each per round). GB/s = bytes of the "
              "distinct experts a call touches / time.", "",
              "| shape | method | T | ktlite ms | path | weight GB/s | % BW | numba FMA ms | deq+oneDNN ms "
              "| torch bf16 ms | torch fp32 ms |",
@@ -304,14 +313,19 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> st
               "load average above says how quiet the run was.",
               "- Decode (GEMV kernel): the row kernels are numba intrinsics that emit LLVM vector IR (16 fp32 lanes, "
               "zmm on AVX-512: `vpmovzxbd`/`vpmovsxbd`, `vcvtdq2ps`, `vfmadd231ps`; one horizontal sum per row) and dot "
-              "the stored bytes straight with x. In L1 one core decodes+dots ~35 G weights/s (INT4 and INT8), so T=1 "
-              "is now bound by memory, not decoding. Before (plain numba loops, largely scalar after LLVM unrolled "
-              "them) every method ran at ~10 G weights/s on 2 cores. The numpy-sum reference is itself below the "
-              "DRAM limit under load, so % BW can exceed 100 % when other agents depress the reference measurement.",
-              "- Prefill: dequantizing to bf16 now runs at ~15-25 G weights/s into a reused per-thread buffer (a fresh "
-              "array per expert page-faulted), about 36 ms of a ~200 ms V2-Lite T=512 INT4 call; the rest is the same "
-              "oneDNN bf16 GEMMs the torch baseline runs, so INT8/INT4 prefill stays a dequantize pass behind resident "
-              "bf16 experts (whose 2-byte weights oneDNN reads from DRAM while compute-bound).",
+              "the stored bytes straight with x. Before (plain numba loops, largely scalar after LLVM unrolled them) "
+              "every method ran at ~10 G weights/s on 2 cores; now INT8 and BF16 T=1 run at memory speed and INT4 at "
+              "~35 G weights/s (2 cores, ~17 GB/s): INT4 is still bound by nibble decoding (one core does ~35 G "
+              "weights/s from L1, about half of that while streaming from DRAM). The numpy-sum reference is itself "
+              "below the DRAM limit and drops under load, so % BW can exceed 100 %.",
+              "- Prefill: dequantizing to bf16 (vector intrinsic, rounding in-register) now writes into a reused "
+              "per-thread buffer (a fresh 10-60 MB array per expert page-faulted, which cost as much as the decoding); "
+              "it takes ~36 ms of a ~170 ms V2-Lite T=512 INT4 call. The rest is the same oneDNN bf16 GEMMs the torch "
+              "baseline runs (compute-bound at ~48 tokens per expert), so INT8/INT4 prefill stays one dequantize pass "
+              "(~10 %) behind resident bf16 experts.",
+              "- The GEMV/oneDNN switch (DEFAULT_PREFILL_THRESHOLD) is now 5 tokens per expert for INT4/INT8 (was 16): "
+              "with the dequantize cheaper, one V2-Lite expert takes 1.7 ms GEMV vs 1.9 ms deq+oneDNN at 4 tokens, "
+              "2.6 vs 2.1 ms at 6.",
               "- INT4 < 8 % error is out of reach for a 4-bit code on gaussian data: the rate-distortion bound at "
               "4 bits is 2^-4 = 6.25 % per matrix, uniform levels cost ~1.4x that (9 % at G=64, 8.1 % at G=32), "
               "and the MoE output compounds three matrices (~1.7x). Group-wise INT4 has 40 % less error than "

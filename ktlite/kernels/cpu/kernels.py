@@ -26,8 +26,9 @@ rows). One call runs every selected expert of one layer (one pool's share) in tw
   2. down rows:    out[t, h] += w_p * (down_h . act[p]).
 Each row is dotted straight from its stored bytes with every token routed to that expert (the row
 stays in L1 between tokens, so weights stream from RAM once per call however many tokens share an
-expert). Rows are split in chunks across threads; a thread owns whole rows of `act`/`out`, so there
-are no races. For many tokens gemm.py's dequantize + oneDNN path is the faster one.
+expert); an expert with DECODE_ONCE_TOKENS or more tokens decodes each row once into an fp32
+buffer and dots that with each token instead. Rows are split in chunks across threads; a thread
+owns whole rows of `act`/`out`, so there are no races. For many tokens gemm.py's dequantize + oneDNN path is the faster one.
 """
 
 from __future__ import annotations
@@ -82,10 +83,14 @@ def _load(builder, base, off):
 
 
 def _hsum(builder, v):
-    s = builder.extract_element(v, ir.Constant(_I32, 0))
-    for i in range(1, _LANES):
-        s = builder.fadd(s, builder.extract_element(v, ir.Constant(_I32, i)))
-    return s
+    """Sum of a float vector's lanes, as a halving tree (extract upper half, add)."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+        v = builder.fadd(lo, hi)
+    return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
 def _arrays(context, builder, sig, args, n):
@@ -201,6 +206,33 @@ def _bf16_row_dot(typingctx, q, x):
     return sig, codegen
 
 
+@intrinsic
+def _f32_dot(typingctx, a, b):
+    if not (_is_vec(a, types.float32) and _is_vec(b, types.float32)):
+        return None
+    sig = types.float32(a, b)
+
+    def codegen(context, builder, sig, args):
+        (ap, n), (bp, _) = _arrays(context, builder, sig, args, 2)
+        accs = [cgutils.alloca_once_value(builder, _cvec(_VF, 0.0)) for _ in range(4)]
+        with cgutils.for_range(builder, builder.lshr(n, _c64(6))) as loop:  # 64 per step
+            k0 = builder.shl(loop.index, _c64(6))
+            for p, acc in enumerate(accs):
+                k = builder.add(k0, _c64(16 * p))
+                builder.store(_vfma(builder, _vload(builder, ap, k, _VF), _vload(builder, bp, k, _VF),
+                                    builder.load(acc)), acc)
+        tot = builder.fadd(builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
+                           builder.fadd(builder.load(accs[2]), builder.load(accs[3])))
+        res = cgutils.alloca_once_value(builder, _hsum(builder, tot))
+        start = builder.and_(n, _c64(~63))
+        with cgutils.for_range(builder, builder.sub(n, start)) as loop:
+            k = builder.add(start, loop.index)
+            builder.store(builder.fma(_load(builder, ap, k), _load(builder, bp, k), builder.load(res)), res)
+        return builder.load(res)
+
+    return sig, codegen
+
+
 def _round_bf16(builder, v):
     """fp32 vector -> bf16 bits, round to nearest even (as torch's .to(bfloat16) for finite values)."""
     b = builder.bitcast(v, _V32)
@@ -268,12 +300,20 @@ def _row_dot_impl(qrow, srow, x, xs, group_shift):
     return None
 
 
+def _decode_bf16(qrow, srow, out, group_shift):
+    bits = out.view(np.uint32)
+    for j in range(qrow.shape[0]):
+        bits[j] = np.uint32(qrow[j]) << np.uint32(16)
+
+
 @overload(decode_row, inline="always")
 def _decode_row_impl(qrow, srow, out, group_shift):
     if qrow.dtype == types.uint8:
         return lambda qrow, srow, out, group_shift: _decode_int4(qrow, srow, out, group_shift)
     if qrow.dtype == types.int8:
         return lambda qrow, srow, out, group_shift: _decode_int8(qrow, srow, out, group_shift)
+    if qrow.dtype == types.uint16 and out.dtype == types.float32:
+        return _decode_bf16
     return None
 
 
@@ -289,39 +329,66 @@ def block_sums(x, xs):
 
 
 ROWS_PER_CHUNK = 16  # rows a thread takes per expert before moving on: long sequential reads
+# tokens of one expert from which a row is decoded once into fp32 and then dotted per token, rather
+# than decoded again inside a fused row_dot per token (both ~35 G weights/s per core from L1)
+DECODE_ONCE_TOKENS = 3
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, group_shift, act, out):
-    """x [T, >= Kp(hidden)] fp32, zero beyond hidden; slots [M] expert slots into the stacked weights;
+def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, group_shift, scratch, act, out):
+    """x [T, Kp(hidden)] fp32, zero beyond hidden; slots [M] expert slots into the stacked weights;
     pairs tok_ptr[m]:tok_ptr[m+1] of expert m are tokens tok_idx[p] with weights tok_w[p];
-    gu_q/gu_s [E, 2I, ...] (gate rows then up rows), d_q/d_s [E, H, ...]; act [P, >= Kp(inter)] fp32
-    scratch, zero beyond I (only act[:, :I] is written); out [T, H] fp32, accumulated into."""
+    gu_q/gu_s [E, 2I, ...] (gate rows then up rows), d_q/d_s [E, H, ...]; scratch [threads, 2, >= max
+    Kp] fp32 row buffers (one pair per thread: allocating them inside prange page-faulted and ran up to
+    20x slower); act [P, Kp(inter)] fp32 scratch, zero beyond I (only act[:, :I] is written);
+    out [T, H] fp32, accumulated into."""
     hidden = out.shape[1]
     inter = gu_q.shape[1] // 2
+    kp_h = x.shape[1]
+    kp_i = act.shape[1]
     n_experts = slots.shape[0]
     xs = np.empty((x.shape[0], x.shape[1] // XS_BLOCK), np.float32)
     for t in range(x.shape[0]):
         block_sums(x[t], xs[t])
     for c in prange((inter + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK):
+        tid = get_thread_id()
+        bg = scratch[tid, 0, :kp_h]
+        bu = scratch[tid, 1, :kp_h]
         for m in range(n_experts):
             e = slots[m]
+            once = tok_ptr[m + 1] - tok_ptr[m] >= DECODE_ONCE_TOKENS
             for i in range(c * ROWS_PER_CHUNK, min(inter, (c + 1) * ROWS_PER_CHUNK)):
                 gq, gsc, uq, usc = gu_q[e, i], gu_s[e, i], gu_q[e, inter + i], gu_s[e, inter + i]
+                if once:
+                    decode_row(gq, gsc, bg, group_shift)
+                    decode_row(uq, usc, bu, group_shift)
                 for p in range(tok_ptr[m], tok_ptr[m + 1]):
                     xr, xsr = x[tok_idx[p]], xs[tok_idx[p]]
-                    g = row_dot(gq, gsc, xr, xsr, group_shift)
-                    act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * row_dot(uq, usc, xr, xsr, group_shift)
+                    if once:
+                        g = _f32_dot(bg, xr)
+                        u = _f32_dot(bu, xr)
+                    else:
+                        g = row_dot(gq, gsc, xr, xsr, group_shift)
+                        u = row_dot(uq, usc, xr, xsr, group_shift)
+                    act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * u
     acts = np.empty((act.shape[0], act.shape[1] // XS_BLOCK), np.float32)
     for p in range(act.shape[0]):
         block_sums(act[p], acts[p])
     for c in prange((hidden + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK):
+        bd = scratch[get_thread_id(), 0, :kp_i]
         for m in range(n_experts):
             e = slots[m]
+            once = tok_ptr[m + 1] - tok_ptr[m] >= DECODE_ONCE_TOKENS
             for h in range(c * ROWS_PER_CHUNK, min(hidden, (c + 1) * ROWS_PER_CHUNK)):
                 dq, dsc = d_q[e, h], d_s[e, h]
+                if once:
+                    decode_row(dq, dsc, bd, group_shift)
                 for p in range(tok_ptr[m], tok_ptr[m + 1]):
-                    out[tok_idx[p], h] += tok_w[p] * row_dot(dq, dsc, act[p], acts[p], group_shift)
+                    if once:
+                        v = _f32_dot(bd, act[p])
+                    else:
+                        v = row_dot(dq, dsc, act[p], acts[p], group_shift)
+                    out[tok_idx[p], h] += tok_w[p] * v
 
 
 @njit(parallel=True, nogil=True, cache=True)

@@ -60,9 +60,10 @@ from ktlite.kernels.cpu.threads import ExpertPools
 
 logger = logging.getLogger(__name__)
 
-# tokens per expert from which dequantize + oneDNN beats the GEMV kernel (bench/RESULTS.md: the
-# kernel reads each weight once but runs ~10x fewer FLOP/s; dequantizing costs ~1 GEMV per expert)
-DEFAULT_PREFILL_THRESHOLD = {"INT4": 16, "INT8": 16, "BF16": 4}
+# tokens per expert from which dequantize + oneDNN beats the GEMV kernel (one V2-Lite expert, 2 cores:
+# INT4 4 tokens 1.7 ms GEMV vs 1.9 ms, 6 tokens 2.6 vs 2.1 ms; the vectorized dequantize costs about one
+# T=1 GEMV, while the kernel's per-token fp32 dots run ~10x fewer FLOP/s than oneDNN's bf16 GEMM)
+DEFAULT_PREFILL_THRESHOLD = {"INT4": 5, "INT8": 5, "BF16": 4}
 
 
 @dataclass
@@ -277,7 +278,7 @@ class CPUMoE:
             xp[:, :layer.hidden] = x.float().numpy()
             act = np.zeros((light.tok_idx.size, layer.kp(dn)), np.float32)
             kernels.moe_rows(xp, light.slots, light.tok_ptr, light.tok_idx, light.tok_w, gu.qweight, gu.scales,
-                             dn.qweight, dn.scales, self._group_shift, act, out.numpy())
+                             dn.qweight, dn.scales, self._group_shift, self._scratch(layer), act, out.numpy())
         heavy = work.select(counts >= self.prefill_threshold)
         if heavy.slots.size:
             self._run_matmul(layer, heavy, x.to(self.prefill_dtype), out)
