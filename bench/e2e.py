@@ -21,10 +21,11 @@ import platform
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
+
+from cpu_moe import memory_bandwidth  # the same bandwidth reference as the CPU-expert bench
 
 from ktlite import Engine
 from ktlite.runtime.models import build
@@ -63,24 +64,13 @@ def write_checkpoint(path: Path, layers: int) -> Path:
         fname = f"model-{key}.safetensors"
         save_file(tensors, str(path / fname))
         weight_map.update({n: fname for n in names})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    index = {"metadata": {"total_size": sum((path / f).stat().st_size for f in set(weight_map.values()))},
+             "weight_map": weight_map}  # transformers requires the metadata block
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
     (path / "config.json").write_text(json.dumps(raw, indent=2))
     train_tokenizer().save(str(path / "tokenizer.json"))  # ids beyond its vocab decode to nothing
     (path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
     return path
-
-
-def memory_bandwidth() -> float:
-    """GB/s of a numpy read of 256 MiB (best of 5), with numpy's own threads."""
-    a = np.ones(256 * 2**20 // 8)
-    best = min(_timed(a.sum) for _ in range(5))
-    return a.nbytes / best / 1e9
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def bytes_per_decode_token(engine: Engine) -> int:
@@ -157,8 +147,8 @@ def main() -> None:
     args = ap.parse_args()
 
     path = write_checkpoint(Path(args.dir) / f"v2lite-{args.layers}layers", args.layers)
-    bw = memory_bandwidth()
     threads = torch.get_num_threads()
+    bw = memory_bandwidth(threads)
     rows = []
     with Engine(str(path), kt_method=args.kt_method, dtype="bfloat16", max_total_tokens=16384,
                 chunked_prefill_size=512, context_length=4096) as engine:
@@ -177,7 +167,7 @@ def main() -> None:
 
     head = (f"## End to end (bench/e2e.py)\nDeepSeek-V2-Lite shapes cut to {args.layers} layers, random weights, "
             f"CPU experts {args.kt_method}, device side bf16 on CPU ({cpu_model()}, torch threads {threads}).\n"
-            f"Measured in the same run: memory bandwidth {bw:.1f} GB/s (numpy read); one decode token reads "
+            f"Measured in the same run: memory bandwidth {bw:.1f} GB/s (numpy read, {threads} threads); one decode token reads "
             f"{per_token / 1e6:.0f} MB, so the bandwidth bound for batch-1 decode is {bw * 1e9 / per_token:.1f} tok/s.\n")
     table = ["| what | shape | ktlite | note |", "|---|---|---|---|"] + [f"| {' | '.join(r)} |" for r in rows]
     text = head + "\n" + "\n".join(table) + "\n"
