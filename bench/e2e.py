@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from cpu_moe import memory_bandwidth  # the same bandwidth reference as the CPU-expert bench
+from cpu_moe import cpu_model, memory_bandwidth  # the same references as the CPU-expert bench
 
 from ktlite import Engine
 from ktlite.runtime.models import build
@@ -124,13 +123,6 @@ def transformers_decode_rate(path: Path, prompt_len: int, gen: int) -> float:
         t2 = time.perf_counter()
     del model
     return (gen - 1) / ((t2 - t1) - (t1 - t0))
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ from ktlite.errors import CheckpointError
 from ktlite.kernels.cpu.moe import CPUMoE
 from ktlite.kernels.cpu.quant import QuantizedWeight, check_group_size, empty_quantized, normalize_kt_method, quantize_into
 from ktlite.runtime.loader import CheckpointReader
+from ktlite.runtime.models.config import parse_config
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +47,7 @@ _MODEL_KEYS = ("architectures", "hidden_size", "moe_intermediate_size", "n_route
 
 def moe_layer_indices(config: Mapping) -> list[int]:
     """MoE layers of a DeepSeek config: l >= first_k_dense_replace and l % moe_layer_freq == 0."""
-    if not config.get("n_routed_experts"):
-        return []
-    first, freq = int(config.get("first_k_dense_replace", 0)), int(config.get("moe_layer_freq", 1))
-    return [l for l in range(int(config["num_hidden_layers"])) if l >= first and l % freq == 0]
+    return parse_config(dict(config)).moe_layers
 
 
 def expert_tensor_name(layer: int, expert: int, proj: str) -> str:

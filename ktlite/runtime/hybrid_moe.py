@@ -129,14 +129,9 @@ class HybridMoE:
                 deferred = self.cpu.submit(self.layer_idx, x_cpu, later_ids.cpu(), w_cpu, mask_cpu)
         out = torch.zeros_like(x)
         if self.gpu_experts:
-            # Slots are local ids; experts elsewhere map to slot n_gpu, which the mask disables, so
-            # the weights need no padding row.
-            n_gpu = len(self.gpu_experts)
-            slots = self.slot_of[topk_ids]
-            local_ids = torch.where(slots >= 0, slots, n_gpu)
-            local_mask = torch.ones(n_gpu + 1, dtype=torch.bool, device=x.device)
-            local_mask[n_gpu] = False
-            out = fused_moe(x, self.w13, self.w2, local_ids, topk_weights, local_mask)
+            # Slots index the compact GPU stack; experts held elsewhere are slot -1, which fused_moe
+            # skips (ids outside [0, E) are "not on this device").
+            out = fused_moe(x, self.w13, self.w2, self.slot_of[topk_ids], topk_weights)
         if handle is not None:
             out = out + handle.wait().to(x.device, x.dtype)
         return out, deferred

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ktlite.errors import CheckpointError
+from ktlite.kernels.triton import fp8_dequantize
 from ktlite.runtime.models.config import parse_config
 
 logger = logging.getLogger(__name__)
@@ -31,8 +32,7 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: 
     expected = (-(-n // bn), -(-k // bk))
     if tuple(scale_inv.shape) != expected:
         raise CheckpointError(f"fp8 scale shape {tuple(scale_inv.shape)} does not match weight {n}x{k} in {bn}x{bk} blocks")
-    scales = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return weight.float() * scales
+    return fp8_dequantize(weight, scale_inv, torch.float32, block)
 
 
 class CheckpointReader:

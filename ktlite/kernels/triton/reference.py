@@ -124,13 +124,14 @@ def fused_moe_torch(
     return out.to(hidden.dtype)
 
 
-def fp8_dequantize(weight: torch.Tensor, weight_scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def fp8_dequantize(weight: torch.Tensor, weight_scale_inv: torch.Tensor, dtype: torch.dtype,
+                   block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)) -> torch.Tensor:
     """float8_e4m3fn [N, K] * its 128x128 block's scale_inv [ceil(N/128), ceil(K/128)] -> dtype.
 
     A CPU run should call this once at load time rather than per forward.
     """
     n, k = weight.shape
-    scale = weight_scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+    scale = weight_scale_inv.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
     return (weight.float() * scale).to(dtype)
 
 
