@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ktlite.errors import KtliteError
+from ktlite.kernels.cpu import moe as moe_module
 from ktlite.kernels.cpu.moe import CPUMoE
 from ktlite.kernels.cpu.quant import dequantize, relative_error
 
@@ -84,6 +85,31 @@ def test_bf16_prefill_close(moe):
     fast.layers = moe.layers
     try:
         assert relative_error(fast.forward(0, x, ids, w), reference(*stored(moe), x, ids, w)) < 2e-2
+    finally:
+        fast.pools.close()
+
+
+def bf16_reference(moe: CPUMoE, x, ids, w) -> torch.Tensor:
+    """The bf16 matmul path spelled out in torch: bf16 GEMMs on the stored weights, bf16 SiLU * mul, each
+    expert's bf16 output weighted and summed in fp32."""
+    gate, up, down = (t.bfloat16() for t in stored(moe))
+    out = torch.zeros(x.shape[0], H)
+    for e in torch.unique(ids).tolist():
+        tok, j = (ids == e).nonzero(as_tuple=True)
+        xb = x[tok].bfloat16()
+        y = (torch.nn.functional.silu(xb @ gate[e].T) * (xb @ up[e].T)) @ down[e].T
+        out.index_add_(0, tok, y.float() * w[tok, j][:, None])
+    return out
+
+
+@pytest.mark.parametrize("pair_batch", [4096, 50])  # 50: experts are run in several batches
+def test_bf16_prefill_path_is_the_bf16_torch_computation(moe, pair_batch, monkeypatch):
+    monkeypatch.setattr(moe_module, "PAIR_BATCH", pair_batch)
+    x, ids, w = routing(60)
+    fast = CPUMoE(moe.method, 64, prefill_threshold=1)  # every expert through the bf16 matmul path
+    fast.layers = moe.layers
+    try:
+        assert relative_error(fast.forward(0, x, ids, w), bf16_reference(moe, x, ids, w)) < 1e-5
     finally:
         fast.pools.close()
 

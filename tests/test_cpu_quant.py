@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 
+import numba
 import numpy as np
 import pytest
 import torch
 
 from ktlite.errors import ConfigError
+from ktlite.kernels.cpu.gemm import dequant_matrix
 from ktlite.kernels.cpu.quant import (
     check_group_size,
     dequantize,
@@ -95,3 +97,14 @@ def test_zero_group_stays_zero():
         deq = dequantize(quantize(w, method, 64))
         assert torch.isfinite(deq).all()
         torch.testing.assert_close(deq, w)
+
+
+@pytest.mark.parametrize("method", ["INT8", "INT4"])
+def test_bf16_dequantize_rounds_like_torch(method):
+    """The prefill path's dequantize-to-bf16 kernel (LLVM fptrunc: vcvtneps2bf16 on AVX512-BF16, integer
+    rounding elsewhere) gives exactly torch's round-to-nearest-even of the fp32 weights, over 60 decades."""
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * torch.logspace(-30, 30, 256)
+    qw = quantize(w, method, 64)
+    scratch = np.empty((numba.config.NUMBA_NUM_THREADS, 2, 256), np.float32)
+    got = dequant_matrix(qw.qweight, qw.scales, 6, 256, 256, torch.bfloat16, scratch)
+    assert torch.equal(got.view(torch.int16), dequantize(qw).to(torch.bfloat16).view(torch.int16))

@@ -82,6 +82,19 @@ def _load(builder, base, off):
     return builder.load(builder.gep(base, [off], inbounds=True))
 
 
+# software prefetch distance: with 2 streams per thread (gate and up rows) and FMA work between loads the
+# hardware prefetcher alone kept INT4 decode at ~60 % of memory bandwidth; 4 KiB ahead reaches ~100 %
+PREFETCH_BYTES = 4096
+
+
+def _prefetch(builder, base, off):
+    """Hint that the bytes at base[off + PREFETCH_BYTES] are needed soon (llvm.prefetch: read, keep in all caches)."""
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
+    ptr = builder.bitcast(builder.gep(base, [builder.add(off, _c64(PREFETCH_BYTES))]), _I8.as_pointer())
+    builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+
 def _hsum(builder, v):
     """Sum of a float vector's lanes, as a halving tree (extract upper half, add)."""
     n = v.type.count
@@ -129,6 +142,7 @@ def _int4_row_dot(typingctx, q, s, x, xs, gs):
             c = loop.index
             k0 = builder.shl(c, _c64(7))  # chunk c: bytes 64c.., weights 128c..
             b0 = builder.shl(c, _c64(6))
+            _prefetch(builder, qp, b0)
             sc = [_load(builder, sp, builder.lshr(builder.add(k0, _c64(32 * i)), gs)) for i in range(4)]
             o = builder.load(off)
             for i in range(4):
@@ -163,6 +177,7 @@ def _int8_row_dot(typingctx, q, s, x, gs):
         accs = [cgutils.alloca_once_value(builder, _cvec(_VF, 0.0)) for _ in range(2)]
         with cgutils.for_range(builder, builder.lshr(nb, _c64(6))) as loop:
             k0 = builder.shl(loop.index, _c64(6))
+            _prefetch(builder, qp, k0)
             f = [builder.sitofp(_vload(builder, qp, builder.add(k0, _c64(16 * p)), _V8), _VF) for p in range(4)]
             xv = [_vload(builder, xp, builder.add(k0, _c64(16 * p)), _VF) for p in range(4)]
             for h, acc in enumerate(accs):
@@ -189,6 +204,7 @@ def _bf16_row_dot(typingctx, q, x):
         accs = [cgutils.alloca_once_value(builder, _cvec(_VF, 0.0)) for _ in range(4)]
         with cgutils.for_range(builder, builder.lshr(n, _c64(6))) as loop:  # 64 weights per step
             k0 = builder.shl(loop.index, _c64(6))
+            _prefetch(builder, qp, k0)  # uint16 elements: twice the distance in bytes
             for p, acc in enumerate(accs):
                 k = builder.add(k0, _c64(16 * p))
                 w = _bf16_to_f32(builder, _vload(builder, qp, k, _V16))
@@ -233,11 +249,20 @@ def _f32_dot(typingctx, a, b):
     return sig, codegen
 
 
+class _BFloat(ir.Type):
+    """LLVM's bfloat (llvmlite has no class for it): fptrunc to it lets LLVM pick vcvtneps2bf16 where the
+    CPU has AVX512-BF16 and a round-to-nearest-even integer sequence elsewhere."""
+
+    def _to_string(self):
+        return "bfloat"
+
+
+_VBF = ir.VectorType(_BFloat(), _LANES)
+
+
 def _round_bf16(builder, v):
     """fp32 vector -> bf16 bits, round to nearest even (as torch's .to(bfloat16) for finite values)."""
-    b = builder.bitcast(v, _V32)
-    r = builder.add(builder.add(b, _cvec(_V32, 0x7FFF)), builder.and_(builder.lshr(b, _cvec(_V32, 16)), _cvec(_V32, 1)))
-    return builder.trunc(builder.lshr(r, _cvec(_V32, 16)), _V16)
+    return builder.bitcast(builder.fptrunc(v, _VBF), _V16)
 
 
 def _decoder(qdtype):
@@ -260,6 +285,7 @@ def _decoder(qdtype):
 
             with cgutils.for_range(builder, builder.lshr(nb, _c64(6))) as loop:
                 b0 = builder.shl(loop.index, _c64(6))
+                _prefetch(builder, qp, b0)
                 if int4:
                     k0 = builder.shl(loop.index, _c64(7))
                     for p in range(4):
@@ -417,3 +443,43 @@ def dequant_rows_bf16(q, s, group_shift, kp, scratch, out):
             buf = scratch[get_thread_id(), 0].view(np.uint16)[:kp]
             decode_row(q[n], s[n], buf, group_shift)
             out[n, :] = buf[:k]
+
+
+
+@intrinsic
+def _bf16_axpy(typingctx, out, w, y):
+    """out += w * y for fp32 `out` and bf16-bits `y` (1-D, same length)."""
+    if not (_is_vec(out, types.float32) and w == types.float32 and _is_vec(y, types.uint16)):
+        return None
+    sig = types.void(out, w, y)
+
+    def codegen(context, builder, sig, args):
+        (op, n), (yp, _) = _arrays(context, builder, types.void(sig.args[0], sig.args[2]), [args[0], args[2]], 2)
+        wv = _splat(builder, args[1])
+        with cgutils.for_range(builder, builder.lshr(n, _c64(4))) as loop:
+            k = builder.shl(loop.index, _c64(4))
+            y16 = _bf16_to_f32(builder, _vload(builder, yp, k, _V16))
+            _vstore(builder, _vfma(builder, wv, y16, _vload(builder, op, k, _VF)), op, k)
+        start = builder.and_(n, _c64(~15))
+        with cgutils.for_range(builder, builder.sub(n, start)) as loop:
+            k = builder.add(start, loop.index)
+            yk = builder.bitcast(builder.shl(builder.zext(_load(builder, yp, k), _I32), ir.Constant(_I32, 16)), _F32)
+            builder.store(builder.fma(args[1], yk, _load(builder, op, k)), builder.gep(op, [k], inbounds=True))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+SCATTER_COLS = 512  # columns per parallel task of scatter_add_bf16: a thread's block of `out` stays in L2
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def scatter_add_bf16(ys, tok_idx, tok_w, out):
+    """out[tok_idx[p]] += tok_w[p] * ys[p] for every pair p; ys [P, H] bf16 bits, out [T, H] fp32.
+    Parallel over column blocks, so a token chosen by several experts never races with itself."""
+    hidden = out.shape[1]
+    for c in prange((hidden + SCATTER_COLS - 1) // SCATTER_COLS):
+        c0 = c * SCATTER_COLS
+        c1 = min(hidden, c0 + SCATTER_COLS)
+        for p in range(ys.shape[0]):
+            _bf16_axpy(out[tok_idx[p], c0:c1], tok_w[p], ys[p, c0:c1])
