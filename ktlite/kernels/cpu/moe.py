@@ -24,7 +24,9 @@ Paths, per expert and call: an expert with fewer than `prefill_threshold` tokens
 method, DEFAULT_PREFILL_THRESHOLD) runs in the fused GEMV kernel (kernels.py: vector row dots straight
 from the stored bytes, fp32 math on the exact dequantized weights; decode is always this path); one
 with more is dequantized once (into per-thread buffers reused across experts and calls) and runs
-torch.matmul in `prefill_dtype` (gemm.py; bf16 is the fast choice, fp32 the exact one). Choosing
+torch.matmul in `prefill_dtype` (gemm.py; bf16 is the fast choice, fp32 the exact one); those experts
+run in batches of at most PAIR_BATCH (token, expert) pairs, so the element-wise SiLU * mul and the
+weighted scatter-add are one call per batch, not one per expert. Choosing
 per expert rather than by T matters: at T=16, V2-Lite experts see ~1.5 tokens each, V3's ~16.
 
 Threads: `num_threads` (--kt-cpuinfer) numba threads split into `threadpool_count`
