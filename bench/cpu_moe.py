@@ -340,7 +340,7 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> st
               "- The GEMV/oneDNN switch (DEFAULT_PREFILL_THRESHOLD) is 5 tokens per expert for INT4/INT8.",
               "- INT4 < 8 % error is out of reach for a 4-bit code with one scale per 64 gaussian weights: the "
               "rate-distortion bound at 4 bits is 2^-4 = 6.25 % per matrix; uniform levels with a per-group MSE "
-              "scale search measure 9.0 % at G=64 (8.1 % at G=32, 7.0 % at G=16), and even the MSE-optimal "
+              "scale search measure 9.0 % at G=64 (8.1 % at G=32, 7.0 % at G=16; these and the codebook figures from a one-off script on 8M gaussian weights, not this bench), and even the MSE-optimal "
               "16-level codebook (Lloyd-Max on the group-normalised weights, with the same scale search) measures "
               "8.65 % at G=64 (7.96 % at G=32). The MoE output compounds three matrices (~1.7x). Group-wise INT4 "
               "has 40 % less error than per-row INT4 at either level.",

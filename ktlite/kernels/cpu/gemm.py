@@ -33,14 +33,17 @@ def dequant_matrix(q: np.ndarray, s: np.ndarray, group_shift: int, kp: int, k: i
     return torch.from_numpy(out)
 
 
+def numpy_bits(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor; bf16 (which numpy lacks) as its uint16 bit patterns, as the kernels take it."""
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
 def stored_matmul(x: torch.Tensor, q: np.ndarray, s: np.ndarray, group_shift: int, kp: int, k: int,
                   scratch: np.ndarray, buf: torch.Tensor | None, out: torch.Tensor) -> None:
     """out [m, N] = x [m, K] @ W.T for one stored matrix W (q/s [N, ...]) in x's dtype, W dequantized into
     `buf` (flat, x's dtype, >= N * K elements; None for BF16 storage, whose rows are used in place)."""
-    flat = None if buf is None else buf.view(torch.int16).numpy().view(np.uint16) if buf.dtype == torch.bfloat16 \
-        else buf.numpy()
-    w = dequant_matrix(q, s, group_shift, kp, k, x.dtype, scratch,
-                       None if flat is None else flat[:q.shape[0] * k].reshape(q.shape[0], k))
+    dst = None if buf is None else numpy_bits(buf)[:q.shape[0] * k].reshape(q.shape[0], k)
+    w = dequant_matrix(q, s, group_shift, kp, k, x.dtype, scratch, dst)
     torch.matmul(x, w.T, out=out)
 
 

@@ -199,6 +199,10 @@ def _bf16_to_f32(builder, bits16):
     return builder.bitcast(builder.shl(builder.zext(bits16, _V32), _cvec(_V32, 16)), _VF)
 
 
+def _bf16_scalar_to_f32(builder, bits16):
+    return builder.bitcast(builder.shl(builder.zext(bits16, _I32), ir.Constant(_I32, 16)), _F32)
+
+
 @intrinsic
 def _bf16_row_dot(typingctx, q, x):
     if not (_is_vec(q, types.uint16) and _is_vec(x, types.float32)):
@@ -221,7 +225,7 @@ def _bf16_row_dot(typingctx, q, x):
         start = builder.and_(n, _c64(~63))
         with cgutils.for_range(builder, builder.sub(n, start)) as loop:  # BF16 rows are not padded
             k = builder.add(start, loop.index)
-            w = builder.bitcast(builder.shl(builder.zext(_load(builder, qp, k), _I32), ir.Constant(_I32, 16)), _F32)
+            w = _bf16_scalar_to_f32(builder, _load(builder, qp, k))
             builder.store(builder.fma(w, _load(builder, xp, k), builder.load(res)), res)
         return builder.load(res)
 
@@ -451,7 +455,6 @@ def dequant_rows_bf16(q, s, group_shift, kp, scratch, out):
             out[n, :] = buf[:k]
 
 
-
 @intrinsic
 def _bf16_axpy(typingctx, out, w, y):
     """out += w * y for fp32 `out` and bf16-bits `y` (1-D, same length)."""
@@ -469,7 +472,7 @@ def _bf16_axpy(typingctx, out, w, y):
         start = builder.and_(n, _c64(~15))
         with cgutils.for_range(builder, builder.sub(n, start)) as loop:
             k = builder.add(start, loop.index)
-            yk = builder.bitcast(builder.shl(builder.zext(_load(builder, yp, k), _I32), ir.Constant(_I32, 16)), _F32)
+            yk = _bf16_scalar_to_f32(builder, _load(builder, yp, k))
             builder.store(builder.fma(args[1], yk, _load(builder, op, k)), builder.gep(op, [k], inbounds=True))
         return context.get_dummy_value()
 

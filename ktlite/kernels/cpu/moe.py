@@ -283,10 +283,9 @@ class CPUMoE:
     def _run_pool(self, layer: ExpertLayer, work: _PoolWork, x: torch.Tensor) -> torch.Tensor:
         """One pool's share (runs in the pool's thread): experts with fewer than prefill_threshold
         tokens go through the fused GEMV kernel, the others through dequantize + matmul."""
-        counts = np.diff(work.tok_ptr)
+        heavy = np.diff(work.tok_ptr) >= self.prefill_threshold
         out = torch.zeros(x.shape[0], layer.hidden)
-        all_light = counts.max() < self.prefill_threshold  # decode: skip the two selections
-        light = work if all_light else work.select(counts < self.prefill_threshold)
+        light = work.select(~heavy) if heavy.any() else work  # decode: no selection to build
         if light.slots.size:
             gu, dn = layer.gate_up, layer.down
             # the row kernels read whole padded rows: x and act get zero columns up to Kp
@@ -295,9 +294,8 @@ class CPUMoE:
             act = np.zeros((light.tok_idx.size, layer.kp(dn)), np.float32)
             kernels.moe_rows(xp, light.slots, light.tok_ptr, light.tok_idx, light.tok_w, gu.qweight, gu.scales,
                              dn.qweight, dn.scales, self._group_shift, self._scratch(layer), act, out.numpy())
-        heavy = None if all_light else work.select(counts >= self.prefill_threshold)
-        if heavy is not None and heavy.slots.size:
-            self._run_matmul(layer, heavy, x.to(self.prefill_dtype), out)
+        if heavy.any():
+            self._run_matmul(layer, work.select(heavy), x.to(self.prefill_dtype), out)
         return out
 
     def _run_matmul(self, layer: ExpertLayer, w: _PoolWork, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -314,22 +312,23 @@ class CPUMoE:
             pairs = idx.numel()
             xs = torch.index_select(x, 0, idx, out=self._buffer("x", pairs * hidden).view(pairs, hidden))
             h = self._buffer("gate_up", pairs * 2 * inter).view(pairs, 2 * inter)
-            for m, slot in enumerate(batch.slots.tolist()):
-                lo, hi = batch.tok_ptr[m], batch.tok_ptr[m + 1]
-                gemm.stored_matmul(xs[lo:hi], gu.qweight[slot], gu.scales[slot], self._group_shift, layer.kp(gu),
-                                   hidden, scratch, weight, h[lo:hi])
+            self._per_expert_matmul(layer, batch, gu, xs, h, scratch, weight)
             gate = torch.nn.functional.silu(h[:, :inter], inplace=True)  # in place: no fresh [pairs, I] array
             act = torch.mul(gate, h[:, inter:], out=self._buffer("act", pairs * inter).view(pairs, inter))
             ys = self._buffer("down", pairs * hidden).view(pairs, hidden)
-            for m, slot in enumerate(batch.slots.tolist()):
-                lo, hi = batch.tok_ptr[m], batch.tok_ptr[m + 1]
-                gemm.stored_matmul(act[lo:hi], dn.qweight[slot], dn.scales[slot], self._group_shift, layer.kp(dn),
-                                   inter, scratch, weight, ys[lo:hi])
+            self._per_expert_matmul(layer, batch, dn, act, ys, scratch, weight)
             if dtype == torch.bfloat16:  # straight from the bf16 rows: no fp32 copy of ys
-                kernels.scatter_add_bf16(ys.view(torch.int16).numpy().view(np.uint16), batch.tok_idx, batch.tok_w,
-                                         out.numpy())
+                kernels.scatter_add_bf16(gemm.numpy_bits(ys), batch.tok_idx, batch.tok_w, out.numpy())
             else:
                 out.index_add_(0, idx, ys * torch.from_numpy(batch.tok_w)[:, None])
+
+    def _per_expert_matmul(self, layer: ExpertLayer, batch: _PoolWork, qw: QuantizedWeight, inp: torch.Tensor,
+                           res: torch.Tensor, scratch: np.ndarray, weight: torch.Tensor | None) -> None:
+        """Each expert's rows of `res` = its rows of `inp` @ its stored matrix of `qw`, transposed."""
+        for m, slot in enumerate(batch.slots.tolist()):
+            lo, hi = batch.tok_ptr[m], batch.tok_ptr[m + 1]
+            gemm.stored_matmul(inp[lo:hi], qw.qweight[slot], qw.scales[slot], self._group_shift, layer.kp(qw), qw.k,
+                               scratch, weight, res[lo:hi])
 
     def _scratch(self, layer: ExpertLayer) -> np.ndarray:
         # one pair of fp32 row buffers per numba thread, per calling (pool) thread, reused across calls
