@@ -30,3 +30,21 @@ def tiny_v3_fp8(tmp_path_factory) -> Path:
 def tiny_model(request, tiny_v3, tiny_v2) -> Path:
     """Each architecture in turn."""
     return tiny_v3 if request.param == "deepseek_v3" else tiny_v2
+
+
+GQA_FAMILIES = ("qwen3_moe", "minimax_m2", "glm4_moe")
+
+
+@pytest.fixture(scope="session")
+def hf_gqa_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Tiny GQA-family checkpoints written by transformers (see tests/hf_checkpoints.py)."""
+    from hf_checkpoints import write_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("hf_gqa")
+    return {family: write_hf_checkpoint(root / family, family, seed=i) for i, family in enumerate(GQA_FAMILIES)}
+
+
+@pytest.fixture(scope="session", params=GQA_FAMILIES)
+def tiny_gqa(request, hf_gqa_checkpoints) -> Path:
+    """Each GQA family in turn."""
+    return hf_gqa_checkpoints[request.param]

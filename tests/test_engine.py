@@ -120,7 +120,7 @@ def test_planned_bytes_equal_allocated_bytes(tiny_v3):
 
     with Engine(str(tiny_v3), **{**EXACT, "kt_num_gpu_experts": 6, "kt_gpu_prefill_token_threshold": 64}) as eng:
         plan = eng.runtime.plan
-        allocated = allocated_by_component(eng.runtime.runner.model.state_dict().items())
+        allocated = allocated_by_component(eng.runtime.runner.model)
         allocated.update(plan.allocated())
     for component in ("embeddings", "lm_head", "attention", "dense_mlp", "shared_experts", "norms_router",
                       "gpu_experts", "kv_pool", "request_table", "layerwise_buffer"):
@@ -195,7 +195,7 @@ def test_fp8_weights_kept_on_device_match_dequantized(tiny_v3_fp8):
         plan = eng.runtime.plan
         from ktlite.runtime.memory import allocated_by_component
 
-        allocated = allocated_by_component(eng.runtime.runner.model.state_dict().items())
+        allocated = allocated_by_component(eng.runtime.runner.model)
         allocated.update(plan.allocated())
         assert plan.weight_dtype == "fp8" and plan.mismatches(allocated) == {}
     assert [r.token_ids for r in kept] == [r.token_ids for r in dense]

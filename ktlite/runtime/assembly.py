@@ -26,7 +26,7 @@ from ktlite.runtime.kv_cache import KVPool
 from ktlite.runtime.loader import CheckpointReader, load_weights
 from ktlite.runtime.memory import MemoryPlan, PlanInputs, make_plan
 from ktlite.runtime.model_runner import ModelRunner
-from ktlite.runtime.models.config import DeepseekConfig, load_config
+from ktlite.runtime.models.config import ModelConfig, load_config
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +60,9 @@ class Runtime:
             self.cpu_moe.close()
 
 
-def expert_source(reader: CheckpointReader) -> ExpertSource:
+def expert_source(reader: CheckpointReader, cfg: ModelConfig) -> ExpertSource:
     def read(layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        prefix = f"model.layers.{layer}.mlp.experts.{expert}."
-        return tuple(reader.get(prefix + f"{p}_proj.weight", torch.float32) for p in ("gate", "up", "down"))
+        return tuple(reader.get(cfg.expert_weight_name(layer, expert, p), torch.float32) for p in ("gate", "up", "down"))
 
     return read
 
@@ -79,7 +78,7 @@ def _free_ram() -> int:
     return 8 * 2**30
 
 
-def plan_inputs(config: EngineConfig, cfg: DeepseekConfig) -> PlanInputs:
+def plan_inputs(config: EngineConfig, cfg: ModelConfig) -> PlanInputs:
     """The plan's view of the flags. On a CPU-only run the "GPU" is the CPU: without --gpu-memory it
     plans against half the free RAM, and the KV pool defaults to a few full contexts rather than
     all of that."""
@@ -105,7 +104,7 @@ def plan_inputs(config: EngineConfig, cfg: DeepseekConfig) -> PlanInputs:
     )
 
 
-def _load_cpu_experts(cpu: CPUMoE, source: ExpertSource, cfg: DeepseekConfig, placement: dict[int, list[int]]) -> None:
+def _load_cpu_experts(cpu: CPUMoE, source: ExpertSource, cfg: ModelConfig, placement: dict[int, list[int]]) -> None:
     todo = [(l, e) for l in cfg.moe_layers for e in range(cfg.n_routed_experts) if e not in placement[l]]
     for l in cfg.moe_layers:
         cpu_ids = [e for e in range(cfg.n_routed_experts) if e not in placement[l]]
@@ -130,7 +129,7 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
     model = models.build(cfg, device, dtype, routed_experts=False,
                          fp8_weights=config.keeps_fp8(cfg.fp8_block_size is not None), tp=tp)
     load_weights(model, reader, progress=progress, shards=getattr(model, "tp_shards", None))
-    source = expert_source(reader)
+    source = expert_source(reader, cfg)
 
     per_layer = plan.gpu_experts_total  # the plan resolved --kt-gpu-experts-ratio vs --kt-num-gpu-experts
     stats = ExpertStats.load(config.init_expert_location, cfg.n_routed_experts) if config.init_expert_location else None
@@ -180,9 +179,9 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
                                       remote_gpu_experts=others)
 
         context = plan.context_length
-        # every rank keeps the full latent pool: the MLA latent is per token, shared by all heads
-        pool = KVPool(cfg.num_hidden_layers, plan.kv_pool_tokens, cfg.kv_latent_dim, config.max_running_requests,
-                      context, config.torch_kv_dtype, device, alloc=alloc)
+        # what the family caches per token on this rank (a full MLA latent, or this rank's kv heads)
+        pool = KVPool(cfg.token_cache_specs(tp.size if tp is not None else 1), plan.kv_pool_tokens,
+                      config.max_running_requests, context, config.torch_kv_dtype, device, alloc=alloc)
         runner = ModelRunner(model, pool, moe_layers, config.kt_max_deferred_experts_per_token, tp=tp)
         if config.kt_max_deferred_experts_per_token:
             logger.info("--kt-max-deferred-experts-per-token %d: outputs change slightly (deferred experts "

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from ktlite.kernels.triton import fused_moe
-from ktlite.runtime.models.deepseek import MLP, Router
+from ktlite.runtime.models.layers import MLP, Router
 
 # (layer, expert) -> (gate [I, H], up [I, H], down [H, I]) in full precision
 ExpertSource = Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]

@@ -1,15 +1,19 @@
-"""Token-level KV pool in the MLA latent layout.
+"""Token-level KV pool: per-token cache entries of every layer, in the layout the model declares.
 
-Each layer has a buffer [num_slots, kv_lora_rank + qk_rope_head_dim]: slot s holds one token's
-latent. `req_to_token[row, pos]` maps a request's position to its slot, which is what the MLA
-kernels read. Slots and request rows come from free lists, so a request's tokens need not be
-contiguous and freeing is O(tokens). All freeing goes through `free_slots`, the one place a future
-prefix cache will put reference counts.
+A model family declares what it caches per token (`TokenCacheSpec`: MLA latent, GQA keys and values
+per kv-head, DSA index keys, ...), each for a set of layers. The pool allocates one buffer per spec,
+`[len(spec.layers), num_slots, *spec.shape]`, so slot s of every buffer holds one token's entry.
+`req_to_token[row, pos]` maps a request's position to its slot, which is what the attention kernels
+read. Slots and request rows come from free lists, so a request's tokens need not be contiguous and
+freeing is O(tokens). All freeing of token slots goes through `free_slots`, the one place a prefix
+cache puts reference counts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +26,27 @@ def _plain_alloc(component: str, shape: tuple[int, ...], dtype: torch.dtype, dev
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+@dataclass(frozen=True)
+class TokenCacheSpec:
+    """One kind of per-token cache entry: `shape` values per token for each layer in `layers`.
+
+    `dtype` None means the pool's KV dtype (--kv-cache-dtype); a spec can pin its own (e.g. fp32
+    scales beside fp8 keys)."""
+
+    name: str  # "latent", "k", "v", "index_key", ...
+    layers: tuple[int, ...]
+    shape: tuple[int, ...]  # per token per layer, on one tensor-parallel rank
+    dtype: torch.dtype | None = None
+
+    def bytes_per_token(self, kv_dtype: torch.dtype) -> int:
+        dtype = self.dtype or kv_dtype
+        return len(self.layers) * math.prod(self.shape) * dtype.itemsize
+
+
+def kv_bytes_per_token(specs: Sequence[TokenCacheSpec], kv_dtype: torch.dtype) -> int:
+    return sum(s.bytes_per_token(kv_dtype) for s in specs)
+
+
 class KVPoolFull(KtliteError):
     """Not enough free slots; the scheduler preempts or queues rather than letting this escape."""
 
@@ -29,9 +54,8 @@ class KVPoolFull(KtliteError):
 class KVPool:
     def __init__(
         self,
-        num_layers: int,
+        specs: Sequence[TokenCacheSpec],
         num_slots: int,
-        latent_dim: int,
         max_requests: int,
         max_context: int,
         dtype: torch.dtype,
@@ -39,9 +63,16 @@ class KVPool:
         alloc: Allocator = _plain_alloc,
     ):
         device = torch.device(device)
+        self.specs = {s.name: s for s in specs}
         self.num_slots, self.max_requests, self.max_context = num_slots, max_requests, max_context
-        self.buffer = alloc("kv_pool", (num_layers, num_slots, latent_dim), dtype, device)  # [L, S, D]
-        self.buffer.zero_()
+        self.device, self.dtype = device, dtype
+        # name -> [len(spec.layers), num_slots, *spec.shape]; dim 1 is the slot dim in every buffer
+        self.buffers: dict[str, torch.Tensor] = {}
+        self._layer_index: dict[str, dict[int, int]] = {}
+        for spec in specs:
+            buf = alloc("kv_pool", (len(spec.layers), num_slots, *spec.shape), spec.dtype or dtype, device)
+            self.buffers[spec.name] = buf.zero_()
+            self._layer_index[spec.name] = {layer: j for j, layer in enumerate(spec.layers)}
         self.req_to_token = alloc("request_table", (max_requests, max_context), torch.int32, device)
         self.req_to_token.zero_()
         # Free lists live on the host: allocation decisions are made by the scheduler in Python.
@@ -49,9 +80,9 @@ class KVPool:
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self._row_slots: dict[int, list[int]] = {}
 
-    def layer(self, layer_idx: int) -> torch.Tensor:
-        """[num_slots, latent_dim] view of one layer's latents."""
-        return self.buffer[layer_idx]
+    def buffer(self, name: str, layer_idx: int) -> torch.Tensor:
+        """[num_slots, *shape] view of one layer's entries of cache kind `name`."""
+        return self.buffers[name][self._layer_index[name][layer_idx]]
 
     @property
     def free_tokens(self) -> int:
@@ -84,7 +115,7 @@ class KVPool:
         slots.extend(new)
         new_t = torch.tensor(new, dtype=torch.int64)
         self.req_to_token[row, start : start + n] = new_t.to(self.req_to_token.device, torch.int32)
-        return new_t.to(self.buffer.device)
+        return new_t.to(self.device)
 
     def num_tokens(self, row: int) -> int:
         return len(self._row_slots[row])
@@ -97,6 +128,7 @@ class KVPool:
     def free_slots(self, slots: list[int]) -> None:
         self._free_slots.extend(reversed(slots))
 
-    def write(self, layer_idx: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
-        """Store latent [n, latent_dim] of new tokens at their slots [n]."""
-        self.buffer[layer_idx, slots] = latent.to(self.buffer.dtype)
+    def write(self, name: str, layer_idx: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Store values [n, *shape] of new tokens at their slots [n] in cache kind `name`."""
+        buf = self.buffer(name, layer_idx)
+        buf[slots] = values.to(buf.dtype)

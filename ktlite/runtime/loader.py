@@ -1,6 +1,6 @@
 """Read HF safetensors checkpoints tensor by tensor and copy them into a model.
 
-Handles one `model.safetensors`, shards listed by `model.safetensors.index.json`, and DeepSeek-V3's
+Handles one `model.safetensors`, shards listed by `model.safetensors.index.json`, and
 block-quantized FP8 weights (float8_e4m3fn + `<name>_scale_inv`, one float32 scale per 128x128
 block), which `get()` dequantizes. Nothing is read before it is asked for (`safe_open`), so RAM
 holds one tensor at a time beyond the model itself.
@@ -146,14 +146,16 @@ def load_weights(model: torch.nn.Module, reader: CheckpointReader, progress: boo
 
     Names match the HF checkpoint (FP8 layers' `weight_scale_inv` included); a tied lm_head falls
     back to the embedding. Checkpoint tensors the
-    model does not have (e.g. DeepSeek-V3's multi-token-prediction layer) are not read.
+    model does not have (e.g. multi-token-prediction layers) are not read. Model tensor names map to
+the checkpoint's through `model.checkpoint_name` (families whose hub names differ define it).
     """
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    checkpoint_name = getattr(model, "checkpoint_name", lambda n: n)  # families whose checkpoints differ
     targets = model.state_dict()
     shards = shards or {}
     for name, target in tqdm(targets.items(), desc="loading weights", unit="tensor", disable=not progress):
-        source = name
-        if name == "lm_head.weight" and tied and name not in reader:
+        source = checkpoint_name(name)
+        if name == "lm_head.weight" and tied and source not in reader:
             source = "model.embed_tokens.weight"
         weight_of = name.removesuffix(SCALE_SUFFIX) if name.endswith(SCALE_SUFFIX) else None
         shard = shards.get(weight_of if weight_of is not None else name)

@@ -1,16 +1,16 @@
 """The GPU memory plan: bytes per component per device, computed before anything is allocated.
 
-Inputs are the model's `DeepseekConfig` and the serving flags (`PlanInputs`, SGLang/KTransformers
+Inputs are the model's config (any family, `ktlite.runtime.models.ModelConfig`) and the serving flags (`PlanInputs`, SGLang/KTransformers
 names). The plan has one table per tensor-parallel rank (`RankPlan`), because under TP each GPU holds
 its own shard:
 
-- MLA heads are split: q_proj / q_b_proj / kv_b_proj column-parallel, o_proj row-parallel;
-  q_a_proj, kv_a_proj_with_mqa and every norm are replicated;
-- dense MLP and shared experts are split along the intermediate size;
-- embeddings and lm_head are vocab-parallel (ceil(vocab / tp) rows per rank);
+- weights: exactly the shapes of the rank's shard of the model, built on the meta device
+  (`models.build(..., device="meta", tp=...)`, see `tp_layers.py` for the split), so planned and
+  allocated bytes agree by construction; each module's `plan_component` tag names its component;
 - routers (fp32) are replicated; the GPU routed experts are expert-parallel (each rank holds 1/tp of
   each layer's GPU experts, the first `count % tp` ranks one more);
-- every rank keeps a full copy of the MLA latent KV pool (the latent is shared by all heads).
+- the KV pool holds what the family declares per token per rank (`cfg.token_cache_specs(tp)`: e.g.
+  a full MLA latent on every rank, or this rank's GQA kv heads).
 
 The budget rule (stated again in every verdict):
     static budget   = mem_fraction_static x device memory  >= weights + GPU experts + KV pool
@@ -21,7 +21,7 @@ fragmentation. Without `max_total_tokens` the KV pool takes every whole token th
 leaves (the same count on all ranks); with it, the pool has exactly that size. Either way the pool
 must hold at least one prefill chunk.
 
-Weight bytes follow the GPU weight format (`dtype`): "fp8" (the default "auto" for DeepSeek's
+Weight bytes follow the GPU weight format (`dtype`): "fp8" (the default "auto" for
 block-FP8 checkpoints) stores each linear projection as 1 byte per value plus one float32 scale per
 128x128 block (ceil(N/128) * ceil(K/128) * 4 bytes); embeddings, lm_head and norms stay in the
 activation dtype (bf16) and routers in float32, exactly as the checkpoints store them. "bfloat16",
@@ -31,15 +31,15 @@ API for the runtime:
     inputs = PlanInputs(gpu_memory="24GiB", kt_num_gpu_experts=4, ...)    # validates; ConfigError
     plan = make_plan(cfg, inputs)            # raises PlanDoesNotFit (a PlanError) before allocating
     plan.kv_pool_tokens, plan.kv_bytes_per_token, plan.gpu_experts_per_layer[rank]
-    kv = plan.alloc("kv_pool", (layers, tokens, plan.cfg.kv_latent_dim), dtype, device, rank)
+    kv = plan.alloc("kv_pool", shape, dtype, device, rank)       # KVPool(..., alloc=plan.alloc)
     planned = plan.bytes("attention", rank)
-    allocated = allocated_by_component(model.named_parameters())  # names -> component_of()
+    allocated = allocated_by_component(model)                      # module tags -> components
     allocated.update(plan.allocated(rank))                         # what went through alloc()
     assert not plan.mismatches(allocated, rank)                    # {} when within 1 %
     print(plan.format_table())
-`component_of(name)` maps every HF parameter/buffer name of the reference model (and FP8
-`*_scale_inv` tensors) to its component; routed experts map to "gpu_experts" because a routed
-expert tensor that lives on the GPU is a GPU expert.
+`components_of(model)` maps every parameter/buffer of a model to its component through the
+`plan_component` tags of its modules; routed experts map to "gpu_experts" because a routed expert
+tensor that lives on the GPU is a GPU expert.
 """
 
 from __future__ import annotations
@@ -47,16 +47,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
+from torch import nn
 
 from ktlite.errors import ConfigError, PlanError
-from ktlite.runtime.models.config import DeepseekConfig
+from ktlite.runtime.kv_cache import kv_bytes_per_token
+from ktlite.runtime.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -167,11 +169,9 @@ class _Resolved:
     chunk_tokens: int  # prompt tokens in one prefill forward
 
 
-def _resolve(cfg: DeepseekConfig, inputs: PlanInputs) -> _Resolved:
+def _resolve(cfg: ModelConfig, inputs: PlanInputs) -> _Resolved:
     tp = inputs.tensor_parallel_size
-    if cfg.num_attention_heads % tp:
-        raise ConfigError(f"--tensor-parallel-size {tp}: the model's {cfg.num_attention_heads} attention heads "
-                          "must split evenly across the GPUs")
+    cfg.check_tensor_parallel(tp)
     if inputs.dtype == "fp8" and cfg.fp8_block_size is None:
         raise ConfigError("--dtype fp8: this checkpoint is not block-FP8; use auto/bfloat16/float16/float32")
     weight = ("fp8" if cfg.fp8_block_size else "bfloat16") if inputs.dtype == "auto" else inputs.dtype
@@ -192,115 +192,80 @@ def _resolve(cfg: DeepseekConfig, inputs: PlanInputs) -> _Resolved:
 
 # ---- what each rank holds --------------------------------------------------------------------
 
-_DENSE_MLP = re.compile(r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.weight")
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                 "fp8_e4m3": torch.float8_e4m3fn}
 
 
-def component_of(name: str) -> str:
-    """The plan component of a reference-model parameter/buffer (or its FP8 `_scale_inv`)."""
-    base = name.removesuffix("_scale_inv")
-    if base.startswith("model.embed_tokens."):
-        return "embeddings"
-    if base.startswith("lm_head."):
-        return "lm_head"
-    if base.endswith("norm.weight") or ".mlp.gate." in base or base == "model.rotary.inv_freq":
-        return "norms_router"
-    if ".mlp.experts." in base:
-        return "gpu_experts"
-    if ".mlp.shared_experts." in base:
-        return "shared_experts"
-    if ".self_attn." in base:
-        return "attention"
-    if _DENSE_MLP.fullmatch(base):
-        return "dense_mlp"
-    raise ValueError(f"{name!r} has no memory-plan component; add it to ktlite.runtime.memory.component_of")
+def components_of(model: nn.Module) -> dict[str, str]:
+    """{parameter or buffer name: plan component} from the modules' `plan_component` tags (the
+    innermost tagged module of a tensor wins)."""
+    out: dict[str, str] = {}
 
+    def visit(module: nn.Module, prefix: str, component: str | None) -> None:
+        component = getattr(module, "plan_component", component)
+        for name, _ in chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False)):
+            if component is None:
+                raise ValueError(f"{prefix}{name} has no memory-plan component: tag its module with plan_component")
+            out.setdefault(prefix + name, component)
+        for name, child in module.named_children():
+            visit(child, f"{prefix}{name}.", component)
 
-def allocated_by_component(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
-    """Bytes per component of (name, tensor) pairs, e.g. model.named_parameters() (lists a tied
-    tensor once) chained with named_buffers()."""
-    out: dict[str, int] = defaultdict(int)
-    for name, tensor in named_tensors:
-        out[component_of(name)] += tensor.numel() * tensor.element_size()
-    return dict(out)
-
-
-def _mlp_shapes(prefix: str, hidden: int, inter: int) -> Iterator[tuple[str, tuple[int, ...]]]:
-    yield prefix + "gate_proj.weight", (inter, hidden)
-    yield prefix + "up_proj.weight", (inter, hidden)
-    yield prefix + "down_proj.weight", (hidden, inter)
-
-
-def _rank_shapes(cfg: DeepseekConfig, tp: int) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(HF name, shape on one rank) of every GPU tensor of the model except the routed experts."""
-    h, heads = cfg.hidden_size, cfg.num_attention_heads // tp
-    yield "model.embed_tokens.weight", (_ceil_div(cfg.vocab_size, tp), h)
-    if not cfg.tie_word_embeddings:  # tied: lm_head is the embedding tensor, counted once
-        yield "lm_head.weight", (_ceil_div(cfg.vocab_size, tp), h)
-    yield "model.norm.weight", (h,)
-    yield "model.rotary.inv_freq", (cfg.qk_rope_head_dim // 2,)
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (h,)
-        yield p + "post_attention_layernorm.weight", (h,)
-        a = p + "self_attn."
-        if cfg.q_lora_rank is None:
-            yield a + "q_proj.weight", (heads * cfg.qk_head_dim, h)
-        else:
-            yield a + "q_a_proj.weight", (cfg.q_lora_rank, h)
-            yield a + "q_a_layernorm.weight", (cfg.q_lora_rank,)
-            yield a + "q_b_proj.weight", (heads * cfg.qk_head_dim, cfg.q_lora_rank)
-        yield a + "kv_a_proj_with_mqa.weight", (cfg.kv_latent_dim, h)
-        yield a + "kv_a_layernorm.weight", (cfg.kv_lora_rank,)
-        yield a + "kv_b_proj.weight", (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
-        yield a + "o_proj.weight", (h, heads * cfg.v_head_dim)
-        if not cfg.is_moe_layer(i):
-            yield from _mlp_shapes(p + "mlp.", h, _ceil_div(cfg.intermediate_size, tp))
-            continue
-        yield p + "mlp.gate.weight", (cfg.n_routed_experts, h)
-        if cfg.topk_method == "noaux_tc":
-            yield p + "mlp.gate.e_score_correction_bias", (cfg.n_routed_experts,)
-        if cfg.n_shared_experts:
-            shared = _ceil_div(cfg.moe_intermediate_size * cfg.n_shared_experts, tp)
-            yield from _mlp_shapes(p + "mlp.shared_experts.", h, shared)
-
-
-def _tensor_bytes(cfg: DeepseekConfig, name: str, shape: tuple[int, ...], weight: str, act: str) -> int:
-    numel = math.prod(shape)
-    if ".mlp.gate." in name or name == "model.rotary.inv_freq":
-        return numel * 4  # routers and rope frequencies stay float32
-    if not name.endswith("proj.weight") and not name.endswith("proj_with_mqa.weight"):
-        return numel * _DTYPE_BYTES[act]  # embeddings, lm_head, norms
-    if weight != "fp8":
-        return numel * _DTYPE_BYTES[weight]
-    bn, bk = cfg.fp8_block_size or (128, 128)
-    return numel + _ceil_div(shape[0], bn) * _ceil_div(shape[1], bk) * 4  # + one fp32 scale per block
-
-
-@functools.lru_cache(maxsize=64)
-def _weight_bytes(cfg: DeepseekConfig, tp: int, weight: str, act: str) -> dict[str, int]:
-    """Bytes per component of one rank's non-expert weights (cached: knob searches re-plan often)."""
-    out = dict.fromkeys(WEIGHT_COMPONENTS, 0)
-    for name, shape in _rank_shapes(cfg, tp):
-        out[component_of(name)] += _tensor_bytes(cfg, name, shape, weight, act)
+    visit(model, "", None)
     return out
 
 
-def expert_bytes(cfg: DeepseekConfig, weight_dtype: str) -> int:
+def allocated_by_component(model: nn.Module) -> dict[str, int]:
+    """Bytes per component of a model's parameters and buffers (a tied or shared tensor once)."""
+    owner = components_of(model)
+    out: dict[str, int] = defaultdict(int)
+    seen: set[int] = set()
+    for name, tensor in chain(model.named_parameters(), model.named_buffers()):
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        out[owner[name]] += tensor.numel() * tensor.element_size()
+    return dict(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _weight_bytes(cfg: ModelConfig, tp: int, weight: str, act: str) -> dict[str, int]:
+    """Bytes per component of one rank's non-expert weights: the rank's shard built on the meta
+    device (cached: knob searches re-plan often)."""
+    from ktlite.runtime.models import build
+    from ktlite.runtime.models.tp_layers import TPContext
+
+    model = build(cfg, "meta", _TORCH_DTYPES[act], routed_experts=False, fp8_weights=weight == "fp8",
+                  tp=TPContext(0, tp) if tp > 1 else None)
+    if weight != "fp8" and weight != act:
+        raise ValueError(f"weights {weight} with activations {act}")
+    return {**dict.fromkeys(WEIGHT_COMPONENTS, 0), **allocated_by_component(model)}
+
+
+def _linear_bytes(cfg: ModelConfig, out_features: int, in_features: int, weight: str) -> int:
+    numel = out_features * in_features
+    if weight != "fp8":
+        return numel * _DTYPE_BYTES[weight]
+    bn, bk = cfg.fp8_block_size or (128, 128)
+    return numel + _ceil_div(out_features, bn) * _ceil_div(in_features, bk) * 4  # + one fp32 scale per block
+
+
+def expert_bytes(cfg: ModelConfig, weight_dtype: str) -> int:
     """Bytes of one routed expert (gate, up, down) in a GPU weight format."""
-    shapes = _mlp_shapes(f"model.layers.{cfg.first_k_dense_replace}.mlp.experts.0.", cfg.hidden_size, cfg.moe_intermediate_size)
-    return sum(_tensor_bytes(cfg, name, shape, weight_dtype, weight_dtype) for name, shape in shapes)
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    return 2 * _linear_bytes(cfg, i, h, weight_dtype) + _linear_bytes(cfg, h, i, weight_dtype)
 
 
-def workspace_bytes(cfg: DeepseekConfig, tokens: int, logits_rows: int, tp: int, act: str, gpu_moe: bool) -> int:
+def workspace_bytes(cfg: ModelConfig, tokens: int, logits_rows: int, tp: int, act: str, gpu_moe: bool) -> int:
     """Estimated activation bytes of one forward of `tokens` tokens on one rank (an upper bound:
     tensors of a phase are summed as if none were freed early).
 
-    With a = activation bytes, H = hidden, h = heads per rank, D = kv_lora_rank + qk_rope_head_dim:
+    With a = activation bytes, H = hidden:
       per token:
         stream    4 H a                     residual, normed input, layer output, CPU-expert result
         + max(attention, mlp), where
-        attention (q_lora + h qk_head_dim + D + h D + h kv_lora_rank + h v_head_dim) a
-                                            q_a, q, new latent, absorbed q, latent output, W_UV output
+        attention cfg.attention_workspace(tp) a   what the family's attention holds at once
+                                            (MLA: q_a, q, latent, absorbed q, latent output, W_UV output;
+                                             GQA: q, k, v, output)
         mlp       max(dense: 3 I/tp a,
                       moe: router 2 E 4 + k 12  (fp32 logits + scores, top-k ids + weights)
                            + shared 3 I_shared/tp a
@@ -309,18 +274,15 @@ def workspace_bytes(cfg: DeepseekConfig, tokens: int, logits_rows: int, tp: int,
       plus logits_rows x vocab x 4 (fp32 logits of the last token of each request, vocab gathered).
     """
     a = _DTYPE_BYTES[act]
-    h, heads = cfg.hidden_size, cfg.num_attention_heads // tp
-    attention = (
-        (cfg.q_lora_rank or 0) + heads * cfg.qk_head_dim + cfg.kv_latent_dim + heads * cfg.kv_latent_dim
-        + heads * cfg.kv_lora_rank + heads * cfg.v_head_dim
-    ) * a
+    h = cfg.hidden_size
+    attention = cfg.attention_workspace(tp) * a
     has_dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     dense = 3 * _ceil_div(cfg.intermediate_size, tp) * a if has_dense else 0
     moe = 0
     if cfg.moe_layers:
         k = cfg.num_experts_per_tok
         moe = 2 * cfg.n_routed_experts * 4 + k * 12
-        moe += 3 * _ceil_div(cfg.moe_intermediate_size * cfg.n_shared_experts, tp) * a
+        moe += 3 * _ceil_div(cfg.shared_intermediate_size, tp) * a
         if gpu_moe:
             moe += k * (cfg.moe_intermediate_size + h) * a + 4 * h
     per_token = 4 * h * a + max(attention, dense, moe)
@@ -378,7 +340,7 @@ class Suggestion:
 
 @dataclass
 class MemoryPlan:
-    cfg: DeepseekConfig
+    cfg: ModelConfig
     inputs: PlanInputs
     weight_dtype: str
     kv_dtype: str
@@ -500,7 +462,7 @@ class PlanDoesNotFit(PlanError):
         )
 
 
-def _plan(cfg: DeepseekConfig, inputs: PlanInputs, device_bytes: tuple[int, ...]) -> MemoryPlan:
+def _plan(cfg: ModelConfig, inputs: PlanInputs, device_bytes: tuple[int, ...]) -> MemoryPlan:
     """The plan for given device sizes, fitting or not (pure arithmetic, allocates nothing)."""
     res = _resolve(cfg, inputs)
     tp, frac = inputs.tensor_parallel_size, inputs.mem_fraction_static
@@ -508,7 +470,8 @@ def _plan(cfg: DeepseekConfig, inputs: PlanInputs, device_bytes: tuple[int, ...]
     per_expert = expert_bytes(cfg, res.weight_dtype)
     moe_layers = len(cfg.moe_layers)
     experts_on = tuple(res.gpu_experts // tp + (r < res.gpu_experts % tp) for r in range(tp))
-    kv_per_token = cfg.num_hidden_layers * cfg.kv_latent_dim * _DTYPE_BYTES[res.kv_dtype]
+    cache_specs = cfg.token_cache_specs(tp)
+    kv_per_token = kv_bytes_per_token(cache_specs, _TORCH_DTYPES[res.kv_dtype])
     request_table = inputs.max_running_requests * res.context_length * 4  # int32 token slots per request
     static_budget = [int(frac * d) for d in device_bytes]
     fixed = [sum(weights.values()) + experts_on[r] * moe_layers * per_expert + request_table for r in range(tp)]
@@ -535,11 +498,10 @@ def _plan(cfg: DeepseekConfig, inputs: PlanInputs, device_bytes: tuple[int, ...]
             "lm_head": "tied to the embeddings" if cfg.tie_word_embeddings else f"{shard:,} vocab rows x {cfg.hidden_size}, {res.act_dtype}",
             "attention": f"{cfg.num_hidden_layers} layers, {heads} of {cfg.num_attention_heads} heads, {res.weight_dtype}",
             "dense_mlp": f"{cfg.num_hidden_layers - moe_layers} layers, intermediate {_ceil_div(cfg.intermediate_size, tp)}",
-            "shared_experts": f"{moe_layers} layers x {cfg.n_shared_experts}",
+            "shared_experts": f"{moe_layers} layers, intermediate {cfg.shared_intermediate_size}" if cfg.shared_intermediate_size else "none",
             "norms_router": "norms (replicated), fp32 routers, rope table",
             "gpu_experts": f"{experts_on[r]} per layer x {moe_layers} layers x {per_expert:,} B",
-            "kv_pool": f"{kv_tokens:,} tokens x {kv_per_token:,} B ({cfg.num_hidden_layers} x {cfg.kv_latent_dim} "
-                       f"x {res.kv_dtype})",
+            "kv_pool": f"{kv_tokens:,} tokens x {kv_per_token:,} B ({_cache_note(cache_specs)} x {res.kv_dtype})",
             "request_table": f"{inputs.max_running_requests} requests x {res.context_length:,} token slots, int32",
             "prefill_workspace": f"estimate for {forward_tokens:,} tokens per forward",
             "layerwise_buffer": f"one MoE layer's {lw_experts} experts" if layerwise else "off (no --kt-gpu-prefill-token-threshold)",
@@ -568,6 +530,16 @@ def _plan(cfg: DeepseekConfig, inputs: PlanInputs, device_bytes: tuple[int, ...]
     )
 
 
+def _cache_note(specs) -> str:
+    """'61 layers x 576' (MLA latent) or '48 layers x (k 4x128 + v 4x128)' (GQA)."""
+    groups: dict[int, list[str]] = defaultdict(list)
+    for spec in specs:
+        groups[len(spec.layers)].append(f"{spec.name} {'x'.join(map(str, spec.shape))}")
+    parts = [f"{n} layers x " + (items[0].split(" ", 1)[1] if len(items) == 1 else f"({' + '.join(items)})")
+             for n, items in groups.items()]
+    return " + ".join(parts)
+
+
 def _device_bytes(inputs: PlanInputs) -> tuple[int, ...]:
     tp = inputs.tensor_parallel_size
     if inputs.gpu_memory is not None:
@@ -580,6 +552,14 @@ def _device_bytes(inputs: PlanInputs) -> tuple[int, ...]:
     return tuple(torch.cuda.mem_get_info(r)[0] for r in range(tp))  # free bytes: what we can still allocate
 
 
+def _splits(cfg: ModelConfig, tp: int) -> bool:
+    try:
+        cfg.check_tensor_parallel(tp)
+    except ConfigError:
+        return False
+    return True
+
+
 def _largest(ok: Callable[[int], bool], lo: int, hi: int) -> int | None:
     """Largest v in [lo, hi] with ok(v), for ok true up to some point and false after; None if ok(lo) fails."""
     if hi < lo or not ok(lo):
@@ -590,7 +570,7 @@ def _largest(ok: Callable[[int], bool], lo: int, hi: int) -> int | None:
     return lo
 
 
-def _experts_suggestion(cfg: DeepseekConfig, inputs: PlanInputs, count: int) -> Suggestion:
+def _experts_suggestion(cfg: ModelConfig, inputs: PlanInputs, count: int) -> Suggestion:
     """At most `count` GPU experts per layer, phrased in the flag the user set (the ratio wins)."""
     if inputs.kt_gpu_experts_ratio is None:
         return Suggestion(f"--kt-num-gpu-experts <= {count}", "kt_num_gpu_experts", count)
@@ -598,7 +578,7 @@ def _experts_suggestion(cfg: DeepseekConfig, inputs: PlanInputs, count: int) -> 
     return Suggestion(f"--kt-gpu-experts-ratio <= {ratio:g} ({count} experts per layer)", "kt_gpu_experts_ratio", ratio)
 
 
-def _suggestions(cfg: DeepseekConfig, inputs: PlanInputs, devices: tuple[int, ...], plan: MemoryPlan) -> list[Suggestion]:
+def _suggestions(cfg: ModelConfig, inputs: PlanInputs, devices: tuple[int, ...], plan: MemoryPlan) -> list[Suggestion]:
     """Every single-flag change that makes the plan fit, each at the largest (or smallest) value that does."""
 
     def replan(**changes: object) -> MemoryPlan:
@@ -639,7 +619,7 @@ def _suggestions(cfg: DeepseekConfig, inputs: PlanInputs, devices: tuple[int, ..
     weights_alone = any(sum(rp.bytes(c) for c in WEIGHT_COMPONENTS) > rp.static_budget for rp in plan.ranks)
     if not out or weights_alone:
         for tp in TENSOR_PARALLEL_CHOICES:
-            if tp > inputs.tensor_parallel_size and cfg.num_attention_heads % tp == 0 and fits(tensor_parallel_size=tp):
+            if tp > inputs.tensor_parallel_size and _splits(cfg, tp) and fits(tensor_parallel_size=tp):
                 out.append(Suggestion(f"--tensor-parallel-size {tp} ({tp} GPUs like this one)", "tensor_parallel_size", tp))
                 break
         if cfg.fp8_block_size and plan.weight_dtype != "fp8" and fits(dtype="fp8"):
@@ -650,7 +630,7 @@ def _suggestions(cfg: DeepseekConfig, inputs: PlanInputs, devices: tuple[int, ..
     return out
 
 
-def _combined(cfg: DeepseekConfig, inputs: PlanInputs, replan: Callable[..., MemoryPlan]) -> list[Suggestion]:
+def _combined(cfg: ModelConfig, inputs: PlanInputs, replan: Callable[..., MemoryPlan]) -> list[Suggestion]:
     """When no single flag is enough: the most GPU experts that fit with the KV pool sized by what
     is left and no layerwise buffer, and that pool's size."""
     base = {"kt_gpu_experts_ratio": None, "max_total_tokens": None, "kt_gpu_prefill_token_threshold": None}
@@ -668,7 +648,7 @@ def _combined(cfg: DeepseekConfig, inputs: PlanInputs, replan: Callable[..., Mem
     return [Suggestion(" with ".join(parts))]
 
 
-def make_plan(cfg: DeepseekConfig, inputs: PlanInputs) -> MemoryPlan:
+def make_plan(cfg: ModelConfig, inputs: PlanInputs) -> MemoryPlan:
     """The memory plan per GPU; raises PlanDoesNotFit (a PlanError) listing components and fixes."""
     devices = _device_bytes(inputs)
     plan = _plan(cfg, inputs, devices)

@@ -57,7 +57,6 @@ import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import chain
 
 import torch
 import torch.distributed as dist
@@ -101,7 +100,7 @@ def validate(config: EngineConfig) -> None:
 def rank_allocated(runtime: Runtime, rank: int) -> dict[str, int]:
     """Bytes per plan component this rank holds: model tensors plus what went through plan.alloc."""
     model = runtime.runner.model
-    out = allocated_by_component(chain(model.named_parameters(), model.named_buffers()))
+    out = allocated_by_component(model)
     out.update(runtime.plan.allocated(rank))
     return out
 

@@ -1,7 +1,9 @@
-"""Write small random DeepSeek-V2/V3 checkpoints in HF format (the demo model and test fixtures).
+"""Write small random checkpoints of every family in HF format (the demo model and test fixtures).
 
-The shapes are tiny but exercise every feature: q_lora_rank set (V3) and None (V2), dense layers
-before MoE layers, expert groups, shared experts, YaRN rope with mscale. Weights are drawn with a
+The shapes are tiny but exercise every feature: MLA with q_lora_rank set (DeepSeek-V3) and None
+(V2), dense layers before MoE layers, expert groups, shared experts, YaRN rope with mscale; GQA with
+per-head or per-layer q/k norms, attention bias, partial rotary, sigmoid routers with a correction
+bias. Weights are drawn with a
 larger spread than real initialisations so router choices and argmaxes are decisive (no near-ties
 that rounding could flip when comparing implementations).
 """
@@ -40,18 +42,9 @@ CONTEXT = 512
 _COMMON = {
     "hidden_size": 64,
     "intermediate_size": 128,
-    "moe_intermediate_size": 32,
     "num_hidden_layers": 3,
     "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "kv_lora_rank": 32,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 16,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
     "hidden_act": "silu",
-    "attention_bias": False,
     "attention_dropout": 0.0,
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
@@ -61,9 +54,21 @@ _COMMON = {
     "use_cache": True,
     "torch_dtype": "bfloat16",
 }
+_MLA = {
+    "moe_intermediate_size": 32,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "attention_bias": False,
+}
 
 ARCH_CONFIGS = {
     "deepseek_v3": {
+        **_MLA,
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
         "q_lora_rank": 48,
@@ -80,6 +85,7 @@ ARCH_CONFIGS = {
                          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
     },
     "deepseek_v2": {
+        **_MLA,
         "architectures": ["DeepseekV2ForCausalLM"],
         "model_type": "deepseek_v2",
         "q_lora_rank": None,
@@ -94,6 +100,53 @@ ARCH_CONFIGS = {
         "routed_scaling_factor": 1.5,
         "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
                          "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    },
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+        "attention_bias": False,
+    },
+    "minimax_m2": {
+        "architectures": ["MiniMaxM2ForCausalLM"],
+        "model_type": "minimax_m2",
+        "intermediate_size": 32,  # MiniMax names the routed expert size intermediate_size
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rotary_dim": 8,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 4,
+        "use_qk_norm": True,
+        "qk_norm_type": "per_layer",
+        "scoring_func": "sigmoid",
+        "use_routing_bias": True,
+        "routed_scaling_factor": 1.0,
+    },
+    "glm4_moe": {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "partial_rotary_factor": 0.5,
+        "attention_bias": True,
+        "use_qk_norm": True,
+        "n_routed_experts": 16,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 32,
+        "n_group": 4,
+        "topk_group": 2,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1,
+        "num_nextn_predict_layers": 0,
     },
 }
 
@@ -182,15 +235,24 @@ def write_tiny_model(
     model = build(parse_config(raw), "cpu", torch.float32)
     tensors: dict[str, torch.Tensor] = {}
     for name, value in _random_state(model, seed).items():
+        stored = model.checkpoint_name(name)
         if fp8 and _is_fp8_target(name):
-            tensors[name], tensors[name + "_scale_inv"] = _fp8_quantize(value)
+            tensors[stored], tensors[stored + "_scale_inv"] = _fp8_quantize(value)
         elif name.endswith(("mlp.gate.weight", "e_score_correction_bias")):
-            tensors[name] = value  # the router stays float32, as in DeepSeek checkpoints
+            tensors[stored] = value  # routers stay float32, as in the published checkpoints
         else:
-            tensors[name] = value.to(dtype)
+            tensors[stored] = value.to(dtype)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(raw, indent=2))
+    write_tokenizer_files(path, tokenizer)
+    logger.info("wrote tiny %s checkpoint to %s", arch, path)
+    return path
+
+
+def write_tokenizer_files(path: Path, tokenizer: Tokenizer) -> None:
+    """tokenizer.json, tokenizer_config.json (with the chat template) and generation_config.json."""
     tokenizer.save(str(path / "tokenizer.json"))
+    bos, eos = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
@@ -201,8 +263,4 @@ def write_tiny_model(
         "chat_template": CHAT_TEMPLATE,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
-    (path / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]}, indent=2)
-    )
-    logger.info("wrote tiny %s checkpoint to %s", arch, path)
-    return path
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}, indent=2))

@@ -143,3 +143,55 @@ def fp8_linear_torch(
 ) -> torch.Tensor:
     """x [M, K] @ dequant(weight [N, K] fp8, weight_scale_inv) ^T + bias -> [M, N] in x's dtype."""
     return F.linear(x, fp8_dequantize(weight, weight_scale_inv, x.dtype), bias)
+
+
+def gqa_extend_torch(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    sm_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """GQA causal extend. q [N, Hq, D] (requests concatenated in order), k_buffer [slots, Hkv, D],
+    v_buffer [slots, Hkv, Dv] -> [N, Hq, Dv] in q's dtype. Query head h reads kv head h // (Hq // Hkv);
+    token i of request b sees positions 0..prefix_lens[b] + i (computed in fp32)."""
+    n_tokens, heads, _ = q.shape
+    group = heads // k_buffer.shape[1]
+    out = torch.empty(n_tokens, heads, v_buffer.shape[-1], dtype=q.dtype, device=q.device)
+    start = 0
+    for row, prefix, n in zip(req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
+        if n == 0:
+            continue
+        slots = req_to_token[row, : prefix + n].long()
+        k = (k_buffer[slots].float() * k_scale).repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = (v_buffer[slots].float() * v_scale).repeat_interleave(group, dim=1)
+        scores = torch.einsum("nhd,lhd->nhl", q[start : start + n].float(), k) * sm_scale
+        pos_q = torch.arange(n, device=q.device) + prefix
+        pos_k = torch.arange(prefix + n, device=q.device)
+        scores.masked_fill_((pos_k[None, :] > pos_q[:, None])[:, None, :], float("-inf"))
+        out[start : start + n] = torch.einsum("nhl,lhv->nhv", scores.softmax(-1), v).to(q.dtype)
+        start += n
+    return out
+
+
+def gqa_decode_torch(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """GQA decode: one new token per request (already in the pool). q [B, Hq, D], seq_lens [B] ->
+    [B, Hq, Dv]; the extend twin with one token each."""
+    ones = torch.ones_like(seq_lens)
+    return gqa_extend_torch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens - 1, ones, sm_scale,
+                            k_scale, v_scale)

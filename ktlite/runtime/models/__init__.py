@@ -1,4 +1,5 @@
-"""Model definitions. `load(path)` builds the reference DeepSeek model from an HF folder."""
+"""Model families. `load(path)` builds the reference model of any supported family from an HF folder;
+`build(cfg, ...)` an uninitialised one (the runtime's device-side model)."""
 
 from __future__ import annotations
 
@@ -6,28 +7,33 @@ from pathlib import Path
 
 import torch
 
-from ktlite.runtime.models.config import DeepseekConfig, load_config
-from ktlite.runtime.models.deepseek import DeepseekForCausalLM, Router
+from ktlite.runtime.models.base import CausalLM
+from ktlite.runtime.models.config import ModelConfig, load_config, parse_config
 from ktlite.runtime.models.fp8 import swap_in_fp8
+from ktlite.runtime.models.layers import Router
+from ktlite.runtime.models.registry import family_of, supported
 from ktlite.runtime.models.rope import inv_frequencies
 
 
 def build(
-    cfg: DeepseekConfig,
+    cfg: ModelConfig,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     routed_experts: bool = True,
     fp8_weights: bool = False,
     tp=None,
-) -> DeepseekForCausalLM:
-    """An uninitialised model on `device`: weights in `dtype`, router in float32 (as DeepSeek keeps it).
+) -> CausalLM:
+    """An uninitialised model on `device`: weights in `dtype`, routers in float32.
 
     `routed_experts=False` leaves the routed expert weights out (the runtime places them itself);
     `fp8_weights=True` keeps the projections of an FP8 checkpoint in FP8 (1 byte + block scales);
     `tp` (a `tp_layers.TPContext`) builds one tensor-parallel rank's shard, and `model.tp_shards` then
-    tells the loader which slice of each split tensor to read."""
+    tells the loader which slice of each split tensor to read. `device="meta"` builds shapes only
+    (what the memory plan counts)."""
+    from ktlite.runtime.models.registry import model_class
+
     with torch.device("meta"):
-        model = DeepseekForCausalLM(cfg, routed_experts).to(dtype)
+        model = model_class(cfg)(cfg, routed_experts).to(dtype)
         if fp8_weights:
             swap_in_fp8(model)  # after .to(dtype), which would otherwise cast the fp8 weights
         if tp is not None:
@@ -37,14 +43,16 @@ def build(
     for module in model.modules():
         if isinstance(module, Router):
             module.float()
-    model.to_empty(device=device)
+    if torch.device(device).type != "meta":
+        model.to_empty(device=device)
     # to_empty leaves buffers uninitialised; the rope frequencies are derived, not loaded, and stay
     # float32 whatever the weights' dtype (bf16 angles drift at long positions)
     model.model.rotary.inv_freq = inv_frequencies(cfg.rope).to(device)
     return model.eval()
 
 
-def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False) -> DeepseekForCausalLM:
+def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+         progress: bool = False) -> CausalLM:
     """Reference model with the checkpoint's weights: `model(input_ids [B, T]) -> logits [B, T, vocab]`."""
     from ktlite.runtime.loader import CheckpointReader, load_weights
 
@@ -53,4 +61,4 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     return model
 
 
-__all__ = ["DeepseekConfig", "DeepseekForCausalLM", "build", "load", "load_config"]
+__all__ = ["CausalLM", "ModelConfig", "build", "family_of", "load", "load_config", "parse_config", "supported"]

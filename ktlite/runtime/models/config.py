@@ -1,8 +1,14 @@
-"""Parse a DeepSeek-V2/V3-family `config.json` into a validated, typed config.
+"""What every model family's config shares, and the parsing helpers families use.
 
-Two dialects exist in the wild: hub folders (`rope_scaling` with `type`, top-level `rope_theta`) and
-folders re-saved by recent transformers (`rope_parameters` with `rope_type` and `rope_theta` inside,
-plus `rope_interleave`). Both parse to the same `DeepseekConfig`.
+Each family parses its own `config.json` (see the family modules and `registry.py`) into a frozen
+dataclass that satisfies `ModelConfig`: the facts the runtime needs without knowing the family
+(layers, hidden size, vocabulary, which layers are MoE and their expert shapes, the router, what is
+cached per token). `load_config(path)` / `parse_config(raw)` pick the family from `architectures` /
+`model_type`.
+
+Two config dialects exist in the wild: hub folders (`rope_scaling` with `type`, top-level
+`rope_theta`) and folders re-saved by recent transformers (`rope_parameters` with `rope_type` and
+`rope_theta` inside). Both parse to the same `RopeConfig`.
 """
 
 from __future__ import annotations
@@ -11,11 +17,13 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ktlite.errors import ConfigError
 
-SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+if TYPE_CHECKING:
+    from ktlite.runtime.kv_cache import TokenCacheSpec
+
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
@@ -30,8 +38,8 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    head_dim: int  # = qk_rope_head_dim: only that slice of q/k is rotated
-    interleave: bool  # DeepSeek rotates adjacent pairs (x0, x1), (x2, x3), ...
+    head_dim: int  # the rotated slice of q/k (the rest of the head passes through unrotated)
+    interleave: bool  # rotate adjacent pairs (x0, x1), ... (DeepSeek) rather than halves
     kind: str = "default"  # "default" | "yarn"
     factor: float = 1.0
     original_max_position_embeddings: int = 4096
@@ -62,102 +70,96 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
-class DeepseekConfig:
+class RouterSpec:
+    """How a MoE layer picks experts and weighs them (router math in float32).
+
+    scores = softmax or sigmoid of the logits; the choice uses scores + e_score_correction_bias when
+    `correction_bias` (the bias steers the choice only); `method` limits the choice to the best
+    `topk_group` of `n_group` expert groups (noaux_tc scores a group by its top-2, group_limited_greedy
+    by its best); the weights are the chosen unbiased scores, divided by their sum when `normalize`,
+    times `scaling_factor`."""
+
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax"
+    method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    normalize: bool = False
+    scaling_factor: float = 1.0
+    correction_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scoring not in SCORING_FUNCS:
+            raise ConfigError(f"config.json: scoring_func={self.scoring!r} is not supported (one of {SCORING_FUNCS})")
+        if self.method not in TOPK_METHODS:
+            raise ConfigError(f"config.json: topk_method={self.method!r} is not supported (one of {TOPK_METHODS})")
+        if not self.num_experts:
+            return
+        if self.num_experts % self.n_group:
+            raise ConfigError(f"config.json: {self.num_experts} routed experts are not divisible by n_group={self.n_group}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(f"config.json: topk_group={self.topk_group} must be in 1..n_group={self.n_group}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"config.json: num_experts_per_tok={self.top_k} must be in 1..{self.num_experts} routed experts")
+        if self.method == "noaux_tc" and self.num_experts // self.n_group < 2:
+            raise ConfigError("config.json: topk_method='noaux_tc' scores groups by their top-2, needs >= 2 experts per group")
+
+
+class ModelConfig(Protocol):
+    """What the runtime (plan, pool, loader, CPU experts, scheduler) reads of any family's config."""
+
     architecture: str
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # dense MLP layers
     num_hidden_layers: int
     num_attention_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
     moe_intermediate_size: int
     n_routed_experts: int
-    n_shared_experts: int
     num_experts_per_tok: int
-    first_k_dense_replace: int
-    moe_layer_freq: int
-    routed_scaling_factor: float
-    scoring_func: str
-    topk_method: str
-    n_group: int
-    topk_group: int
-    norm_topk_prob: bool
     tie_word_embeddings: bool
-    rms_norm_eps: float
     max_position_embeddings: int
-    rope: RopeConfig
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
-    fp8_block_size: tuple[int, int] | None  # DeepSeek-V3 FP8 checkpoints: (128, 128)
+    fp8_block_size: tuple[int, int] | None
+    rope: RopeConfig
+    router: RouterSpec
 
     @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
+    def moe_layers(self) -> list[int]: ...
+
+    def is_moe_layer(self, layer_idx: int) -> bool: ...
 
     @property
-    def kv_latent_dim(self) -> int:
-        """Values cached per token per layer in absorbed MLA: the latent plus the rope'd key."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
+    def shared_intermediate_size(self) -> int:
+        """Intermediate size of a MoE layer's shared expert(s) together (0: none)."""
 
-    @property
-    def softmax_scale(self) -> float:
-        return self.qk_head_dim**-0.5 * self.rope.softmax_scale_factor
+    def token_cache_specs(self, tp_size: int = 1) -> list[TokenCacheSpec]:
+        """What one tensor-parallel rank caches per token (the KV pool's buffers)."""
 
-    def is_moe_layer(self, layer_idx: int) -> bool:
-        return (
-            self.n_routed_experts > 0
-            and layer_idx >= self.first_k_dense_replace
-            and layer_idx % self.moe_layer_freq == 0
-        )
+    def attention_workspace(self, tp_size: int) -> int:
+        """Activation values per token one attention layer holds at once on a rank (the plan's estimate)."""
 
-    @property
-    def moe_layers(self) -> list[int]:
-        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """Raise ConfigError when the model cannot split over `tp_size` ranks."""
 
-    @property
-    def is_v3(self) -> bool:
-        return self.architecture == "DeepseekV3ForCausalLM"
+    def expert_weight_name(self, layer: int, expert: int, proj: str) -> str:
+        """Checkpoint name of a routed expert's `proj` ("gate", "up" or "down") weight."""
 
 
-_V3 = SUPPORTED_ARCHITECTURES[1]
+# ---- parsing helpers the families share ---------------------------------------------------------
 
 
-def _defaults(arch: str) -> dict[str, Any]:
-    v3 = arch == _V3
-    return {
-        "q_lora_rank": 1536 if v3 else None,
-        "moe_layer_freq": 1,
-        "first_k_dense_replace": 3 if v3 else 0,
-        "routed_scaling_factor": 2.5 if v3 else 1.0,
-        "scoring_func": "sigmoid" if v3 else "softmax",
-        "topk_method": "noaux_tc" if v3 else "greedy",
-        "n_group": 8 if v3 else 1,
-        "topk_group": 4 if v3 else 1,
-        "norm_topk_prob": bool(v3),
-        "n_shared_experts": 1 if v3 else 2,
-        "tie_word_embeddings": False,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096 if v3 else 2048,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "torch_dtype": "bfloat16",
-    }
-
-
-def _rope_config(raw: dict[str, Any], head_dim: int, theta_default: float) -> RopeConfig:
-    # Recent transformers: `rope_parameters` holds rope_type and rope_theta; hub: `rope_scaling`.
+def rope_config(raw: dict[str, Any], head_dim: int, theta_default: float, interleave_default: bool) -> RopeConfig:
+    """RopeConfig from either dialect; `head_dim` is the rotated dimension (partial rotary included)."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ConfigError(f"config.json: rope_scaling/rope_parameters must be an object, got {params!r}")
     kind = params.get("rope_type") or params.get("type") or "default"
     theta = float(params.get("rope_theta", raw.get("rope_theta", theta_default)))
-    interleave = bool(raw.get("rope_interleave", True))
+    interleave = bool(raw.get("rope_interleave", interleave_default))
     if kind == "default":
         return RopeConfig(theta=theta, head_dim=head_dim, interleave=interleave)
     if kind != "yarn":
@@ -177,7 +179,14 @@ def _rope_config(raw: dict[str, Any], head_dim: int, theta_default: float) -> Ro
     )
 
 
-def _fp8_block_size(raw: dict[str, Any]) -> tuple[int, int] | None:
+def partial_rotary_factor(raw: dict[str, Any]) -> float:
+    """Fraction of each head that is rotated: top-level or inside rope_parameters (resaved dialect)."""
+    params = raw.get("rope_parameters") or {}
+    value = raw.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0) if isinstance(params, dict) else 1.0)
+    return float(value or 1.0)
+
+
+def fp8_block_size(raw: dict[str, Any]) -> tuple[int, int] | None:
     quant = raw.get("quantization_config")
     if not quant:
         return None
@@ -185,13 +194,13 @@ def _fp8_block_size(raw: dict[str, Any]) -> tuple[int, int] | None:
     if method != "fp8":
         raise ConfigError(
             f"config.json: quantization_config.quant_method {method!r} is not supported "
-            "(ktlite reads bf16/fp16/fp32 checkpoints and DeepSeek's block-scaled fp8)"
+            "(ktlite reads bf16/fp16/fp32 checkpoints and block-scaled fp8)"
         )
     block = quant.get("weight_block_size") or [128, 128]
     return int(block[0]), int(block[1])
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
+def eos_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     if isinstance(value, int):
@@ -199,90 +208,59 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def parse_config(raw: dict[str, Any]) -> DeepseekConfig:
-    """Validate a config.json dict; unknown architectures or unsupported values name the field."""
-    archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise ConfigError(
-            f"config.json: architectures={archs!r} is not supported; ktlite serves {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    values = {**_defaults(arch), **{k: v for k, v in raw.items() if v is not None or k == "q_lora_rank"}}
+class Fields:
+    """config.json values with family defaults; `need` names a missing required field."""
 
-    def need(name: str) -> Any:
-        if name not in values:
+    def __init__(self, raw: dict[str, Any], defaults: dict[str, Any], keep_none: tuple[str, ...] = ()):
+        self.values = {**defaults, **{k: v for k, v in raw.items() if v is not None or k in keep_none}}
+
+    def need(self, name: str) -> Any:
+        if name not in self.values:
             raise ConfigError(f"config.json: required field {name!r} is missing")
-        return values[name]
+        return self.values[name]
 
-    if values["hidden_act"] != "silu":
-        raise ConfigError(f"config.json: hidden_act={values['hidden_act']!r} is not supported (only 'silu')")
-    if values["attention_bias"]:
-        raise ConfigError("config.json: attention_bias=true is not supported (DeepSeek models have none)")
-    scoring = values["scoring_func"]
-    if scoring not in SCORING_FUNCS:
-        raise ConfigError(f"config.json: scoring_func={scoring!r} is not supported (one of {SCORING_FUNCS})")
-    method = values["topk_method"]
-    if method not in TOPK_METHODS:
-        raise ConfigError(f"config.json: topk_method={method!r} is not supported (one of {TOPK_METHODS})")
+    def get(self, name: str, default: Any = None) -> Any:
+        value = self.values.get(name)
+        return default if value is None else value
 
-    n_experts = int(values.get("n_routed_experts") or 0)
-    n_group, topk_group = int(values["n_group"]), int(values["topk_group"])
-    top_k = int(values.get("num_experts_per_tok") or 0)
-    if n_experts:
-        if n_experts % n_group:
-            raise ConfigError(f"config.json: n_routed_experts={n_experts} is not divisible by n_group={n_group}")
-        if not 1 <= topk_group <= n_group:
-            raise ConfigError(f"config.json: topk_group={topk_group} must be in 1..n_group={n_group}")
-        if not 1 <= top_k <= n_experts:
-            raise ConfigError(f"config.json: num_experts_per_tok={top_k} must be in 1..n_routed_experts={n_experts}")
-        if method == "noaux_tc" and n_experts // n_group < 2:
-            raise ConfigError("config.json: topk_method='noaux_tc' scores groups by their top-2, needs >= 2 experts per group")
-    q_lora = values.get("q_lora_rank")
-    qk_rope = int(need("qk_rope_head_dim"))
-    if qk_rope % 2:
-        raise ConfigError(f"config.json: qk_rope_head_dim={qk_rope} must be even")
+    def common(self) -> dict[str, Any]:
+        """The fields every family names the same way."""
+        self.check_silu()
+        return dict(
+            vocab_size=int(self.need("vocab_size")),
+            hidden_size=int(self.need("hidden_size")),
+            num_hidden_layers=int(self.need("num_hidden_layers")),
+            num_attention_heads=int(self.need("num_attention_heads")),
+            tie_word_embeddings=bool(self.get("tie_word_embeddings", False)),
+            rms_norm_eps=float(self.get("rms_norm_eps", 1e-6)),
+            bos_token_id=self.values.get("bos_token_id"),
+            eos_token_ids=eos_ids(self.values.get("eos_token_id")),
+            torch_dtype=str(self.get("dtype") or self.get("torch_dtype", "bfloat16")),
+            fp8_block_size=fp8_block_size(self.values),
+        )
 
-    return DeepseekConfig(
-        architecture=arch,
-        vocab_size=int(need("vocab_size")),
-        hidden_size=int(need("hidden_size")),
-        intermediate_size=int(need("intermediate_size")),
-        num_hidden_layers=int(need("num_hidden_layers")),
-        num_attention_heads=int(need("num_attention_heads")),
-        q_lora_rank=None if q_lora is None else int(q_lora),
-        kv_lora_rank=int(need("kv_lora_rank")),
-        qk_nope_head_dim=int(need("qk_nope_head_dim")),
-        qk_rope_head_dim=qk_rope,
-        v_head_dim=int(need("v_head_dim")),
-        moe_intermediate_size=int(values.get("moe_intermediate_size") or 0),
-        n_routed_experts=n_experts,
-        n_shared_experts=int(values["n_shared_experts"] or 0),
-        num_experts_per_tok=top_k,
-        first_k_dense_replace=int(values["first_k_dense_replace"]),
-        moe_layer_freq=int(values["moe_layer_freq"]),
-        routed_scaling_factor=float(values["routed_scaling_factor"]),
-        scoring_func=scoring,
-        topk_method=method,
-        n_group=n_group,
-        topk_group=topk_group,
-        norm_topk_prob=bool(values["norm_topk_prob"]),
-        tie_word_embeddings=bool(values["tie_word_embeddings"]),
-        rms_norm_eps=float(values["rms_norm_eps"]),
-        max_position_embeddings=int(values["max_position_embeddings"]),
-        rope=_rope_config(values, qk_rope, float(values["rope_theta"])),
-        bos_token_id=values.get("bos_token_id"),
-        eos_token_ids=_eos_ids(values.get("eos_token_id")),
-        torch_dtype=str(values.get("dtype") or values["torch_dtype"]),
-        fp8_block_size=_fp8_block_size(values),
-    )
+    def check_silu(self) -> None:
+        act = self.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"config.json: hidden_act={act!r} is not supported (only 'silu')")
 
 
-def load_config(model_dir: str | Path) -> DeepseekConfig:
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path} not found: --model must be a folder with config.json")
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
-    return parse_config(raw)
+
+
+def parse_config(raw: dict[str, Any]) -> ModelConfig:
+    """The family's config for a config.json dict; an unknown architecture lists the supported ones."""
+    from ktlite.runtime.models.registry import parse
+
+    return parse(raw)
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    return parse_config(read_config_json(model_dir))

@@ -17,38 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ktlite.runtime.models.config import DeepseekConfig
+from ktlite.kernels.triton import mla_decode, mla_extend
+from ktlite.runtime.forward_batch import ForwardBatch
+from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
+from ktlite.runtime.models.deepseek_config import ARCHITECTURES, MODEL_TYPES, DeepseekConfig, parse_config
 from ktlite.runtime.models.fp8 import linear_weight
+from ktlite.runtime.models.layers import MLP, MoE, RMSNorm
 from ktlite.runtime.models.rope import RotaryEmbedding
-from ktlite.runtime.models.router import select_experts
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-class MLP(nn.Module):
-    """SwiGLU MLP: dense layers, each routed expert and the shared experts."""
-
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 @dataclass
@@ -71,6 +48,8 @@ class LatentCache:
 
 
 class MLAttention(nn.Module):
+    plan_component = "attention"
+
     def __init__(self, cfg: DeepseekConfig, rotary: RotaryEmbedding):
         super().__init__()
         self.cfg = cfg
@@ -87,6 +66,17 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False)
+
+    def shard(self, prefix: str, tp, shards: dict) -> None:
+        """Tensor parallel: heads split (q / kv_b column-parallel, o_proj row-parallel); q_a_proj,
+        kv_a_proj_with_mqa and the norms replicated, so every rank computes the same full latent."""
+        from ktlite.runtime.models.tp_layers import column, row
+
+        c, heads = self.cfg, self.cfg.num_attention_heads
+        self.num_heads = heads // tp.size
+        column(self, "q_proj" if c.q_lora_rank is None else "q_b_proj", prefix, heads * c.qk_head_dim, tp, shards)
+        column(self, "kv_b_proj", prefix, heads * (c.qk_nope_head_dim + c.v_head_dim), tp, shards)
+        row(self, "o_proj", prefix, heads * c.v_head_dim, tp, shards)
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] -> q [..., heads, qk_head_dim] (rope part not yet rotated)."""
@@ -120,6 +110,21 @@ class MLAttention(nn.Module):
         _, w_uv = self.w_uk_uv()
         v = torch.einsum("...hc,hvc->...hv", attn_latent, w_uv)
         return self.o_proj(v.flatten(-2))
+
+    def forward_batch(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, ctx,
+                      layer_idx: int) -> torch.Tensor:
+        """Absorbed MLA over the KV pool's latents: h [N, hidden] -> this rank's partial output [N, hidden]."""
+        c, pool = self.cfg, ctx.kv_pool
+        pool.write("latent", layer_idx, batch.out_cache_loc, self.latent(h, cos, sin))
+        q = self.absorbed_query(self.query(h), cos, sin)  # [N, heads, kv_lora_rank + rope]
+        latents = pool.buffer("latent", layer_idx)
+        if batch.is_decode:
+            o = mla_decode(q, latents, pool.req_to_token, batch.req_pool_indices, batch.prefix_lens + 1,
+                           c.softmax_scale, c.kv_lora_rank)
+        else:
+            o = mla_extend(q, latents, pool.req_to_token, batch.req_pool_indices, batch.prefix_lens,
+                           batch.extend_lens, c.softmax_scale, c.kv_lora_rank)
+        return self.output(o)
 
     def forward(
         self,
@@ -159,94 +164,22 @@ class MLAttention(nn.Module):
         return self.o_proj(attn.flatten(-2))
 
 
-class Router(nn.Module):
-    def __init__(self, cfg: DeepseekConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
-        if cfg.topk_method == "noaux_tc":
-            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
-        else:
-            self.e_score_correction_bias = None
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, hidden] -> topk_ids [N, k], topk_weights [N, k] (router math in float32)."""
-        logits = F.linear(x.float(), self.weight.float())
-        return select_experts(logits, self.cfg, self.e_score_correction_bias)
+def _layer(cfg: DeepseekConfig, i: int, rotary: RotaryEmbedding, routed_experts: bool) -> DecoderLayer:
+    if cfg.is_moe_layer(i):
+        mlp = MoE(cfg.router, cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size, routed_experts)
+    else:
+        mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+    return DecoderLayer(i, cfg.hidden_size, cfg.rms_norm_eps, MLAttention(cfg, rotary), mlp)
 
 
-class MoE(nn.Module):
-    """Router + routed experts + shared experts. Without `routed_experts` the expert weights are left
-    out: the runtime keeps them elsewhere (CPU store, GPU expert buffers) and runs them itself."""
+class DeepseekForCausalLM(CausalLM):
+    """`model(input_ids [B, T]) -> logits [B, T, vocab]` (float32); pass a LatentCache to decode, and
+    `absorbed=False` for the naive form."""
 
     def __init__(self, cfg: DeepseekConfig, routed_experts: bool = True):
-        super().__init__()
-        self.gate = Router(cfg)
-        count = cfg.n_routed_experts if routed_experts else 0
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(count))
-        self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
-        )
-
-    def routed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden]: sum over each token's chosen experts of weight * expert(x)."""
-        out = torch.zeros_like(x, dtype=torch.float32)
-        for e in topk_ids.unique().tolist():
-            token_idx, slot = (topk_ids == e).nonzero(as_tuple=True)
-            y = self.experts[e](x[token_idx]).float() * topk_weights[token_idx, slot, None]
-            out.index_add_(0, token_idx, y)
-        return out.to(x.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        topk_ids, topk_weights = self.gate(flat)
-        out = self.routed(flat, topk_ids, topk_weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
-        return out.view_as(x)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekConfig, layer_idx: int, rotary: RotaryEmbedding, routed_experts: bool):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg, routed_experts) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
-
-    def forward(self, x, positions, cache, absorbed: bool) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, cache, self.layer_idx, absorbed)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DeepseekBackbone(nn.Module):
-    def __init__(self, cfg: DeepseekConfig, routed_experts: bool):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = RotaryEmbedding(cfg.rope)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, self.rotary, routed_experts) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class DeepseekForCausalLM(nn.Module):
-    """`model(input_ids [B, T]) -> logits [B, T, vocab]` (float32); pass a LatentCache to decode."""
-
-    def __init__(self, cfg: DeepseekConfig, routed_experts: bool = True):
-        super().__init__()
-        self.config = cfg
-        self.model = DeepseekBackbone(cfg, routed_experts)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        rotary = RotaryEmbedding(cfg.rope)
+        layers = [_layer(cfg, i, rotary, routed_experts) for i in range(cfg.num_hidden_layers)]
+        super().__init__(cfg, Backbone(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, rotary, layers))
 
     @torch.inference_mode()
     def forward(
@@ -257,7 +190,8 @@ class DeepseekForCausalLM(nn.Module):
         positions = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            x = layer(x, positions, cache, absorbed)
+            x = x + layer.self_attn(layer.input_layernorm(x), positions, cache, layer.layer_idx, absorbed)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
         if cache is not None:
             cache.length += t
         return self.lm_head(self.model.norm(x)).float()
@@ -265,26 +199,6 @@ class DeepseekForCausalLM(nn.Module):
     def new_cache(self, batch: int, max_len: int) -> LatentCache:
         return LatentCache.allocate(self.config, batch, max_len, self.dtype, self.device)
 
-    @torch.inference_mode()
-    def generate_greedy(
-        self, input_ids: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...] = (), absorbed: bool = True
-    ) -> torch.Tensor:
-        """Prefill then token-by-token decode with the latent cache; returns new ids [B, <= max_new_tokens].
 
-        Stops early only when every sequence has produced a stop id (like HF generate's EOS handling
-        for a batch, later tokens of finished rows are still computed but are not meaningful).
-        """
-        b, t = input_ids.shape
-        cache = self.new_cache(b, t + max_new_tokens)
-        logits = self(input_ids, cache, absorbed)
-        out: list[torch.Tensor] = []
-        done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
-        stops = torch.tensor(stop_ids, dtype=torch.long, device=input_ids.device)
-        for _ in range(max_new_tokens):
-            nxt = logits[:, -1].argmax(-1)
-            out.append(nxt)
-            done |= torch.isin(nxt, stops)
-            if bool(done.all()) or len(out) == max_new_tokens:
-                break
-            logits = self(nxt[:, None], cache, absorbed)
-        return torch.stack(out, dim=1)
+Model = DeepseekForCausalLM
+__all__ = ["ARCHITECTURES", "MODEL_TYPES", "DeepseekConfig", "DeepseekForCausalLM", "LatentCache", "Model", "parse_config"]

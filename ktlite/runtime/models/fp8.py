@@ -1,9 +1,9 @@
-"""Linear layers that keep DeepSeek-V3's block-scaled FP8 weights as they are on the device.
+"""Linear layers that keep block-scaled FP8 checkpoint weights as they are on the device.
 
 The weight stays float8_e4m3fn with one float32 `weight_scale_inv` per 128x128 block (names as in
 the checkpoint, so loading is a raw copy); the matmul goes through `fp8_linear` (Triton on CUDA,
 the torch twin elsewhere). One byte per weight instead of two is what lets DeepSeek-V3's attention
-and dense weights fit small GPUs.
+and dense weights fit small GPUs (DeepSeek-V3, MiniMax-M2 and Qwen3 publish such checkpoints).
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ BLOCK = 128
 
 
 class FP8Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn), requires_grad=False)
         scales = (-(-out_features // BLOCK), -(-in_features // BLOCK))
         self.register_buffer("weight_scale_inv", torch.empty(scales, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = fp8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv)
+        y = fp8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -42,4 +43,7 @@ def swap_in_fp8(model: nn.Module) -> None:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and (name.endswith("_proj") or name.endswith("_proj_with_mqa")):
-                setattr(parent, name, FP8Linear(child.in_features, child.out_features))
+                fp8 = FP8Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                if fp8.bias is not None:
+                    fp8.bias.data = fp8.bias.data.to(child.bias.dtype)  # the bias stays in the activation dtype
+                setattr(parent, name, fp8)

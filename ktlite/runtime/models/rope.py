@@ -1,4 +1,4 @@
-"""Rotary position embedding for the rope slice of MLA queries/keys, with YaRN scaling."""
+"""Rotary position embedding (full or partial, interleaved or half-split), with YaRN scaling."""
 
 from __future__ import annotations
 
@@ -51,6 +51,9 @@ class RotaryEmbedding(torch.nn.Module):
         Interleaved models rotate pairs (x[2i], x[2i+1]) and keep that layout; otherwise the halves
         (x[i], x[i + d/2]) are paired. Keys and queries use the same layout, so scores are equal.
         """
+        rot = 2 * cos.shape[-1]
+        if x.shape[-1] > rot:  # partial rotary: only the first `rot` values of each head turn
+            return torch.cat((self(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         xf = x.float()
         if self.cfg.interleave:

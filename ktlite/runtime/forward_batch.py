@@ -1,0 +1,52 @@
+"""The batch of one forward step: every request adds `extend_len` new tokens after `prefix_len`
+cached ones (a decode step is extend_len == 1, a chunked prefill more; a mixed batch holds both)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [N] new tokens of all requests, concatenated in request order
+    positions: torch.Tensor  # [N]
+    out_cache_loc: torch.Tensor  # [N] pool slots of the new tokens
+    req_pool_indices: torch.Tensor  # [B] rows of req_to_token
+    prefix_lens: torch.Tensor  # [B] tokens already in the pool before this step
+    extend_lens: torch.Tensor  # [B] new tokens per request
+    logit_rows: torch.Tensor  # [R] indices into N whose next-token logits are wanted
+
+    @property
+    def is_decode(self) -> bool:
+        return bool((self.extend_lens == 1).all())
+
+    @classmethod
+    def build(
+        cls,
+        token_chunks: list[list[int]],
+        prefix_lens: list[int],
+        rows: list[int],
+        slots: list[torch.Tensor],
+        want_logits: list[bool],
+        device: torch.device,
+    ) -> "ForwardBatch":
+        """From per-request new tokens, prefix lengths, pool rows and freshly allocated slots."""
+        extend = [len(c) for c in token_chunks]
+        positions = [p + i for p, n in zip(prefix_lens, extend) for i in range(n)]
+        ends = torch.tensor(extend).cumsum(0) - 1
+        logit_rows = ends[torch.tensor(want_logits, dtype=torch.bool)] if any(want_logits) else ends[:0]
+
+        def tensor(values, dtype=torch.int64):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            input_ids=tensor([t for c in token_chunks for t in c]),
+            positions=tensor(positions),
+            out_cache_loc=torch.cat(slots).to(device),
+            req_pool_indices=tensor(rows),
+            prefix_lens=tensor(prefix_lens),
+            extend_lens=tensor(extend),
+            logit_rows=logit_rows.to(device),
+        )

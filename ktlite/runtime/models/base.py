@@ -1,0 +1,165 @@
+"""The decoder every family shares: embeddings, N x (norm, attention, norm, MLP/MoE), norm, lm_head.
+
+A family supplies its attention module (anything with `forward_batch(h, cos, sin, batch, ctx,
+layer_idx)` that reads and writes its caches in `ctx.kv_pool`) and its MLP/MoE per layer; the batched
+forward over a `ForwardBatch` is this one loop. The runtime's `ModelRunner` is the `ctx` in serving
+(it runs MoE layers through `HybridMoE` and all-reduces under tensor parallelism); `LocalContext`
+is the ctx of the plain reference call `model(input_ids)`, which runs the same forward over a
+temporary KV pool, so every family gets `model(ids [B, T]) -> logits [B, T, vocab]` and
+`generate_greedy` for free.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from ktlite.runtime.forward_batch import ForwardBatch
+from ktlite.runtime.kv_cache import KVPool
+from ktlite.runtime.models.layers import RMSNorm
+from ktlite.runtime.models.rope import RotaryEmbedding
+
+
+class ForwardContext(Protocol):
+    kv_pool: KVPool
+    tp: object | None  # a tp_layers.TPContext under tensor parallelism
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor: ...
+
+    def feed_forward(self, layer_idx: int, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor: ...
+
+
+class LocalContext:
+    """One process, every expert in the model itself: the reference call's context."""
+
+    tp = None
+
+    def __init__(self, kv_pool: KVPool):
+        self.kv_pool = kv_pool
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial
+
+    def feed_forward(self, layer_idx: int, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return mlp(h)
+
+
+class PoolCache:
+    """B equal-length sequences in a private KV pool: the reference call's cache."""
+
+    def __init__(self, model: "CausalLM", batch: int, max_len: int):
+        self.pool = KVPool(model.config.token_cache_specs(), batch * max_len, batch, max_len, model.dtype, model.device)
+        self.rows = [self.pool.alloc_request() for _ in range(batch)]
+        self.length = 0
+
+    def batch(self, input_ids: torch.Tensor) -> ForwardBatch:
+        b, t = input_ids.shape
+        device = input_ids.device
+        slots = torch.cat([self.pool.alloc_tokens(row, t) for row in self.rows])
+        positions = torch.arange(self.length, self.length + t, device=device).repeat(b)
+        return ForwardBatch(
+            input_ids=input_ids.reshape(-1), positions=positions, out_cache_loc=slots.to(device),
+            req_pool_indices=torch.tensor(self.rows, device=device),
+            prefix_lens=torch.full((b,), self.length, device=device), extend_lens=torch.full((b,), t, device=device),
+            logit_rows=torch.arange(b * t, device=device),
+        )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, layer_idx: int, hidden: int, eps: float, attention: nn.Module, mlp: nn.Module,
+                 unit_offset_norms: bool = False):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(hidden, eps, unit_offset_norms)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(hidden, eps, unit_offset_norms)
+        self.mlp = mlp
+
+
+class Embedding(nn.Embedding):
+    plan_component = "embeddings"
+
+
+class LMHead(nn.Linear):
+    plan_component = "lm_head"
+
+
+class Backbone(nn.Module):
+    def __init__(self, vocab: int, hidden: int, eps: float, rotary: RotaryEmbedding, layers: list[DecoderLayer],
+                 unit_offset_norms: bool = False):
+        super().__init__()
+        self.embed_tokens = Embedding(vocab, hidden)
+        self.rotary = rotary
+        self.rotary.plan_component = "norms_router"  # its float32 frequency table
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden, eps, unit_offset_norms)
+
+
+class CausalLM(nn.Module):
+    """`model(input_ids [B, T]) -> logits [B, T, vocab]` (float32); `forward_batch` for the runtime."""
+
+    def __init__(self, config, backbone: Backbone):
+        super().__init__()
+        self.config = config
+        self.model = backbone
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name of one of this model's tensors (families with other names override)."""
+        return name
+
+    def forward_batch(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+        """-> float32 logits [R, vocab] for the tokens in batch.logit_rows."""
+        backbone = self.model
+        x = backbone.embed_tokens(batch.input_ids)  # [N, hidden]
+        cos, sin = backbone.rotary.cos_sin(batch.positions)  # [N, rope/2]
+        for layer in backbone.layers:
+            h = layer.input_layernorm(x)
+            x = x + ctx.reduce(layer.self_attn.forward_batch(h, cos, sin, batch, ctx, layer.layer_idx))
+            h = layer.post_attention_layernorm(x)
+            x = x + ctx.feed_forward(layer.layer_idx, layer.mlp, h)
+        return self.lm_head(backbone.norm(x[batch.logit_rows])).float()
+
+    def new_cache(self, batch: int, max_len: int):
+        return PoolCache(self, batch, max_len)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: PoolCache | None = None) -> torch.Tensor:
+        b, t = input_ids.shape
+        cache = cache or self.new_cache(b, t)
+        logits = self.forward_batch(cache.batch(input_ids), LocalContext(cache.pool))
+        cache.length += t
+        return logits.view(b, t, -1)
+
+    @torch.inference_mode()
+    def generate_greedy(self, input_ids: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...] = (),
+                        **forward_kwargs) -> torch.Tensor:
+        """Prefill then token-by-token decode with the cache; returns new ids [B, <= max_new_tokens].
+
+        Stops early only when every sequence has produced a stop id (like HF generate's EOS handling
+        for a batch, later tokens of finished rows are still computed but are not meaningful).
+        """
+        b, t = input_ids.shape
+        cache = self.new_cache(b, t + max_new_tokens)
+        logits = self(input_ids, cache, **forward_kwargs)
+        out: list[torch.Tensor] = []
+        done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+        stops = torch.tensor(stop_ids, dtype=torch.long, device=input_ids.device)
+        for _ in range(max_new_tokens):
+            nxt = logits[:, -1].argmax(-1)
+            out.append(nxt)
+            done |= torch.isin(nxt, stops)
+            if bool(done.all()) or len(out) == max_new_tokens:
+                break
+            logits = self(nxt[:, None], cache, **forward_kwargs)
+        return torch.stack(out, dim=1)

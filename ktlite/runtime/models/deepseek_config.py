@@ -1,0 +1,176 @@
+"""Parse a DeepSeek-V2/V3-family `config.json` (also Kimi-K2, which is the V3 architecture)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ktlite.errors import ConfigError
+from ktlite.runtime.kv_cache import TokenCacheSpec
+from ktlite.runtime.models.config import Fields, RopeConfig, RouterSpec, rope_config
+
+ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+
+
+@dataclass(frozen=True)
+class DeepseekConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    routed_scaling_factor: float
+    scoring_func: str
+    topk_method: str
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    tie_word_embeddings: bool
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+    fp8_block_size: tuple[int, int] | None  # DeepSeek-V3 FP8 checkpoints: (128, 128)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_latent_dim(self) -> int:
+        """Values cached per token per layer in absorbed MLA: the latent plus the rope'd key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim**-0.5 * self.rope.softmax_scale_factor
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (
+            self.n_routed_experts > 0
+            and layer_idx >= self.first_k_dense_replace
+            and layer_idx % self.moe_layer_freq == 0
+        )
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    @property
+    def is_v3(self) -> bool:
+        return self.architecture == "DeepseekV3ForCausalLM"
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.n_shared_experts
+
+    @property
+    def router(self) -> RouterSpec:
+        # V3 normalises when asked and always scales; V2 normalises only for top-k > 1 and scales
+        # only when it did not normalise.
+        normalize = self.norm_topk_prob and (self.is_v3 or self.num_experts_per_tok > 1)
+        scale = self.routed_scaling_factor if self.is_v3 or not normalize else 1.0
+        return RouterSpec(self.n_routed_experts, self.num_experts_per_tok, self.scoring_func, self.topk_method,
+                          self.n_group, self.topk_group, normalize, scale,
+                          correction_bias=self.topk_method == "noaux_tc")
+
+    def token_cache_specs(self, tp_size: int = 1) -> list[TokenCacheSpec]:
+        # the latent is shared by all heads, so every tensor-parallel rank keeps all of it
+        return [TokenCacheSpec("latent", tuple(range(self.num_hidden_layers)), (self.kv_latent_dim,))]
+
+    def attention_workspace(self, tp_size: int) -> int:
+        """q_a, q, new latent, absorbed q, latent output, W_UV output (values per token)."""
+        heads = self.num_attention_heads // tp_size
+        return ((self.q_lora_rank or 0) + heads * self.qk_head_dim + self.kv_latent_dim + heads * self.kv_latent_dim
+                + heads * self.kv_lora_rank + heads * self.v_head_dim)
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        if self.num_attention_heads % tp_size:
+            raise ConfigError(f"--tensor-parallel-size {tp_size}: the model's {self.num_attention_heads} attention "
+                              "heads must split evenly across the GPUs")
+
+    def expert_weight_name(self, layer: int, expert: int, proj: str) -> str:
+        return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
+
+
+_V3 = ARCHITECTURES[1]
+
+
+def _defaults(arch: str) -> dict[str, Any]:
+    v3 = arch == _V3
+    return {
+        "q_lora_rank": 1536 if v3 else None,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": 3 if v3 else 0,
+        "routed_scaling_factor": 2.5 if v3 else 1.0,
+        "scoring_func": "sigmoid" if v3 else "softmax",
+        "topk_method": "noaux_tc" if v3 else "greedy",
+        "n_group": 8 if v3 else 1,
+        "topk_group": 4 if v3 else 1,
+        "norm_topk_prob": bool(v3),
+        "n_shared_experts": 1 if v3 else 2,
+        "max_position_embeddings": 4096 if v3 else 2048,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+    }
+
+
+def architecture_of(raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:  # kimi_k2 and friends name the V3 architecture by model_type only
+        arch = ARCHITECTURES[0] if raw.get("model_type") == "deepseek_v2" else _V3
+    return arch
+
+
+def parse_config(raw: dict[str, Any]) -> DeepseekConfig:
+    """Validate a config.json dict; unsupported values name the field."""
+    arch = architecture_of(raw)
+    f = Fields(raw, _defaults(arch), keep_none=("q_lora_rank",))
+    if f.values["attention_bias"]:
+        raise ConfigError("config.json: attention_bias=true is not supported (DeepSeek models have none)")
+    q_lora = f.values.get("q_lora_rank")
+    qk_rope = int(f.need("qk_rope_head_dim"))
+    if qk_rope % 2:
+        raise ConfigError(f"config.json: qk_rope_head_dim={qk_rope} must be even")
+    cfg = DeepseekConfig(
+        architecture=arch,
+        **f.common(),
+        intermediate_size=int(f.need("intermediate_size")),
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(f.need("kv_lora_rank")),
+        qk_nope_head_dim=int(f.need("qk_nope_head_dim")),
+        qk_rope_head_dim=qk_rope,
+        v_head_dim=int(f.need("v_head_dim")),
+        moe_intermediate_size=int(f.get("moe_intermediate_size", 0)),
+        n_routed_experts=int(f.get("n_routed_experts", 0)),
+        n_shared_experts=int(f.get("n_shared_experts", 0)),
+        num_experts_per_tok=int(f.get("num_experts_per_tok", 0)),
+        first_k_dense_replace=int(f.values["first_k_dense_replace"]),
+        moe_layer_freq=int(f.values["moe_layer_freq"]),
+        routed_scaling_factor=float(f.values["routed_scaling_factor"]),
+        scoring_func=f.values["scoring_func"],
+        topk_method=f.values["topk_method"],
+        n_group=int(f.values["n_group"]),
+        topk_group=int(f.values["topk_group"]),
+        norm_topk_prob=bool(f.values["norm_topk_prob"]),
+        max_position_embeddings=int(f.values["max_position_embeddings"]),
+        rope=rope_config(f.values, qk_rope, float(f.values["rope_theta"]), interleave_default=True),
+    )
+    cfg.router  # validates the routing fields
+    return cfg

@@ -1,0 +1,52 @@
+"""GLM-4.5 / 4.6 / 4.7 (`Glm4MoeForCausalLM`): GQA with bias on q/k/v, optional per-head q/k norm,
+partial rotary (0.5), sigmoid group-limited router with correction bias (DeepSeek-V3's noaux_tc),
+one shared expert, `first_k_dense_replace` dense layers. The multi-token-prediction layer after the
+last decoder layer (`num_nextn_predict_layers`) is not loaded."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ktlite.runtime.models.config import Fields, RouterSpec, partial_rotary_factor, rope_config
+from ktlite.runtime.models.gqa import GQASpec
+from ktlite.runtime.models.gqa_moe import GQAMoEConfig, GQAMoEForCausalLM, moe_layer_ids
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES = ("Glm4MoeForCausalLM",)
+MODEL_TYPES = ("glm4_moe",)
+Model = GQAMoEForCausalLM
+
+
+def parse_config(raw: dict[str, Any]) -> GQAMoEConfig:
+    f = Fields(raw, {"rope_theta": 1000000.0, "max_position_embeddings": 131072, "attention_bias": True,
+                     "use_qk_norm": False, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                     "routed_scaling_factor": 1.0, "first_k_dense_replace": 1, "n_shared_experts": 1})
+    common = f.common()
+    heads = common["num_attention_heads"]
+    head_dim = int(f.get("head_dim") or common["hidden_size"] // heads)
+    rotary_dim = int(head_dim * partial_rotary_factor({"partial_rotary_factor": 0.5, **f.values}))
+    experts, top_k = int(f.need("n_routed_experts")), int(f.need("num_experts_per_tok"))
+    moe_inter = int(f.need("moe_intermediate_size"))
+    first_dense = int(f.values["first_k_dense_replace"])
+    if int(f.get("num_nextn_predict_layers", 0)):
+        logger.info("config.json: the %d multi-token-prediction layer(s) after layer %d are not loaded",
+                    int(f.values["num_nextn_predict_layers"]), common["num_hidden_layers"] - 1)
+    return GQAMoEConfig(
+        architecture=ARCHITECTURES[0], family=MODEL_TYPES[0], **common,
+        intermediate_size=int(f.need("intermediate_size")),
+        attention=GQASpec(common["hidden_size"], heads, int(f.get("num_key_value_heads", heads)), head_dim,
+                          common["rms_norm_eps"], bias=bool(f.values["attention_bias"]),
+                          qk_norm="per_head" if f.values["use_qk_norm"] else None),
+        moe_intermediate_size=moe_inter,
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        shared_intermediate_size=moe_inter * int(f.values["n_shared_experts"]),
+        moe_layer_ids=moe_layer_ids(common["num_hidden_layers"], lambda i: experts > 0 and i >= first_dense),
+        router=RouterSpec(experts, top_k, "sigmoid", "noaux_tc", int(f.values["n_group"]), int(f.values["topk_group"]),
+                          normalize=bool(f.values["norm_topk_prob"]),
+                          scaling_factor=float(f.values["routed_scaling_factor"]), correction_bias=True),
+        max_position_embeddings=int(f.values["max_position_embeddings"]),
+        rope=rope_config(f.values, rotary_dim, float(f.values["rope_theta"]), interleave_default=False),
+    )

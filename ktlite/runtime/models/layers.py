@@ -1,0 +1,113 @@
+"""Layers every family shares: RMSNorm, the SwiGLU MLP, the router and the MoE block.
+
+Modules carry a `plan_component` tag naming the memory-plan component their parameters count
+against (see `ktlite.runtime.memory.components_of`); the innermost tagged module wins, so a norm
+inside an attention block counts as "norms_router" like every norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ktlite.runtime.models.config import RouterSpec
+from ktlite.runtime.models.router import select_experts
+
+
+class RMSNorm(nn.Module):
+    """`weight * x / rms(x)`; with `unit_offset` the stored weight is w - 1 (Qwen3-Next's `(1 + w)` form)."""
+
+    plan_component = "norms_router"
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def normalize(self, x: torch.Tensor, mean_square: torch.Tensor | None = None) -> torch.Tensor:
+        """x in float32 scaled by 1/rms; `mean_square` [..., 1] overrides x's own (a norm whose
+        vector is split over tensor-parallel ranks passes the global one)."""
+        xf = x.float()
+        if mean_square is None:
+            mean_square = xf.pow(2).mean(-1, keepdim=True)
+        return xf * torch.rsqrt(mean_square + self.eps)
+
+    def scale(self, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.unit_offset:  # this form scales in float32 before casting back
+            return (normed * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * normed.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale(self.normalize(x), x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: dense layers, each routed expert and the shared experts."""
+
+    plan_component = "dense_mlp"
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """fp32 router weight [E, hidden] (+ the correction bias when the spec has one)."""
+
+    plan_component = "norms_router"
+
+    def __init__(self, spec: RouterSpec, hidden: int):
+        super().__init__()
+        self.spec = spec
+        self.weight = nn.Parameter(torch.zeros(spec.num_experts, hidden, dtype=torch.float32))
+        if spec.correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> topk_ids [N, k], topk_weights [N, k] (router math in float32)."""
+        logits = F.linear(x.float(), self.weight.float())
+        return select_experts(logits, self.spec, self.e_score_correction_bias)
+
+
+class MoE(nn.Module):
+    """Router + routed experts + shared expert(s). Without `routed_experts` the expert weights are left
+    out: the runtime keeps them elsewhere (CPU store, GPU expert buffers) and runs them itself
+    (`HybridMoE` reads `gate` and `shared_experts`)."""
+
+    def __init__(self, spec: RouterSpec, hidden: int, expert_intermediate: int, shared_intermediate: int,
+                 routed_experts: bool = True):
+        super().__init__()
+        self.gate = Router(spec, hidden)
+        count = spec.num_experts if routed_experts else 0
+        self.experts = nn.ModuleList(MLP(hidden, expert_intermediate) for _ in range(count))
+        for expert in self.experts:
+            expert.plan_component = "gpu_experts"  # a routed expert on the device is a GPU expert
+        self.shared_experts = MLP(hidden, shared_intermediate) if shared_intermediate else None
+        if self.shared_experts is not None:
+            self.shared_experts.plan_component = "shared_experts"
+
+    def routed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden]: sum over each token's chosen experts of weight * expert(x)."""
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e in topk_ids.unique().tolist():
+            token_idx, slot = (topk_ids == e).nonzero(as_tuple=True)
+            y = self.experts[e](x[token_idx]).float() * topk_weights[token_idx, slot, None]
+            out.index_add_(0, token_idx, y)
+        return out.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        topk_ids, topk_weights = self.gate(flat)
+        out = self.routed(flat, topk_ids, topk_weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view_as(x)

@@ -1,0 +1,49 @@
+"""MiniMax-M2 (M2, M2.1, M2.5): GQA with q/k RMSNorm over all heads together (`qk_norm_type:
+per_layer`), partial rotary (`rotary_dim`), sigmoid router whose `e_score_correction_bias` steers the
+choice only, weights normalised then scaled by `routed_scaling_factor`; every layer is MoE, no
+shared experts. Hub checkpoints name the MoE block `block_sparse_moe` and the experts w1/w3/w2."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ktlite.errors import ConfigError
+from ktlite.runtime.models.config import Fields, RouterSpec, partial_rotary_factor, rope_config
+from ktlite.runtime.models.gqa import GQASpec
+from ktlite.runtime.models.gqa_moe import GQAMoEConfig, GQAMoEForCausalLM
+
+ARCHITECTURES = ("MiniMaxM2ForCausalLM",)
+MODEL_TYPES = ("minimax_m2",)
+Model = GQAMoEForCausalLM
+
+
+def parse_config(raw: dict[str, Any]) -> GQAMoEConfig:
+    f = Fields(raw, {"rope_theta": 5000000.0, "max_position_embeddings": 196608, "use_qk_norm": True,
+                     "qk_norm_type": "per_layer", "scoring_func": "sigmoid", "use_routing_bias": True,
+                     "routed_scaling_factor": 1.0})
+    common = f.common()
+    heads = common["num_attention_heads"]
+    head_dim = int(f.get("head_dim") or common["hidden_size"] // heads)
+    rotary_dim = int(f.get("rotary_dim") or head_dim * partial_rotary_factor(f.values))
+    norm = f.values["qk_norm_type"] if f.values["use_qk_norm"] else None
+    if norm not in (None, "per_layer", "per_head"):
+        raise ConfigError(f"config.json: qk_norm_type={norm!r} is not supported (per_layer or per_head)")
+    experts, top_k = int(f.need("num_local_experts")), int(f.need("num_experts_per_tok"))
+    return GQAMoEConfig(
+        architecture=ARCHITECTURES[0], family=MODEL_TYPES[0], **common,
+        intermediate_size=0,  # no dense layers
+        attention=GQASpec(common["hidden_size"], heads, int(f.get("num_key_value_heads", heads)), head_dim,
+                          common["rms_norm_eps"], qk_norm=norm),
+        moe_intermediate_size=int(f.need("intermediate_size")),  # MiniMax names the expert size this way
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        shared_intermediate_size=0,
+        moe_layer_ids=tuple(range(common["num_hidden_layers"])),
+        router=RouterSpec(experts, top_k, f.values["scoring_func"], normalize=True,
+                          scaling_factor=float(f.values["routed_scaling_factor"]),
+                          correction_bias=bool(f.values["use_routing_bias"])),
+        max_position_embeddings=int(f.values["max_position_embeddings"]),
+        rope=rope_config(f.values, rotary_dim, float(f.values["rope_theta"]), interleave_default=False),
+        expert_names=("w1", "w3", "w2"),
+        moe_prefix="block_sparse_moe",
+    )

@@ -1,0 +1,68 @@
+"""Tiny checkpoints of the GQA families written by transformers itself (not by ktlite).
+
+The model is built from its transformers config class, its random weights are replaced by ones with
+a larger spread (so router choices and argmaxes are decisive, as in ktlite's tiny models) rounded to
+bf16, and `save_pretrained` writes it in bf16 with the hub's tensor names. The tokenizer files are
+the tiny BPE tokenizer ktlite's demo model uses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+from ktlite.runtime.tiny_model import BOS, CONTEXT, EOS, train_tokenizer, write_tokenizer_files
+
+_COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, max_position_embeddings=CONTEXT, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+FAMILIES = {
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **_COMMON, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+        mlp_only_layers=[0], decoder_sparse_step=1, rope_theta=10000.0),
+    "minimax_m2": lambda: transformers.MiniMaxM2Config(
+        **{**_COMMON, "intermediate_size": 32}, num_local_experts=16, num_experts_per_tok=4, rotary_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        **_COMMON, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+        n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=1,
+        attention_bias=True, use_qk_norm=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+}
+
+
+def _spread(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                value = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+            elif name.endswith("gate.weight"):  # routers
+                value = 0.5 * torch.randn(p.shape, generator=gen)
+            elif p.dim() == 1:  # biases
+                value = 0.05 * torch.randn(p.shape, generator=gen)
+            else:
+                value = torch.randn(p.shape, generator=gen) * (1.5 / p.shape[-1] ** 0.5)
+            p.copy_(value.bfloat16().float())
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_((0.05 * torch.randn(b.shape, generator=gen)).bfloat16().float())
+
+
+def write_hf_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
+    tokenizer = train_tokenizer()
+    config = FAMILIES[family]()
+    config.vocab_size = tokenizer.get_vocab_size()
+    config.bos_token_id, config.eos_token_id = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _spread(model, seed)
+    model.to(torch.bfloat16).save_pretrained(path)
+    write_tokenizer_files(path, tokenizer)
+    return path
+
+
+def hf_model(path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
