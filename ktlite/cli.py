@@ -30,17 +30,22 @@ def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
 
+# `ktlite tiny-model --arch` names (each family's TINY_CONFIGS)
+_TINY_ARCHS = ["deepseek_v3", "deepseek_v2", "qwen3_moe", "minimax_m2", "glm4_moe"]
+
+
 @click.group()
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def main(verbose: bool) -> None:
-    """ktlite: DeepSeek-class MoE inference with CPU experts and GPU attention."""
+    """ktlite: MoE inference (DeepSeek-V2/V3, Kimi-K2, Qwen3-MoE, MiniMax-M2, GLM-4.5) with CPU experts and GPU attention."""
     _setup_logging(verbose)
 
 
 @main.command("tiny-model")
 @click.argument("path", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--arch", type=click.Choice(["deepseek_v3", "deepseek_v2"]), default="deepseek_v3", show_default=True)
-@click.option("--fp8", is_flag=True, help="Store linear weights as DeepSeek-V3 block-scaled float8_e4m3fn.")
+@click.option("--arch", type=click.Choice(_TINY_ARCHS), default="deepseek_v3", show_default=True,
+              help="Model family of the checkpoint.")
+@click.option("--fp8", is_flag=True, help="Store linear weights as block-scaled float8_e4m3fn (as DeepSeek-V3, MiniMax-M2 and Qwen3 FP8 checkpoints do).")
 @click.option("--seed", type=int, default=0, show_default=True)
 def tiny_model(path: Path, arch: str, fp8: bool, seed: int) -> None:
     """Write a small random HF-format checkpoint (with tokenizer and chat template) to PATH."""
@@ -139,8 +144,9 @@ def _resolve_model_path(path: str) -> str:
         return path
     # "tiny" / "tiny:deepseek_v2": a cached random demo checkpoint (random text, for demos and smoke tests)
     arch = path.split(":", 1)[1] if ":" in path else "deepseek_v3"
-    if arch not in ("deepseek_v3", "deepseek_v2"):
-        raise click.BadParameter(f"unknown tiny architecture {arch!r} (deepseek_v3 or deepseek_v2)", param_hint="--model-path")
+    if arch not in _TINY_ARCHS:
+        raise click.BadParameter(f"unknown tiny architecture {arch!r} (one of {', '.join(_TINY_ARCHS)})",
+                                 param_hint="--model-path")
     cache = Path(os.environ.get("KTLITE_CACHE", Path.home() / ".cache" / "ktlite")) / f"tiny-{arch}"
     if not (cache / "config.json").is_file():
         from ktlite.runtime.tiny_model import write_tiny_model
@@ -535,7 +541,7 @@ def plan(model: str, **flags: object) -> None:
 
 @main.command()
 @click.option("--model", "--model-path", "model", required=True, type=click.Path(exists=True, file_okay=False),
-              help="HF checkpoint folder (bf16/fp16/fp32 or DeepSeek block-FP8).")
+              help="HF checkpoint folder (bf16/fp16/fp32 or block-FP8).")
 @click.option("--output", required=True, type=click.Path(file_okay=False), help="Folder for --kt-weight-path.")
 @click.option("--method", default="INT4", show_default=True, help="INT4, INT8 or BF16 (KTransformers names accepted).")
 @click.option("--group-size", type=int, default=64, show_default=True, help="Values per quantization group.")

@@ -94,3 +94,22 @@ def test_layerwise_prefill_dynamic_placement_and_deferred_experts(tiny_gqa, expe
     with Engine(str(tiny_gqa), **EXACT, kt_num_gpu_experts=4, kt_max_deferred_experts_per_token=1) as eng:
         deferred = eng.generate(input_ids=batch, sampling_params=GREEDY)
     assert [len(r.token_ids) for r in deferred] == [GREEDY["max_tokens"]] * len(batch)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "minimax_m2", "glm4_moe"])
+def test_fp8_checkpoint_kept_fp8_equals_dequantized_reference(arch, tmp_path):
+    """Block-FP8 GQA checkpoints load like DeepSeek-V3's: projections stay FP8 on the device and give
+    the logits of the reference model on the dequantized weights."""
+    from ktlite.runtime import models
+    from ktlite.runtime.models.fp8 import FP8Linear
+    from ktlite.runtime.tiny_model import write_tiny_model
+
+    path = write_tiny_model(tmp_path / arch, arch, fp8=True, seed=4)
+    ref = models.load(path)
+    batch = prompts(ref.config.vocab_size, lengths=(6, 11))
+    # every expert on the device (dequantized in fp32 like the reference's; BF16 CPU experts would round)
+    with Engine(str(path), **EXACT, weight_dtype="fp8", kt_num_gpu_experts=16) as eng:
+        assert any(isinstance(m, FP8Linear) for m in eng.runtime.runner.model.modules())
+        got = logits_of(eng, batch)
+    want = torch.cat([ref(torch.tensor([ids]))[0, -1:] for ids in batch])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -1,9 +1,9 @@
 """Write small random checkpoints of every family in HF format (the demo model and test fixtures).
 
-The shapes are tiny but exercise every feature: MLA with q_lora_rank set (DeepSeek-V3) and None
-(V2), dense layers before MoE layers, expert groups, shared experts, YaRN rope with mscale; GQA with
-per-head or per-layer q/k norms, attention bias, partial rotary, sigmoid routers with a correction
-bias. Weights are drawn with a
+The shapes are tiny but exercise every feature a family has (each family module's TINY_CONFIGS:
+e.g. MLA with and without q_lora_rank, dense layers before MoE layers, expert groups, shared
+experts, YaRN rope with mscale, GQA with per-head or per-layer q/k norms, attention bias, partial
+rotary, sigmoid routers with a correction bias). Weights are drawn with a
 larger spread than real initialisations so router choices and argmaxes are decisive (no near-ties
 that rounding could flip when comparing implementations).
 """
@@ -20,12 +20,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ktlite.runtime.models import build
 from ktlite.runtime.models.config import parse_config
+from ktlite.runtime.models.registry import tiny_configs
 
 logger = logging.getLogger(__name__)
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
-# DeepSeek-V3's template, reduced to system/user/assistant turns.
+# A chat template in the style of the MLA models' template, reduced to system/user/assistant turns.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -54,101 +55,8 @@ _COMMON = {
     "use_cache": True,
     "torch_dtype": "bfloat16",
 }
-_MLA = {
-    "moe_intermediate_size": 32,
-    "num_key_value_heads": 4,
-    "kv_lora_rank": 32,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 16,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "attention_bias": False,
-}
-
-ARCH_CONFIGS = {
-    "deepseek_v3": {
-        **_MLA,
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "q_lora_rank": 48,
-        "n_routed_experts": 16,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 4,
-        "n_group": 4,
-        "topk_group": 2,
-        "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
-        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
-                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-    },
-    "deepseek_v2": {
-        **_MLA,
-        "architectures": ["DeepseekV2ForCausalLM"],
-        "model_type": "deepseek_v2",
-        "q_lora_rank": None,
-        "n_routed_experts": 8,
-        "n_shared_experts": 2,
-        "num_experts_per_tok": 3,
-        "n_group": 4,
-        "topk_group": 2,
-        "topk_method": "group_limited_greedy",
-        "scoring_func": "softmax",
-        "norm_topk_prob": False,
-        "routed_scaling_factor": 1.5,
-        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
-                         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
-    },
-    "qwen3_moe": {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "num_experts": 16,
-        "num_experts_per_tok": 4,
-        "moe_intermediate_size": 32,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [0],
-        "attention_bias": False,
-    },
-    "minimax_m2": {
-        "architectures": ["MiniMaxM2ForCausalLM"],
-        "model_type": "minimax_m2",
-        "intermediate_size": 32,  # MiniMax names the routed expert size intermediate_size
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "rotary_dim": 8,
-        "num_local_experts": 16,
-        "num_experts_per_tok": 4,
-        "use_qk_norm": True,
-        "qk_norm_type": "per_layer",
-        "scoring_func": "sigmoid",
-        "use_routing_bias": True,
-        "routed_scaling_factor": 1.0,
-    },
-    "glm4_moe": {
-        "architectures": ["Glm4MoeForCausalLM"],
-        "model_type": "glm4_moe",
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "partial_rotary_factor": 0.5,
-        "attention_bias": True,
-        "use_qk_norm": True,
-        "n_routed_experts": 16,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 4,
-        "moe_intermediate_size": 32,
-        "n_group": 4,
-        "topk_group": 2,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
-        "first_k_dense_replace": 1,
-        "num_nextn_predict_layers": 0,
-    },
-}
+# each family module's TINY_CONFIGS: {--arch name: config.json fields beyond _COMMON}
+ARCH_CONFIGS = tiny_configs()
 
 
 def _corpus() -> list[str]:
@@ -201,7 +109,7 @@ def _random_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _fp8_quantize(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """float weight [N, K] -> (float8_e4m3fn [N, K], scale_inv [ceil(N/b), ceil(K/b)]) per DeepSeek-V3."""
+    """float weight [N, K] -> (float8_e4m3fn [N, K], scale_inv [ceil(N/b), ceil(K/b)]) (block-FP8 checkpoints)."""
     n, k = weight.shape
     nb, kb = -(-n // block), -(-k // block)
     padded = torch.zeros(nb * block, kb * block)
@@ -214,7 +122,7 @@ def _fp8_quantize(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor,
 
 
 def _is_fp8_target(name: str) -> bool:
-    # DeepSeek-V3 keeps embeddings, lm_head, norms and the router in high precision
+    # block-FP8 checkpoints keep embeddings, lm_head, norms and routers in high precision
     return name.endswith(("proj.weight", "proj_with_mqa.weight"))
 
 

@@ -22,7 +22,7 @@ from torch import nn
 from ktlite.kernels.triton import mla_decode, mla_extend
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
-from ktlite.runtime.models.deepseek_config import ARCHITECTURES, MODEL_TYPES, DeepseekConfig, parse_config
+from ktlite.runtime.models.deepseek_config import ARCHITECTURES, MODEL_TYPES, TINY_CONFIGS, DeepseekConfig, parse_config
 from ktlite.runtime.models.fp8 import linear_weight
 from ktlite.runtime.models.layers import MLP, MoE, RMSNorm
 from ktlite.runtime.models.rope import RotaryEmbedding
@@ -201,4 +201,4 @@ class DeepseekForCausalLM(CausalLM):
 
 
 Model = DeepseekForCausalLM
-__all__ = ["ARCHITECTURES", "MODEL_TYPES", "DeepseekConfig", "DeepseekForCausalLM", "LatentCache", "Model", "parse_config"]
+__all__ = ["ARCHITECTURES", "MODEL_TYPES", "TINY_CONFIGS", "DeepseekConfig", "DeepseekForCausalLM", "LatentCache", "Model", "parse_config"]

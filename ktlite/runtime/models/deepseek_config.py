@@ -174,3 +174,52 @@ def parse_config(raw: dict[str, Any]) -> DeepseekConfig:
     )
     cfg.router  # validates the routing fields
     return cfg
+
+
+# `ktlite tiny-model --arch NAME`: config.json fields beyond the shared tiny ones (hidden 64, 3 layers,
+# 4 heads; see ktlite/runtime/tiny_model.py)
+_TINY_MLA = {
+    "moe_intermediate_size": 32,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "attention_bias": False,
+}
+TINY_CONFIGS = {
+    "deepseek_v3": {
+        **_TINY_MLA,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "q_lora_rank": 48,
+        "n_routed_experts": 16,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    },
+    "deepseek_v2": {
+        **_TINY_MLA,
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "q_lora_rank": None,
+        "n_routed_experts": 8,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 3,
+        "n_group": 4,
+        "topk_group": 2,
+        "topk_method": "group_limited_greedy",
+        "scoring_func": "softmax",
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.5,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    },
+}

@@ -50,3 +50,25 @@ def parse_config(raw: dict[str, Any]) -> GQAMoEConfig:
         max_position_embeddings=int(f.values["max_position_embeddings"]),
         rope=rope_config(f.values, rotary_dim, float(f.values["rope_theta"]), interleave_default=False),
     )
+
+
+# `ktlite tiny-model --arch glm4_moe`: config.json fields beyond the shared tiny ones (ktlite/runtime/tiny_model.py)
+TINY_CONFIGS = {"glm4_moe": {
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "partial_rotary_factor": 0.5,
+    "attention_bias": True,
+    "use_qk_norm": True,
+    "n_routed_experts": 16,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 32,
+    "n_group": 4,
+    "topk_group": 2,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1,
+    "num_nextn_predict_layers": 0,
+}}

@@ -47,3 +47,21 @@ def parse_config(raw: dict[str, Any]) -> GQAMoEConfig:
         expert_names=("w1", "w3", "w2"),
         moe_prefix="block_sparse_moe",
     )
+
+
+# `ktlite tiny-model --arch minimax_m2`: config.json fields beyond the shared tiny ones (ktlite/runtime/tiny_model.py)
+TINY_CONFIGS = {"minimax_m2": {
+    "architectures": ["MiniMaxM2ForCausalLM"],
+    "model_type": "minimax_m2",
+    "intermediate_size": 32,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rotary_dim": 8,
+    "num_local_experts": 16,
+    "num_experts_per_tok": 4,
+    "use_qk_norm": True,
+    "qk_norm_type": "per_layer",
+    "scoring_func": "sigmoid",
+    "use_routing_bias": True,
+    "routed_scaling_factor": 1.0,
+}}

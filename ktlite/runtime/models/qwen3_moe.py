@@ -38,3 +38,19 @@ def parse_config(raw: dict[str, Any]) -> GQAMoEConfig:
         max_position_embeddings=int(f.values["max_position_embeddings"]),
         rope=rope_config(f.values, head_dim, float(f.values["rope_theta"]), interleave_default=False),
     )
+
+
+# `ktlite tiny-model --arch qwen3_moe`: config.json fields beyond the shared tiny ones (ktlite/runtime/tiny_model.py)
+TINY_CONFIGS = {"qwen3_moe": {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [0],
+    "attention_bias": False,
+}}

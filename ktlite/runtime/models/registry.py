@@ -55,3 +55,8 @@ def model_class(cfg) -> type:
         if cfg.architecture in module.ARCHITECTURES:
             return module.Model
     raise ConfigError(f"no model family for architecture {cfg.architecture!r}")
+
+
+def tiny_configs() -> dict[str, dict[str, Any]]:
+    """{`ktlite tiny-model --arch` name: config fields} over every family (their TINY_CONFIGS)."""
+    return {name: fields for module in map(_module, FAMILY_MODULES) for name, fields in module.TINY_CONFIGS.items()}

@@ -1,0 +1,82 @@
+"""`ktlite plan` for the published configs of every family, from config.json alone, and the errors
+a config that ktlite cannot serve gets before anything is allocated."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ktlite.cli import main
+from ktlite.errors import ConfigError
+from ktlite.runtime.memory import PlanInputs, make_plan
+from ktlite.runtime.models import load_config, parse_config, supported
+
+DATA = Path(__file__).parent / "data"
+
+# layers x (K + V) x kv heads x head_dim x 2 bytes (bf16), as the config implies
+KV_BYTES = {
+    "qwen3-30b-a3b": 48 * 2 * 4 * 128 * 2,
+    "qwen3-235b-a22b": 94 * 2 * 4 * 128 * 2,
+    "minimax-m2": 62 * 2 * 8 * 128 * 2,
+    "glm-4.5": 92 * 2 * 8 * 128 * 2,
+    "deepseek-v3": 61 * 576 * 2,
+}
+
+
+@pytest.mark.parametrize("name", list(KV_BYTES))
+def test_kv_bytes_per_token_is_what_the_config_implies(name):
+    plan = make_plan(load_config(DATA / name), PlanInputs(gpu_memory="200GiB", dtype="bfloat16"))
+    assert plan.kv_bytes_per_token == KV_BYTES[name]
+    assert plan.bytes("kv_pool") == plan.kv_pool_tokens * KV_BYTES[name]
+
+
+def test_kv_heads_split_over_ranks_and_replicate_below_one_per_rank():
+    cfg = load_config(DATA / "qwen3-30b-a3b")  # 4 kv heads
+    for tp, heads in ((2, 2), (4, 1), (8, 1)):
+        plan = make_plan(cfg, PlanInputs(gpu_memory="80GiB", dtype="bfloat16", tensor_parallel_size=tp))
+        assert plan.kv_bytes_per_token == 48 * 2 * heads * 128 * 2, tp
+
+
+@pytest.mark.parametrize("name", ["qwen3-235b-a22b", "minimax-m2", "glm-4.5"])
+def test_cli_plan_answers_from_config_alone(name, tmp_path):
+    result = CliRunner().invoke(main, ["plan", "--model", str(DATA / name), "--gpu-memory", "16GiB",
+                                       "--tensor-parallel-size", "2"])
+    assert "kv_pool" in result.output and f"{KV_BYTES[name] // 2:,} B" in result.output, result.output
+
+
+def test_glm_mtp_layer_is_not_part_of_the_model():
+    cfg = load_config(DATA / "glm-4.5")
+    assert cfg.num_hidden_layers == 92 and cfg.moe_layers[0] == 3 and len(cfg.moe_layers) == 89
+
+
+def test_unknown_architecture_lists_the_supported_ones():
+    raw = json.loads((DATA / "qwen3-30b-a3b" / "config.json").read_text())
+    with pytest.raises(ConfigError) as info:
+        parse_config({**raw, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    for arch in supported():
+        assert arch in str(info.value)
+    assert {"Qwen3MoeForCausalLM", "MiniMaxM2ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"} <= set(supported())
+
+
+@pytest.mark.parametrize("name, field", [("qwen3-30b-a3b", "moe_intermediate_size"), ("minimax-m2", "num_local_experts"),
+                                         ("glm-4.5", "n_routed_experts"), ("qwen3-30b-a3b", "vocab_size")])
+def test_missing_field_is_named(name, field):
+    raw = json.loads((DATA / name / "config.json").read_text())
+    del raw[field]
+    with pytest.raises(ConfigError, match=field):
+        parse_config(raw)
+
+
+def test_tiny_model_cli_writes_every_family(tmp_path):
+    from ktlite.cli import _TINY_ARCHS
+    from ktlite.runtime.models.registry import tiny_configs
+
+    assert sorted(_TINY_ARCHS) == sorted(tiny_configs())
+    for arch in ("qwen3_moe", "minimax_m2", "glm4_moe"):
+        result = CliRunner().invoke(main, ["tiny-model", str(tmp_path / arch), "--arch", arch, "--fp8"])
+        assert result.exit_code == 0, result.output
+        cfg = load_config(tmp_path / arch)
+        assert cfg.fp8_block_size == (128, 128) and cfg.architecture in supported()
