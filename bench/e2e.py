@@ -1,15 +1,18 @@
-"""End-to-end prefill and decode throughput of the Engine on a DeepSeek-V2-Lite-shaped model.
+"""End-to-end prefill and decode throughput of the Engine on a published model's shapes.
 
-The model has V2-Lite's shapes (hidden 2048, 64 routed experts of 1408, top-6, 2 shared experts,
-MLA with kv_lora_rank 512) and random weights, cut to --layers layers (default 8, as in the
-llama.cpp figure of shared/MEASURED.md; --layers 27 is the full 16B model, ~29 GB of bf16 on disk).
+`--arch deepseek-v2-lite` (default): V2-Lite's shapes (hidden 2048, 64 routed experts of 1408, top-6,
+2 shared experts, MLA with kv_lora_rank 512), cut to --layers layers (default 8, as in the llama.cpp
+figure of shared/MEASURED.md; --layers 27 is the full 16B model, ~29 GB of bf16 on disk).
+`--arch qwen3-30b-a3b`: Qwen3-30B-A3B's shapes (hidden 2048, GQA 32 heads / 4 kv heads, 128 routed
+experts of 768, top-8, no shared expert), cut to --layers layers (1.2 GB of bf16 experts per layer).
+Weights are random.
 Routed experts run on the CPU as INT4 (Numba); the "GPU side" runs on the CPU in bf16 when no GPU
 is present. Printed next to each figure, measured in the same run:
 - the decode bound: measured memory bandwidth / bytes read per token (active experts at their
   quantized size + every non-expert weight once per step);
 - transformers' `generate` on the same checkpoint (bf16, its eager MoE), batch 1.
 
-    python bench/e2e.py [--layers 8] [--batches 1,4,16] [--write]
+    python bench/e2e.py [--arch deepseek-v2-lite|qwen3-30b-a3b] [--layers 8] [--batches 1,4,16] [--write]
 """
 
 from __future__ import annotations
@@ -32,26 +35,28 @@ from ktlite.runtime.models.config import parse_config
 from ktlite.runtime.tiny_model import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-V2_LITE = ROOT / "tests" / "data" / "deepseek-v2-lite" / "config.json"
+ARCHS = {"deepseek-v2-lite": "DeepSeek-V2-Lite", "qwen3-30b-a3b": "Qwen3-30B-A3B"}
 
 
-def write_checkpoint(path: Path, layers: int) -> Path:
-    """Random bf16 weights with V2-Lite shapes, one safetensors shard per layer (bounded RAM)."""
+def write_checkpoint(path: Path, arch: str, layers: int) -> Path:
+    """Random bf16 weights with the published config's shapes, one safetensors shard per layer
+    (bounded RAM), under the checkpoint's own tensor names."""
     if (path / "config.json").is_file():
         return path
     path.mkdir(parents=True, exist_ok=True)
-    raw = json.loads(V2_LITE.read_text())
+    raw = json.loads((ROOT / "tests" / "data" / arch / "config.json").read_text())
     raw["num_hidden_layers"] = layers
+    raw.pop("mlp_only_layers", None)
     cfg = parse_config(raw)
-    with torch.device("meta"):
-        shapes = {n: t.shape for n, t in build(cfg, "meta", torch.bfloat16).state_dict().items()}
+    model = build(cfg, "meta", torch.bfloat16)
+    shapes = {n: t.shape for n, t in model.state_dict().items()}
     g = torch.Generator().manual_seed(0)
     weight_map = {}
     groups: dict[str, list[str]] = {}
     for name in shapes:
         key = name.split(".")[2] if name.startswith("model.layers.") else "other"
         groups.setdefault(key, []).append(name)
-    for key, names in tqdm(groups.items(), desc="writing random V2-Lite checkpoint", unit="shard"):
+    for key, names in tqdm(groups.items(), desc=f"writing random {ARCHS[arch]}-shaped checkpoint", unit="shard"):
         tensors = {}
         for n in names:
             shape = shapes[n]
@@ -59,10 +64,10 @@ def write_checkpoint(path: Path, layers: int) -> Path:
                 t = torch.ones(shape)
             else:
                 t = torch.randn(shape, generator=g) * (1.0 / shape[-1] ** 0.5)
-            tensors[n] = t.float() if n.endswith("mlp.gate.weight") else t.to(torch.bfloat16)
+            tensors[model.checkpoint_name(n)] = t.float() if n.endswith("mlp.gate.weight") else t.to(torch.bfloat16)
         fname = f"model-{key}.safetensors"
         save_file(tensors, str(path / fname))
-        weight_map.update({n: fname for n in names})
+        weight_map.update({n: fname for n in tensors})
     index = {"metadata": {"total_size": sum((path / f).stat().st_size for f in set(weight_map.values()))},
              "weight_map": weight_map}  # transformers requires the metadata block
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -127,6 +132,7 @@ def transformers_decode_rate(path: Path, prompt_len: int, gen: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="deepseek-v2-lite")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -138,7 +144,7 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
     args = ap.parse_args()
 
-    path = write_checkpoint(Path(args.dir) / f"v2lite-{args.layers}layers", args.layers)
+    path = write_checkpoint(Path(args.dir) / f"{args.arch}-{args.layers}layers", args.arch, args.layers)
     threads = torch.get_num_threads()
     bw = memory_bandwidth(threads)
     rows = []
@@ -157,7 +163,7 @@ def main() -> None:
         ours = float(rows[1][2].split()[0])
         rows.append(("transformers generate", "batch 1, bf16", f"{hf:.2f} tok/s", f"ktlite is {ours / hf:.1f}x"))
 
-    head = (f"## End to end (bench/e2e.py)\nDeepSeek-V2-Lite shapes cut to {args.layers} layers, random weights, "
+    head = (f"## End to end (bench/e2e.py --arch {args.arch})\n{ARCHS[args.arch]} shapes cut to {args.layers} layers, random weights, "
             f"CPU experts {args.kt_method}, device side bf16 on CPU ({cpu_model()}, torch threads {threads}).\n"
             f"Measured in the same run: memory bandwidth {bw:.1f} GB/s (numpy read, {threads} threads); one decode token reads "
             f"{per_token / 1e6:.0f} MB, so the bandwidth bound for batch-1 decode is {bw * 1e9 / per_token:.1f} tok/s.\n")

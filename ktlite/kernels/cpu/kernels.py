@@ -260,8 +260,8 @@ def _f32_dot(typingctx, a, b):
 
 
 class _BFloat(ir.Type):
-    """LLVM's bfloat (llvmlite has no class for it): fptrunc to it lets LLVM pick vcvtneps2bf16 where the
-    CPU has AVX512-BF16 and a round-to-nearest-even integer sequence elsewhere."""
+    """LLVM's bfloat (llvmlite has no class for it): fptrunc to it lets LLVM pick vcvtneps2bf16 on CPUs
+    with AVX512-BF16."""
 
     def _to_string(self):
         return "bfloat"
@@ -270,9 +270,30 @@ class _BFloat(ir.Type):
 _VBF = ir.VectorType(_BFloat(), _LANES)
 
 
+def _native_bf16() -> bool:
+    """Whether the compile target converts to bf16 in hardware. Elsewhere LLVM lowers fptrunc to bfloat
+    as a call to compiler-rt's __truncsfbf2, which the JIT cannot resolve (the process aborts), so the
+    rounding is spelled out in integer ops instead."""
+    import os
+
+    from llvmlite import binding
+
+    forced = os.environ.get("NUMBA_CPU_FEATURES")
+    if forced is not None:
+        return "+avx512bf16" in forced.split(",")
+    if os.environ.get("NUMBA_CPU_NAME", "host") != "host":
+        return False
+    return bool(binding.get_host_cpu_features().get("avx512bf16", False))
+
+
 def _round_bf16(builder, v):
     """fp32 vector -> bf16 bits, round to nearest even (as torch's .to(bfloat16) for finite values)."""
-    return builder.bitcast(builder.fptrunc(v, _VBF), _V16)
+    if _native_bf16():
+        return builder.bitcast(builder.fptrunc(v, _VBF), _V16)
+    bits = builder.bitcast(v, _V32)
+    odd = builder.and_(builder.lshr(bits, _cvec(_V32, 16)), _cvec(_V32, 1))  # ties go to the even neighbour
+    rounded = builder.add(bits, builder.add(odd, _cvec(_V32, 0x7FFF)))
+    return builder.trunc(builder.lshr(rounded, _cvec(_V32, 16)), _V16)
 
 
 def _decoder(qdtype):
