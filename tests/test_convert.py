@@ -10,17 +10,19 @@ import torch
 import ktlite.runtime.convert as convert
 from ktlite.errors import CheckpointError
 from ktlite.kernels.cpu.moe import CPUMoE
-from ktlite.runtime.convert import MANIFEST, convert_checkpoint, expert_tensor_name, load_converted, moe_layer_indices
+from ktlite.runtime.convert import MANIFEST, convert_checkpoint, load_converted, moe_layer_indices
 from ktlite.runtime.loader import CheckpointReader
+from ktlite.runtime.models import parse_config
 
 
 def direct_moe(model_dir, method: str, group: int) -> CPUMoE:
     """CPUMoE filled straight from the checkpoint (FP8 dequantized by the reader)."""
     reader = CheckpointReader(model_dir)
+    cfg = parse_config(reader.config)
     moe = CPUMoE(method, group)
     for layer in moe_layer_indices(reader.config):
-        stack = [torch.stack([reader.get(expert_tensor_name(layer, e, p)) for e in range(reader.config["n_routed_experts"])])
-                 for p in ("gate_proj", "up_proj", "down_proj")]
+        stack = [torch.stack([reader.get(cfg.expert_weight_name(layer, e, p)) for e in range(cfg.n_routed_experts)])
+                 for p in ("gate", "up", "down")]
         moe.add_layer(layer, *stack)
     return moe
 

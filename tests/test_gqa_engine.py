@@ -113,3 +113,18 @@ def test_fp8_checkpoint_kept_fp8_equals_dequantized_reference(arch, tmp_path):
         got = logits_of(eng, batch)
     want = torch.cat([ref(torch.tensor([ids]))[0, -1:] for ids in batch])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_convert_and_kt_weight_path(tiny_gqa, expected, tmp_path):
+    """`ktlite convert` reads the family's expert names (MiniMax's w1/w3/w2 too); serving the converted
+    INT8 experts with --kt-weight-path equals quantizing them at load."""
+    from ktlite.runtime.convert import convert_checkpoint
+
+    batch, _ = expected
+    convert_checkpoint(tiny_gqa, tmp_path / "int8", "INT8", progress=False)
+    flags = {**EXACT, "kt_method": "INT8"}
+    with Engine(str(tiny_gqa), **flags, kt_weight_path=str(tmp_path / "int8")) as eng:
+        converted = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+    with Engine(str(tiny_gqa), **flags) as eng:
+        at_load = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+    assert converted == at_load

@@ -40,33 +40,29 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "ktlite_experts.json"
 FORMAT_VERSION = 1
-_PROJS = ("gate_proj", "up_proj", "down_proj")
-_MODEL_KEYS = ("architectures", "hidden_size", "moe_intermediate_size", "n_routed_experts", "num_hidden_layers",
-               "first_k_dense_replace", "moe_layer_freq")
+_PROJS = ("gate", "up", "down")
 
 
 def moe_layer_indices(config: Mapping) -> list[int]:
-    """MoE layers of a DeepSeek config: l >= first_k_dense_replace and l % moe_layer_freq == 0."""
+    """MoE layers of a config.json (any supported family)."""
     return parse_config(dict(config)).moe_layers
 
 
-def expert_tensor_name(layer: int, expert: int, proj: str) -> str:
-    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
-
-
 def _dims(config: Mapping) -> tuple[int, int, int]:
-    try:
-        return int(config["n_routed_experts"]), int(config["hidden_size"]), int(config["moe_intermediate_size"])
-    except KeyError as exc:
-        raise CheckpointError(f"config.json has no {exc.args[0]!r}: not a DeepSeek MoE config") from None
+    """(routed experts, hidden size, expert intermediate size) of a config.json."""
+    cfg = parse_config(dict(config))
+    if not cfg.n_routed_experts:
+        raise CheckpointError(f"config.json of {cfg.architecture} has no routed experts")
+    return cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
 
 
 def _fingerprint(reader: CheckpointReader, layers: Sequence[int], n_experts: int) -> str:
-    h = hashlib.sha256(json.dumps({k: reader.config.get(k) for k in _MODEL_KEYS}, sort_keys=True).encode())
+    cfg = parse_config(reader.config)
+    h = hashlib.sha256(repr(cfg).encode())
     for layer in layers:
         for e in range(n_experts):
             for proj in _PROJS:
-                name = expert_tensor_name(layer, e, proj)
+                name = cfg.expert_weight_name(layer, e, proj)
                 if name not in reader:
                     raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {reader.model_dir}")
                 h.update(f"{name}{reader.shape(name)}{reader.is_fp8(name)}".encode())
@@ -93,6 +89,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, method: st
     method = normalize_kt_method(method)
     check_group_size(method, group_size)
     reader = CheckpointReader(model_dir)
+    cfg = parse_config(reader.config)
     n_experts, hidden, inter = _dims(reader.config)
     layers = moe_layer_indices(reader.config)
     if not layers:
@@ -125,13 +122,13 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, method: st
         gate_up = empty_quantized(method, group_size, (n_experts,), 2 * inter, hidden)
         down = empty_quantized(method, group_size, (n_experts,), hidden, inter)
         for e in range(n_experts):
-            gate, up, dn = (reader.get(expert_tensor_name(layer, e, p)) for p in _PROJS)
+            gate, up, dn = (reader.get(cfg.expert_weight_name(layer, e, p)) for p in _PROJS)
             if gate.shape != (inter, hidden) or up.shape != (inter, hidden) or dn.shape != (hidden, inter):
                 raise CheckpointError(f"layer {layer} expert {e}: shapes {tuple(gate.shape)}, {tuple(up.shape)}, "
                                       f"{tuple(dn.shape)} do not match config ({inter}, {hidden}) / ({hidden}, {inter})")
             quantize_into(gate_up, (e,), torch.cat([gate, up]))
             quantize_into(down, (e,), dn)
-            read_bytes += 3 * inter * hidden * _source_bytes(reader, expert_tensor_name(layer, e, "gate_proj"))
+            read_bytes += 3 * inter * hidden * _source_bytes(reader, cfg.expert_weight_name(layer, e, "gate"))
         name = f"layer_{layer:03d}.safetensors"
         tmp = out / (name + ".tmp")
         save_file(_layer_tensors(gate_up, down), str(tmp), metadata={"method": method, "group_size": str(group_size)})
