@@ -33,18 +33,25 @@ def tiny_model(request, tiny_v3, tiny_v2) -> Path:
 
 
 GQA_FAMILIES = ("qwen3_moe", "minimax_m2", "glm4_moe")
+HF_FAMILIES = GQA_FAMILIES + ("deepseek_v32",)
 
 
 @pytest.fixture(scope="session")
 def hf_gqa_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """Tiny GQA-family checkpoints written by transformers (see tests/hf_checkpoints.py)."""
+    """Tiny checkpoints of the newer families written by transformers (see tests/hf_checkpoints.py)."""
     from hf_checkpoints import write_hf_checkpoint
 
     root = tmp_path_factory.mktemp("hf_gqa")
-    return {family: write_hf_checkpoint(root / family, family, seed=i) for i, family in enumerate(GQA_FAMILIES)}
+    return {family: write_hf_checkpoint(root / family, family, seed=i) for i, family in enumerate(HF_FAMILIES)}
 
 
 @pytest.fixture(scope="session", params=GQA_FAMILIES)
 def tiny_gqa(request, hf_gqa_checkpoints) -> Path:
     """Each GQA family in turn."""
     return hf_gqa_checkpoints[request.param]
+
+
+@pytest.fixture(scope="session")
+def tiny_v32(hf_gqa_checkpoints) -> Path:
+    """DeepSeek-V3.2 (sparse attention, index_topk 6) written by transformers."""
+    return hf_gqa_checkpoints["deepseek_v32"]

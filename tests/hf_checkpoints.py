@@ -1,4 +1,4 @@
-"""Tiny checkpoints of the GQA families written by transformers itself (not by ktlite).
+"""Tiny checkpoints of the newer families written by transformers itself (not by ktlite).
 
 The model is built from its transformers config class, its random weights are replaced by ones with
 a larger spread (so router choices and argmaxes are decisive, as in ktlite's tiny models) rounded to
@@ -30,6 +30,14 @@ FAMILIES = {
         n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=1,
         attention_bias=True, use_qk_norm=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    "deepseek_v32": lambda: transformers.DeepseekV32Config(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=CONTEXT,
+        index_n_heads=16, index_head_dim=32, index_topk=6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
 }
 
 
@@ -37,7 +45,7 @@ def _spread(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") and "indexer" not in name:
                 value = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
             elif name.endswith("gate.weight"):  # routers
                 value = 0.5 * torch.randn(p.shape, generator=gen)

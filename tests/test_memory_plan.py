@@ -208,7 +208,7 @@ def test_parse_size():
 
 
 def test_components_of_tags_every_tensor_and_rejects_untagged_ones():
-    cfg = load_config(DATA / "deepseek-v3")
+    cfg = dataclasses.replace(V3, n_routed_experts=16)  # 256 experts x 58 layers take seconds even on meta
     owner = components_of(build(cfg, "meta", torch.bfloat16, fp8_weights=True))
     assert owner["model.layers.5.mlp.experts.7.down_proj.weight_scale_inv"] == "gpu_experts"
     assert owner["model.layers.5.mlp.gate.e_score_correction_bias"] == "norms_router"

@@ -164,21 +164,23 @@ class MLAttention(nn.Module):
         return self.o_proj(attn.flatten(-2))
 
 
-def _layer(cfg: DeepseekConfig, i: int, rotary: RotaryEmbedding, routed_experts: bool) -> DecoderLayer:
+def _layer(cfg: DeepseekConfig, i: int, rotary: RotaryEmbedding, routed_experts: bool, attention: type) -> DecoderLayer:
     if cfg.is_moe_layer(i):
         mlp = MoE(cfg.router, cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size, routed_experts)
     else:
         mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-    return DecoderLayer(i, cfg.hidden_size, cfg.rms_norm_eps, MLAttention(cfg, rotary), mlp)
+    return DecoderLayer(i, cfg.hidden_size, cfg.rms_norm_eps, attention(cfg, rotary), mlp)
 
 
 class DeepseekForCausalLM(CausalLM):
     """`model(input_ids [B, T]) -> logits [B, T, vocab]` (float32); pass a LatentCache to decode, and
     `absorbed=False` for the naive form."""
 
+    attention_class: type = MLAttention  # DeepSeek-V3.2 swaps in sparse MLA
+
     def __init__(self, cfg: DeepseekConfig, routed_experts: bool = True):
         rotary = RotaryEmbedding(cfg.rope)
-        layers = [_layer(cfg, i, rotary, routed_experts) for i in range(cfg.num_hidden_layers)]
+        layers = [_layer(cfg, i, rotary, routed_experts, self.attention_class) for i in range(cfg.num_hidden_layers)]
         super().__init__(cfg, Backbone(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, rotary, layers))
 
     @torch.inference_mode()

@@ -46,21 +46,26 @@ class RotaryEmbedding(torch.nn.Module):
         return freqs.cos() * scale, freqs.sin() * scale
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [..., heads, head_dim] with cos/sin [..., head_dim // 2] (broadcast over heads).
+        """Rotate x [..., heads, head_dim] with cos/sin [..., rot // 2] (broadcast over heads)."""
+        return apply_rope(x, cos.unsqueeze(-2), sin.unsqueeze(-2), self.cfg.interleave)
 
-        Interleaved models rotate pairs (x[2i], x[2i+1]) and keep that layout; otherwise the halves
-        (x[i], x[i + d/2]) are paired. Keys and queries use the same layout, so scores are equal.
-        """
-        rot = 2 * cos.shape[-1]
-        if x.shape[-1] > rot:  # partial rotary: only the first `rot` values of each head turn
-            return torch.cat((self(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        xf = x.float()
-        if self.cfg.interleave:
-            x1, x2 = xf[..., 0::2], xf[..., 1::2]
-            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-        else:
-            half = xf.shape[-1] // 2
-            x1, x2 = xf[..., :half], xf[..., half:]
-            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate the first 2 * cos.shape[-1] values of x's last dim (the rest passes through unrotated);
+    cos/sin broadcast against x[..., :rot // 2].
+
+    Interleaved models rotate pairs (x[2i], x[2i+1]) and keep that layout; otherwise the halves
+    (x[i], x[i + d/2]) are paired. Keys and queries use the same layout, so scores are equal.
+    """
+    rot = 2 * cos.shape[-1]
+    if x.shape[-1] > rot:  # partial rotary
+        return torch.cat((apply_rope(x[..., :rot], cos, sin, interleave), x[..., rot:]), dim=-1)
+    xf = x.float()
+    if interleave:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    else:
+        half = xf.shape[-1] // 2
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

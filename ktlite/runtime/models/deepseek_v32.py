@@ -1,0 +1,158 @@
+"""DeepSeek-V3.2 (`DeepseekV32ForCausalLM`): DeepSeek-V3 plus DeepSeek Sparse Attention (DSA).
+
+A lightning indexer per layer scores every cached token for each query
+(`sum_h w_h * relu(q_h . k) / sqrt(d)`, q from `wq_b` on the q_lora residual, k from `wk` + LayerNorm,
+half-split rope on the first qk_rope_head_dim values of both), and the MLA attention then reads only
+each query's top `index_topk` tokens (causal). The indexer's per-token key (`index_head_dim` values
+per layer) is cached in the token pool beside the MLA latent ("index_key"), so it is planned,
+reference-counted and freed with it. Tensor parallelism replicates the indexer (its weights and
+keys are small next to the latent heads).
+
+The attention here is the torch path (`sparse_mla_extend`); it equals dense MLA when top-k covers
+every token. Sparse Triton kernels are not written yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ktlite.runtime.forward_batch import ForwardBatch
+from ktlite.runtime.kv_cache import TokenCacheSpec
+from ktlite.runtime.models import deepseek_config
+from ktlite.runtime.models.base import CausalLM
+from ktlite.runtime.models.deepseek import DeepseekForCausalLM, MLAttention
+from ktlite.runtime.models.deepseek_config import DeepseekConfig
+from ktlite.runtime.models.rope import RotaryEmbedding, apply_rope
+
+ARCHITECTURES = ("DeepseekV32ForCausalLM",)
+MODEL_TYPES = ("deepseek_v32",)
+
+
+@dataclass(frozen=True)
+class DeepseekV32Config(DeepseekConfig):
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 2048
+
+    @property
+    def is_v3(self) -> bool:  # V3's routing and defaults
+        return True
+
+    def token_cache_specs(self, tp_size: int = 1) -> list[TokenCacheSpec]:
+        layers = tuple(range(self.num_hidden_layers))
+        return super().token_cache_specs(tp_size) + [TokenCacheSpec("index_key", layers, (self.index_head_dim,))]
+
+    def attention_workspace(self, tp_size: int) -> int:
+        """MLA's, plus the indexer's q, k, head weights and one row of scores per head (over a chunk's
+        worth of keys this is an underestimate for long prefixes; the torch path scores per request)."""
+        return super().attention_workspace(tp_size) + (self.index_n_heads + 1) * self.index_head_dim + 2 * self.index_n_heads
+
+
+def parse_config(raw: dict[str, Any]) -> DeepseekV32Config:
+    base = deepseek_config.parse_config({**raw, "architectures": [deepseek_config.ARCHITECTURES[1]]})
+    fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
+    return DeepseekV32Config(**{**fields, "architecture": ARCHITECTURES[0]},
+                             index_n_heads=int(raw.get("index_n_heads", 64)),
+                             index_head_dim=int(raw.get("index_head_dim", 128)),
+                             index_topk=int(raw.get("index_topk", 2048)))
+
+
+class Indexer(nn.Module):
+    plan_component = "attention"
+
+    def __init__(self, cfg: DeepseekV32Config):
+        super().__init__()
+        self.cfg = cfg
+        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, cfg.index_head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
+
+    def key(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """h [N, hidden] -> the cached index key [N, index_head_dim]."""
+        return apply_rope(self.k_norm(self.wk(h)), cos, sin, interleave=False)  # half-split, unlike the MLA rope
+
+    def top_positions(self, h: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      batch: ForwardBatch, keys: torch.Tensor, req_to_token: torch.Tensor) -> list[torch.Tensor]:
+        """Per request: [n, min(topk, prefix + n)] positions each new token attends to (causal top-k)."""
+        c = self.cfg
+        q = apply_rope(self.wq_b(q_resid).view(-1, c.index_n_heads, c.index_head_dim), cos.unsqueeze(-2), sin.unsqueeze(-2),
+                       interleave=False)
+        w = self.weights_proj(h).float() * c.index_n_heads**-0.5  # [N, H]
+        out, start = [], 0
+        for row, prefix, n in zip(batch.req_pool_indices.tolist(), batch.prefix_lens.tolist(), batch.extend_lens.tolist()):
+            total = prefix + n
+            k = keys[req_to_token[row, :total].long()].float()  # [T, D]
+            scores = torch.relu(torch.einsum("nhd,td->nht", q[start : start + n].float(), k) * c.index_head_dim**-0.5)
+            index = torch.einsum("nh,nht->nt", w[start : start + n], scores)
+            pos_q = torch.arange(n, device=h.device) + prefix
+            index.masked_fill_(torch.arange(total, device=h.device)[None, :] > pos_q[:, None], float("-inf"))
+            out.append(index.topk(min(c.index_topk, total), dim=-1).indices)
+            start += n
+        return out
+
+
+def sparse_mla_extend(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token: torch.Tensor, batch: ForwardBatch,
+                      selected: list[torch.Tensor], sm_scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """Absorbed MLA where new token i of a request sees only its selected positions that are <= its own
+    (fp32 softmax). q [N, H, kv_lora_rank + rope] -> [N, H, kv_lora_rank]."""
+    out = torch.empty(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)
+    start = 0
+    for row, prefix, n, sel in zip(batch.req_pool_indices.tolist(), batch.prefix_lens.tolist(),
+                                   batch.extend_lens.tolist(), selected):
+        total = prefix + n
+        kv = kv_buffer[req_to_token[row, :total].long()].float()  # [T, D]
+        allowed = torch.zeros(n, total, dtype=torch.bool, device=q.device).scatter_(1, sel, True)
+        pos_q = torch.arange(n, device=q.device) + prefix
+        allowed &= torch.arange(total, device=q.device)[None, :] <= pos_q[:, None]
+        scores = torch.einsum("nhd,td->nht", q[start : start + n].float(), kv) * sm_scale
+        probs = scores.masked_fill(~allowed[:, None, :], float("-inf")).softmax(-1)
+        out[start : start + n] = torch.einsum("nht,tc->nhc", probs, kv[:, :kv_lora_rank]).to(q.dtype)
+        start += n
+    return out
+
+
+class SparseMLAttention(MLAttention):
+    def __init__(self, cfg: DeepseekV32Config, rotary: RotaryEmbedding):
+        super().__init__(cfg, rotary)
+        self.indexer = Indexer(cfg)
+
+    def forward_batch(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, ctx,
+                      layer_idx: int) -> torch.Tensor:
+        c, pool = self.cfg, ctx.kv_pool
+        pool.write("latent", layer_idx, batch.out_cache_loc, self.latent(h, cos, sin))
+        pool.write("index_key", layer_idx, batch.out_cache_loc, self.indexer.key(h, cos, sin))
+        q_resid = self.q_a_layernorm(self.q_a_proj(h))
+        q = self.q_b_proj(q_resid).view(*h.shape[:-1], self.num_heads, c.qk_head_dim)
+        selected = self.indexer.top_positions(h, q_resid, cos, sin, batch, pool.buffer("index_key", layer_idx),
+                                              pool.req_to_token)
+        o = sparse_mla_extend(self.absorbed_query(q, cos, sin), pool.buffer("latent", layer_idx), pool.req_to_token,
+                              batch, selected, c.softmax_scale, c.kv_lora_rank)
+        return self.output(o)
+
+
+class DeepseekV32ForCausalLM(DeepseekForCausalLM):
+    """The reference call runs the batched sparse forward over a private pool (base.CausalLM's)."""
+
+    attention_class = SparseMLAttention
+    forward = CausalLM.forward
+    new_cache = CausalLM.new_cache
+
+
+Model = DeepseekV32ForCausalLM
+
+# `ktlite tiny-model --arch deepseek_v32`: V3's tiny shapes plus a small indexer (top-k below the
+# prompt lengths the tests use, so the sparsity is exercised). 16 index heads: with few heads, keys
+# whose ReLU scores are 0 in every head tie, and top-k's choice among ties is arbitrary.
+TINY_CONFIGS = {"deepseek_v32": {
+    **deepseek_config.TINY_CONFIGS["deepseek_v3"],
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "index_n_heads": 16,
+    "index_head_dim": 32,
+    "index_topk": 6,
+}}

@@ -1,0 +1,120 @@
+"""DeepSeek-V3.2 (DSA: lightning indexer + sparse MLA) against transformers on a tiny checkpoint
+transformers wrote, with index_topk (6) below the prompt lengths so the sparsity is exercised."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from hf_checkpoints import hf_model
+from test_gqa_engine import EXACT, GREEDY, hf_greedy, prompts
+
+from ktlite import Engine
+from ktlite.cli import main
+from ktlite.runtime import models
+from ktlite.runtime.memory import PlanInputs, make_plan
+from ktlite.runtime.models import load_config
+from ktlite.runtime.models.deepseek_v32 import sparse_mla_extend
+
+TOL = 1e-4
+DATA = Path(__file__).parent / "data"
+
+
+def test_prefill_and_decode_logits_match_transformers(tiny_v32):
+    ours, ref = models.load(tiny_v32), hf_model(tiny_v32)
+    assert ours.config.index_topk == 6
+    ids = torch.randint(0, ours.config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ref(ids).logits
+    assert (ours(ids) - expected).abs().max().item() <= TOL
+    cache = ours.new_cache(2, 21)
+    steps = [ours(ids[:, :5], cache)] + [ours(ids[:, i : i + 1], cache) for i in range(5, 21)]
+    assert (torch.cat(steps, dim=1) - expected).abs().max().item() <= TOL
+
+
+def test_greedy_tokens_equal_generate(tiny_v32):
+    ours, ref = models.load(tiny_v32), hf_model(tiny_v32)
+    ids = torch.randint(0, ours.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = ref.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[:, ids.shape[1]:]
+    assert torch.equal(ours.generate_greedy(ids, 32), expected)
+
+
+def test_sparse_attention_equals_dense_mla_when_topk_covers_every_token(tiny_v32):
+    from ktlite.kernels.triton import mla_extend
+
+    cfg = load_config(tiny_v32)
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randn(40, cfg.kv_latent_dim, generator=g)
+    table = torch.randperm(40, generator=g).view(2, 20).int()
+    from ktlite.runtime.forward_batch import ForwardBatch
+
+    prefix, extend = torch.tensor([3, 0]), torch.tensor([5, 9])
+    n = int(extend.sum())
+    batch = ForwardBatch(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
+                         torch.tensor([0, 1]), prefix, extend, torch.arange(n))
+    q = torch.randn(n, 4, cfg.kv_latent_dim, generator=g)
+    every = [torch.arange(int(p + e)).expand(int(e), -1) for p, e in zip(prefix, extend)]
+    sparse = sparse_mla_extend(q, kv, table, batch, every, 0.1, cfg.kv_lora_rank)
+    dense = mla_extend(q, kv, table, batch.req_pool_indices, prefix, extend, 0.1, cfg.kv_lora_rank)
+    torch.testing.assert_close(sparse, dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_v32):
+    batch = prompts(load_config(tiny_v32).vocab_size)
+    return batch, hf_greedy(tiny_v32, batch, GREEDY["max_tokens"])
+
+
+def test_engine_chunk_5_preemption_half_gpu_experts(tiny_v32, expected):
+    batch, want = expected
+    flags = {**EXACT, "kt_num_gpu_experts": 8, "chunked_prefill_size": 5, "max_total_tokens": 48}
+    with Engine(str(tiny_v32), **flags) as eng:
+        got = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+        assert eng.scheduler.preemptions > 0
+        assert eng.runtime.runner.kv_pool.used_tokens == 0
+    assert got == want
+
+
+def test_engine_tp2_equals_transformers(tiny_v32, expected):
+    batch, want = expected
+    with Engine(str(tiny_v32), **EXACT, kt_num_gpu_experts=3, tensor_parallel_size=2) as eng:
+        got = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+        plan, allocated = eng.runtime.plan, eng.runtime.allocated_per_rank
+    assert got == want
+    for rank, used in allocated.items():
+        assert plan.mismatches(used, rank) == {}, rank
+
+
+def test_plan_counts_indexer_weights_and_index_keys():
+    cfg = load_config(DATA / "deepseek-v3.2")
+    v3 = load_config(DATA / "deepseek-v3")
+    plan = make_plan(cfg, PlanInputs(gpu_memory="200GiB", dtype="bfloat16"))
+    base = make_plan(v3, PlanInputs(gpu_memory="200GiB", dtype="bfloat16"))
+    assert plan.kv_bytes_per_token == 61 * (576 + 128) * 2 == 85_888
+    # per layer: wq_b 1536 x 64*128, wk 7168 x 128, k_norm weight + bias 2 x 128, weights_proj 7168 x 64
+    indexer = 61 * (1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64) * 2
+    assert plan.bytes("attention") - base.bytes("attention") == indexer
+
+
+def test_seed_users_plan_on_two_16gib_gpus():
+    """The flags of the user's launch line on 16 GiB GPUs: one GPU cannot hold the weights; on two,
+    the 0.98 static fraction leaves too little headroom for a 2048-token chunk, and each suggested
+    single change (a smaller chunk, or 0.96) makes the plan fit on the same two GPUs."""
+    flags = ["--kt-num-gpu-experts", "0", "--chunked-prefill-size", "2048", "--max-running-requests", "16",
+             "--max-total-tokens", "20000", "--gpu-memory", "16GiB"]
+
+    def plan(*extra: str):
+        return CliRunner().invoke(main, ["plan", "--model", str(DATA / "deepseek-v3.2"), *flags, *extra])
+
+    one = plan("--mem-fraction-static", "0.98", "--tensor-parallel-size", "1")
+    assert one.exit_code == 1 and "--tensor-parallel-size" in one.output, one.output
+    two = plan("--mem-fraction-static", "0.98", "--tensor-parallel-size", "2")
+    assert two.exit_code == 1, two.output
+    assert "--mem-fraction-static <= 0.96" in two.output and "--chunked-prefill-size <= 1280" in two.output
+    for fix in (["--mem-fraction-static", "0.96"], ["--mem-fraction-static", "0.98", "--chunked-prefill-size", "1280"]):
+        fixed = plan(*fix, "--tensor-parallel-size", "2")
+        assert fixed.exit_code == 0 and "verdict: fits" in fixed.output, fixed.output
