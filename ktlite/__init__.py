@@ -1,4 +1,4 @@
-"""ktlite: a small inference engine for DeepSeek-class Mixture-of-Experts models."""
+"""ktlite: a small inference engine for very large Mixture-of-Experts models (CPU experts, GPU attention)."""
 
 from typing import Any
 

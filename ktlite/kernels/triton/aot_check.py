@@ -7,7 +7,7 @@ ttir -> ptx -> cubin pipeline runs on a CPU box; this is what the tests call in 
 
     python -m ktlite.kernels.triton.aot_check [--only mla|moe|fp8] [--arch 80 90]
 
-Configurations mirror the wrappers' GPU defaults at DeepSeek-V3 sizes.
+Configurations mirror the wrappers' GPU defaults at the largest MLA model's sizes (hidden 7168, 128 heads).
 """
 
 import argparse

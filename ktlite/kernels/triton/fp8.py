@@ -1,10 +1,10 @@
-"""FP8 block-scaled GEMM for DeepSeek-V3 dense/attention weights (float8_e4m3fn + 128x128
+"""FP8 block-scaled GEMM for block-FP8 checkpoints' dense/attention weights (float8_e4m3fn + 128x128
 weight_scale_inv), so the GPU keeps 1 byte per weight.
 
 Two modes, one kernel:
 - weight-only: fp8 tiles are converted to x's dtype in registers, tl.dot in bf16/fp16;
 - w8a8 (GPUs with FP8 MMA, sm89+): x is quantized per token per 128-column group (the
-  DeepSeek-V3 activation scheme) and tl.dot runs fp8 x fp8.
+  activation scheme of the block-FP8 checkpoints) and tl.dot runs fp8 x fp8.
 Before sm89 Triton has no e4m3 type at all (it refuses to compile a float8_e4m3fn pointer), so
 there the weight is passed as raw bytes and decoded with integer ops (E4M3_BITS).
 A BLOCK_K tile lies inside one 128-wide scale block, so each tile's product is scaled once

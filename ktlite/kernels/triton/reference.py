@@ -14,7 +14,22 @@ from ktlite.kernels.triton.quant import QuantizedWeight, dequantize_expert
 
 logger = logging.getLogger(__name__)
 
-FP8_BLOCK = 128  # DeepSeek-V3 weight_scale_inv covers 128x128 weight blocks
+FP8_BLOCK = 128  # block-FP8 checkpoints: one weight_scale_inv per 128x128 weight block
+
+
+def request_spans(req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor):
+    """(row, prefix, n, start) of each request with new tokens: its queries are rows start..start+n."""
+    start = 0
+    for row, prefix, n in zip(req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
+        if n:
+            yield row, prefix, n, start
+        start += n
+
+
+def causal_mask(prefix: int, n: int, device: torch.device) -> torch.Tensor:
+    """[n, prefix + n] bool: query i (absolute position prefix + i) sees keys at positions <= its own."""
+    pos_q = torch.arange(n, device=device) + prefix
+    return torch.arange(prefix + n, device=device)[None, :] <= pos_q[:, None]
 
 
 def mla_extend_torch(
@@ -35,22 +50,12 @@ def mla_extend_torch(
     Token i of request b sees positions 0..prefix_lens[b] + i (computed in fp32).
     """
     out = torch.empty(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)
-    start = 0
-    rows = req_pool_indices.tolist()
-    for row, prefix, n in zip(rows, prefix_lens.tolist(), extend_lens.tolist()):
-        if n == 0:
-            continue
-        total = prefix + n
-        kv = kv_buffer[req_to_token[row, :total].long()].float()  # [total, Dk]
-        qb = q[start : start + n].float()  # [n, H, Dk]
-        scores = torch.einsum("nhd,ld->nhl", qb, kv) * sm_scale
-        # query i (absolute position prefix + i) may not see keys after itself
-        pos_q = torch.arange(n, device=q.device) + prefix
-        pos_k = torch.arange(total, device=q.device)
-        scores.masked_fill_((pos_k[None, :] > pos_q[:, None])[:, None, :], float("-inf"))
+    for row, prefix, n, start in request_spans(req_pool_indices, prefix_lens, extend_lens):
+        kv = kv_buffer[req_to_token[row, : prefix + n].long()].float()  # [total, Dk]
+        scores = torch.einsum("nhd,ld->nhl", q[start : start + n].float(), kv) * sm_scale
+        scores.masked_fill_(~causal_mask(prefix, n, q.device)[:, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
         out[start : start + n] = torch.einsum("nhl,lc->nhc", probs, kv[:, :kv_lora_rank]).to(q.dtype)
-        start += n
     return out
 
 
@@ -163,19 +168,13 @@ def gqa_extend_torch(
     n_tokens, heads, _ = q.shape
     group = heads // k_buffer.shape[1]
     out = torch.empty(n_tokens, heads, v_buffer.shape[-1], dtype=q.dtype, device=q.device)
-    start = 0
-    for row, prefix, n in zip(req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
-        if n == 0:
-            continue
+    for row, prefix, n, start in request_spans(req_pool_indices, prefix_lens, extend_lens):
         slots = req_to_token[row, : prefix + n].long()
         k = (k_buffer[slots].float() * k_scale).repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = (v_buffer[slots].float() * v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("nhd,lhd->nhl", q[start : start + n].float(), k) * sm_scale
-        pos_q = torch.arange(n, device=q.device) + prefix
-        pos_k = torch.arange(prefix + n, device=q.device)
-        scores.masked_fill_((pos_k[None, :] > pos_q[:, None])[:, None, :], float("-inf"))
+        scores.masked_fill_(~causal_mask(prefix, n, q.device)[:, None, :], float("-inf"))
         out[start : start + n] = torch.einsum("nhl,lhv->nhv", scores.softmax(-1), v).to(q.dtype)
-        start += n
     return out
 
 

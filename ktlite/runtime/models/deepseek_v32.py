@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ktlite.kernels.triton.reference import causal_mask, request_spans
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.kv_cache import TokenCacheSpec
 from ktlite.runtime.models import deepseek_config
@@ -83,16 +84,13 @@ class Indexer(nn.Module):
         q = apply_rope(self.wq_b(q_resid).view(-1, c.index_n_heads, c.index_head_dim), cos.unsqueeze(-2), sin.unsqueeze(-2),
                        interleave=False)
         w = self.weights_proj(h).float() * c.index_n_heads**-0.5  # [N, H]
-        out, start = [], 0
-        for row, prefix, n in zip(batch.req_pool_indices.tolist(), batch.prefix_lens.tolist(), batch.extend_lens.tolist()):
-            total = prefix + n
-            k = keys[req_to_token[row, :total].long()].float()  # [T, D]
+        out = []
+        for row, prefix, n, start in request_spans(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens):
+            k = keys[req_to_token[row, : prefix + n].long()].float()  # [T, D]
             scores = torch.relu(torch.einsum("nhd,td->nht", q[start : start + n].float(), k) * c.index_head_dim**-0.5)
             index = torch.einsum("nh,nht->nt", w[start : start + n], scores)
-            pos_q = torch.arange(n, device=h.device) + prefix
-            index.masked_fill_(torch.arange(total, device=h.device)[None, :] > pos_q[:, None], float("-inf"))
-            out.append(index.topk(min(c.index_topk, total), dim=-1).indices)
-            start += n
+            index.masked_fill_(~causal_mask(prefix, n, h.device), float("-inf"))
+            out.append(index.topk(min(c.index_topk, prefix + n), dim=-1).indices)
         return out
 
 
@@ -101,18 +99,14 @@ def sparse_mla_extend(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token: to
     """Absorbed MLA where new token i of a request sees only its selected positions that are <= its own
     (fp32 softmax). q [N, H, kv_lora_rank + rope] -> [N, H, kv_lora_rank]."""
     out = torch.empty(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)
-    start = 0
-    for row, prefix, n, sel in zip(batch.req_pool_indices.tolist(), batch.prefix_lens.tolist(),
-                                   batch.extend_lens.tolist(), selected):
-        total = prefix + n
-        kv = kv_buffer[req_to_token[row, :total].long()].float()  # [T, D]
-        allowed = torch.zeros(n, total, dtype=torch.bool, device=q.device).scatter_(1, sel, True)
-        pos_q = torch.arange(n, device=q.device) + prefix
-        allowed &= torch.arange(total, device=q.device)[None, :] <= pos_q[:, None]
+    spans = request_spans(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens)
+    for (row, prefix, n, start), sel in zip(spans, selected, strict=True):
+        kv = kv_buffer[req_to_token[row, : prefix + n].long()].float()  # [T, D]
+        causal = causal_mask(prefix, n, q.device)
+        allowed = torch.zeros_like(causal).scatter_(1, sel, True) & causal  # selected and not in the future
         scores = torch.einsum("nhd,td->nht", q[start : start + n].float(), kv) * sm_scale
         probs = scores.masked_fill(~allowed[:, None, :], float("-inf")).softmax(-1)
         out[start : start + n] = torch.einsum("nht,tc->nhc", probs, kv[:, :kv_lora_rank]).to(q.dtype)
-        start += n
     return out
 
 
