@@ -156,21 +156,14 @@ def gqa_decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, 
                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """GQA decode over the token pool. q [B, Hq, D], k_buffer [slots, Hkv, D], v_buffer [slots, Hkv, Dv],
     seq_lens [B] (incl. the current token, already in the pool) -> [B, Hq, Dv] in q's dtype. Query head
-    h reads kv head h // (Hq // Hkv); k_scale/v_scale multiply fp8-stored values."""
-    if use_triton(q):
-        return _kernels("gqa_decode").gqa_decode_triton(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
-                                                        seq_lens, sm_scale, k_scale, v_scale)
+    h reads kv head h // (Hq // Hkv); k_scale/v_scale multiply fp8-stored values.
+    The GQA Triton kernels are not written yet: every device runs the torch twin."""
     return gqa_decode_torch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, k_scale, v_scale)
 
 
 def gqa_extend(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale: float,
-               k_scale: float = 1.0, v_scale: float = 1.0, extend_start_loc=None, max_extend_len=None) -> torch.Tensor:
+               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """GQA causal extend. q [N, Hq, D] (N = sum(extend_lens), requests in order) -> [N, Hq, Dv]; the new
-    tokens' K/V are already in the pool. extend_start_loc / max_extend_len only spare the Triton path
-    recomputing them."""
-    if use_triton(q):
-        return _kernels("gqa_extend").gqa_extend_triton(
-            q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale,
-            k_scale, v_scale, extend_start_loc=extend_start_loc, max_extend_len=max_extend_len)
+    tokens' K/V are already in the pool. The GQA Triton kernels are not written yet: every device runs the torch twin."""
     return gqa_extend_torch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens,
                             sm_scale, k_scale, v_scale)
