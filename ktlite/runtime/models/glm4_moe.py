@@ -34,7 +34,7 @@ def parse_config(raw: dict[str, Any]) -> GQAMoEConfig:
         logger.info("config.json: the %d multi-token-prediction layer(s) after layer %d are not loaded",
                     int(f.values["num_nextn_predict_layers"]), common["num_hidden_layers"] - 1)
     return GQAMoEConfig(
-        architecture=ARCHITECTURES[0], family=MODEL_TYPES[0], **common,
+        architecture=ARCHITECTURES[0], **common,
         intermediate_size=int(f.need("intermediate_size")),
         attention=GQASpec(common["hidden_size"], heads, int(f.get("num_key_value_heads", heads)), head_dim,
                           common["rms_norm_eps"], bias=bool(f.values["attention_bias"]),

@@ -18,7 +18,6 @@ from ktlite.runtime.models.rope import RotaryEmbedding
 @dataclass(frozen=True)
 class GQAMoEConfig:
     architecture: str
-    family: str  # the registry's name, e.g. "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int

@@ -30,7 +30,7 @@ def parse_config(raw: dict[str, Any]) -> GQAMoEConfig:
         raise ConfigError(f"config.json: qk_norm_type={norm!r} is not supported (per_layer or per_head)")
     experts, top_k = int(f.need("num_local_experts")), int(f.need("num_experts_per_tok"))
     return GQAMoEConfig(
-        architecture=ARCHITECTURES[0], family=MODEL_TYPES[0], **common,
+        architecture=ARCHITECTURES[0], **common,
         intermediate_size=0,  # no dense layers
         attention=GQASpec(common["hidden_size"], heads, int(f.get("num_key_value_heads", heads)), head_dim,
                           common["rms_norm_eps"], qk_norm=norm),

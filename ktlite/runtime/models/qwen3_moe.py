@@ -25,7 +25,7 @@ def parse_config(raw: dict[str, Any]) -> GQAMoEConfig:
     step, dense_only = int(f.values["decoder_sparse_step"]), set(f.values["mlp_only_layers"])
     layers = common["num_hidden_layers"]
     return GQAMoEConfig(
-        architecture=ARCHITECTURES[0], family=MODEL_TYPES[0], **common,
+        architecture=ARCHITECTURES[0], **common,
         intermediate_size=int(f.need("intermediate_size")),
         attention=GQASpec(common["hidden_size"], heads, int(f.get("num_key_value_heads", heads)), head_dim,
                           common["rms_norm_eps"], bias=bool(f.values["attention_bias"]), qk_norm="per_head"),
