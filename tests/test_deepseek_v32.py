@@ -16,7 +16,6 @@ from ktlite.cli import main
 from ktlite.runtime import models
 from ktlite.runtime.memory import PlanInputs, make_plan
 from ktlite.runtime.models import load_config
-from ktlite.runtime.models.deepseek_v32 import sparse_mla_extend
 
 TOL = 1e-4
 DATA = Path(__file__).parent / "data"
@@ -44,22 +43,22 @@ def test_greedy_tokens_equal_generate(tiny_v32):
 
 
 def test_sparse_attention_equals_dense_mla_when_topk_covers_every_token(tiny_v32):
-    from ktlite.kernels.triton import mla_extend
+    from ktlite.kernels.triton import mla_extend, sparse_mla
 
     cfg = load_config(tiny_v32)
     g = torch.Generator().manual_seed(1)
     kv = torch.randn(40, cfg.kv_latent_dim, generator=g)
     table = torch.randperm(40, generator=g).view(2, 20).int()
-    from ktlite.runtime.forward_batch import ForwardBatch
-
     prefix, extend = torch.tensor([3, 0]), torch.tensor([5, 9])
-    n = int(extend.sum())
-    batch = ForwardBatch(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
-                         torch.tensor([0, 1]), prefix, extend, torch.arange(n))
-    q = torch.randn(n, 4, cfg.kv_latent_dim, generator=g)
-    every = [torch.arange(int(p + e)).expand(int(e), -1) for p, e in zip(prefix, extend)]
-    sparse = sparse_mla_extend(q, kv, table, batch, every, 0.1, cfg.kv_lora_rank)
-    dense = mla_extend(q, kv, table, batch.req_pool_indices, prefix, extend, 0.1, cfg.kv_lora_rank)
+    q = torch.randn(int(extend.sum()), 4, cfg.kv_latent_dim, generator=g)
+    # every causally visible slot of each query, padded with -1 to a common width
+    slots = torch.full((q.shape[0], 12), -1, dtype=torch.int64)
+    row_of = [0] * 5 + [1] * 9
+    pos_of = [3 + i for i in range(5)] + list(range(9))
+    for n, (row, pos) in enumerate(zip(row_of, pos_of)):
+        slots[n, : pos + 1] = table[row, : pos + 1].long()
+    sparse = sparse_mla(q, kv, slots, 0.1, cfg.kv_lora_rank)
+    dense = mla_extend(q, kv, table, torch.tensor([0, 1]), prefix, extend, 0.1, cfg.kv_lora_rank)
     torch.testing.assert_close(sparse, dense, atol=1e-5, rtol=1e-5)
 
 

@@ -29,6 +29,7 @@ from ktlite.kernels.triton.reference import (
     gqa_decode_torch,
     gqa_extend_torch,
     mla_decode_torch,
+    sparse_mla_torch,
     mla_extend_torch,
 )
 
@@ -46,6 +47,7 @@ __all__ = [
     "mla_decode",
     "mla_extend",
     "quantize_weight",
+    "sparse_mla",
     "use_triton",
 ]
 
@@ -167,3 +169,13 @@ def gqa_extend(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_len
     tokens' K/V are already in the pool. The GQA Triton kernels are not written yet: every device runs the torch twin."""
     return gqa_extend_torch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens,
                             sm_scale, k_scale, v_scale)
+
+
+def sparse_mla(q: torch.Tensor, kv_buffer: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
+               kv_lora_rank: int) -> torch.Tensor:
+    """Absorbed MLA over each query's selected pool slots (DeepSeek Sparse Attention, decode and extend
+    alike). q [N, H, kv_lora_rank + rope], kv_buffer [slots, kv_lora_rank + rope], topk_slots [N, K] int64
+    (-1 = none; causality already applied) -> [N, H, kv_lora_rank] in q's dtype."""
+    if use_triton(q):
+        return _kernels("sparse_mla").sparse_mla_triton(q, kv_buffer, topk_slots, sm_scale, kv_lora_rank)
+    return sparse_mla_torch(q, kv_buffer, topk_slots, sm_scale, kv_lora_rank)

@@ -164,7 +164,8 @@ def gqa_extend_torch(
 ) -> torch.Tensor:
     """GQA causal extend. q [N, Hq, D] (requests concatenated in order), k_buffer [slots, Hkv, D],
     v_buffer [slots, Hkv, Dv] -> [N, Hq, Dv] in q's dtype. Query head h reads kv head h // (Hq // Hkv);
-    token i of request b sees positions 0..prefix_lens[b] + i (computed in fp32)."""
+    token i of request b sees positions 0..prefix_lens[b] + i (computed in fp32). k_scale/v_scale: stored
+    value * scale = real value (float8_e4m3fn pools with a per-tensor scale; 1.0 otherwise)."""
     n_tokens, heads, _ = q.shape
     group = heads // k_buffer.shape[1]
     out = torch.empty(n_tokens, heads, v_buffer.shape[-1], dtype=q.dtype, device=q.device)
@@ -194,3 +195,20 @@ def gqa_decode_torch(
     ones = torch.ones_like(seq_lens)
     return gqa_extend_torch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens - 1, ones, sm_scale,
                             k_scale, v_scale)
+
+
+def sparse_mla_torch(q: torch.Tensor, kv_buffer: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
+                     kv_lora_rank: int, block: int = 64) -> torch.Tensor:
+    """Absorbed MLA over selected tokens (DeepSeek Sparse Attention). q [N, H, kv_lora_rank + rope],
+    kv_buffer [slots, kv_lora_rank + rope], topk_slots [N, K] pool slots each query attends to (-1 = none;
+    the caller has applied causality) -> [N, H, kv_lora_rank] in q's dtype, fp32 softmax. A query with
+    no slot gets zeros. Queries go in blocks of `block` so the gathered latents stay small."""
+    out = torch.zeros(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)
+    for s0 in range(0, q.shape[0], block):
+        sel = topk_slots[s0 : s0 + block]
+        valid = sel >= 0  # [n, K]
+        kv = kv_buffer[sel.clamp(min=0)].float()  # [n, K, D]
+        scores = torch.einsum("nhd,nkd->nhk", q[s0 : s0 + block].float(), kv) * sm_scale
+        probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1).nan_to_num(0.0)
+        out[s0 : s0 + block] = torch.einsum("nhk,nkc->nhc", probs, kv[..., :kv_lora_rank]).to(q.dtype)
+    return out

@@ -8,8 +8,9 @@ per layer) is cached in the token pool beside the MLA latent ("index_key"), so i
 reference-counted and freed with it. Tensor parallelism replicates the indexer (its weights and
 keys are small next to the latent heads).
 
-The attention here is the torch path (`sparse_mla_extend`); it equals dense MLA when top-k covers
-every token. Sparse Triton kernels are not written yet.
+The indexer hands the attention each new token's selected pool slots ([N, index_topk], -1 padded,
+causal), so decode and extend are one `sparse_mla` call; it equals dense MLA when top-k covers
+every token.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ktlite.kernels.triton import sparse_mla
 from ktlite.kernels.triton.reference import causal_mask, request_spans
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.kv_cache import TokenCacheSpec
@@ -77,37 +79,25 @@ class Indexer(nn.Module):
         """h [N, hidden] -> the cached index key [N, index_head_dim]."""
         return apply_rope(self.k_norm(self.wk(h)), cos, sin, interleave=False)  # half-split, unlike the MLA rope
 
-    def top_positions(self, h: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      batch: ForwardBatch, keys: torch.Tensor, req_to_token: torch.Tensor) -> list[torch.Tensor]:
-        """Per request: [n, min(topk, prefix + n)] positions each new token attends to (causal top-k)."""
+    def top_slots(self, h: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  batch: ForwardBatch, keys: torch.Tensor, req_to_token: torch.Tensor) -> torch.Tensor:
+        """[N, index_topk] pool slots each new token attends to: its causal top-k by index score, -1 where
+        fewer tokens exist (the form the sparse attention kernels take)."""
         c = self.cfg
-        q = apply_rope(self.wq_b(q_resid).view(-1, c.index_n_heads, c.index_head_dim), cos.unsqueeze(-2), sin.unsqueeze(-2),
-                       interleave=False)
+        q = apply_rope(self.wq_b(q_resid).view(-1, c.index_n_heads, c.index_head_dim), cos.unsqueeze(-2),
+                       sin.unsqueeze(-2), interleave=False)
         w = self.weights_proj(h).float() * c.index_n_heads**-0.5  # [N, H]
-        out = []
+        out = torch.full((h.shape[0], c.index_topk), -1, dtype=torch.int64, device=h.device)
         for row, prefix, n, start in request_spans(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens):
-            k = keys[req_to_token[row, : prefix + n].long()].float()  # [T, D]
-            scores = torch.relu(torch.einsum("nhd,td->nht", q[start : start + n].float(), k) * c.index_head_dim**-0.5)
+            slots = req_to_token[row, : prefix + n].long()
+            scores = torch.relu(torch.einsum("nhd,td->nht", q[start : start + n].float(), keys[slots].float())
+                                * c.index_head_dim**-0.5)
             index = torch.einsum("nh,nht->nt", w[start : start + n], scores)
             index.masked_fill_(~causal_mask(prefix, n, h.device), float("-inf"))
-            out.append(index.topk(min(c.index_topk, prefix + n), dim=-1).indices)
+            best = index.topk(min(c.index_topk, prefix + n), dim=-1)
+            chosen = slots[best.indices].masked_fill(best.values == float("-inf"), -1)  # future tokens: none
+            out[start : start + n, : chosen.shape[1]] = chosen
         return out
-
-
-def sparse_mla_extend(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token: torch.Tensor, batch: ForwardBatch,
-                      selected: list[torch.Tensor], sm_scale: float, kv_lora_rank: int) -> torch.Tensor:
-    """Absorbed MLA where new token i of a request sees only its selected positions that are <= its own
-    (fp32 softmax). q [N, H, kv_lora_rank + rope] -> [N, H, kv_lora_rank]."""
-    out = torch.empty(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)
-    spans = request_spans(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens)
-    for (row, prefix, n, start), sel in zip(spans, selected, strict=True):
-        kv = kv_buffer[req_to_token[row, : prefix + n].long()].float()  # [T, D]
-        causal = causal_mask(prefix, n, q.device)
-        allowed = torch.zeros_like(causal).scatter_(1, sel, True) & causal  # selected and not in the future
-        scores = torch.einsum("nhd,td->nht", q[start : start + n].float(), kv) * sm_scale
-        probs = scores.masked_fill(~allowed[:, None, :], float("-inf")).softmax(-1)
-        out[start : start + n] = torch.einsum("nht,tc->nhc", probs, kv[:, :kv_lora_rank]).to(q.dtype)
-    return out
 
 
 class SparseMLAttention(MLAttention):
@@ -122,10 +112,10 @@ class SparseMLAttention(MLAttention):
         pool.write("index_key", layer_idx, batch.out_cache_loc, self.indexer.key(h, cos, sin))
         q_resid = self.q_a_layernorm(self.q_a_proj(h))
         q = self.q_b_proj(q_resid).view(*h.shape[:-1], self.num_heads, c.qk_head_dim)
-        selected = self.indexer.top_positions(h, q_resid, cos, sin, batch, pool.buffer("index_key", layer_idx),
-                                              pool.req_to_token)
-        o = sparse_mla_extend(self.absorbed_query(q, cos, sin), pool.buffer("latent", layer_idx), pool.req_to_token,
-                              batch, selected, c.softmax_scale, c.kv_lora_rank)
+        slots = self.indexer.top_slots(h, q_resid, cos, sin, batch, pool.buffer("index_key", layer_idx),
+                                       pool.req_to_token)
+        o = sparse_mla(self.absorbed_query(q, cos, sin), pool.buffer("latent", layer_idx), slots, c.softmax_scale,
+                       c.kv_lora_rank)
         return self.output(o)
 
 
