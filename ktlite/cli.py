@@ -31,7 +31,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 # `ktlite tiny-model --arch` names (each family's TINY_CONFIGS)
-_TINY_ARCHS = ["deepseek_v3", "deepseek_v2", "deepseek_v32", "qwen3_moe", "minimax_m2", "glm4_moe"]
+_TINY_ARCHS = ["deepseek_v3", "deepseek_v2", "deepseek_v32", "glm_moe_dsa", "qwen3_moe", "minimax_m2", "glm4_moe"]
 
 
 @click.group()

@@ -33,7 +33,7 @@ def tiny_model(request, tiny_v3, tiny_v2) -> Path:
 
 
 GQA_FAMILIES = ("qwen3_moe", "minimax_m2", "glm4_moe")
-HF_FAMILIES = GQA_FAMILIES + ("deepseek_v32",)
+HF_FAMILIES = GQA_FAMILIES + ("deepseek_v32", "glm_moe_dsa")
 
 
 @pytest.fixture(scope="session")
@@ -55,3 +55,10 @@ def tiny_gqa(request, hf_gqa_checkpoints) -> Path:
 def tiny_v32(hf_gqa_checkpoints) -> Path:
     """DeepSeek-V3.2 (sparse attention, index_topk 6) written by transformers."""
     return hf_gqa_checkpoints["deepseek_v32"]
+
+
+@pytest.fixture(scope="session", params=["deepseek_v32", "glm_moe_dsa"])
+def tiny_dsa(request, hf_gqa_checkpoints) -> Path:
+    """Each sparse-attention family in turn: DeepSeek-V3.2 and GLM-5 (whose layer 2 reuses layer 1's
+    selection), written by transformers."""
+    return hf_gqa_checkpoints[request.param]

@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2 (DSA: lightning indexer + sparse MLA) against transformers on a tiny checkpoint
+"""DeepSeek-V3.2 and GLM-5 (DSA: lightning indexer + sparse MLA) against transformers on tiny checkpoints
 transformers wrote, with index_topk (6) below the prompt lengths so the sparsity is exercised."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ TOL = 1e-4
 DATA = Path(__file__).parent / "data"
 
 
-def test_prefill_and_decode_logits_match_transformers(tiny_v32):
-    ours, ref = models.load(tiny_v32), hf_model(tiny_v32)
+def test_prefill_and_decode_logits_match_transformers(tiny_dsa):
+    ours, ref = models.load(tiny_dsa), hf_model(tiny_dsa)
     assert ours.config.index_topk == 6
     ids = torch.randint(0, ours.config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -33,8 +33,8 @@ def test_prefill_and_decode_logits_match_transformers(tiny_v32):
     assert (torch.cat(steps, dim=1) - expected).abs().max().item() <= TOL
 
 
-def test_greedy_tokens_equal_generate(tiny_v32):
-    ours, ref = models.load(tiny_v32), hf_model(tiny_v32)
+def test_greedy_tokens_equal_generate(tiny_dsa):
+    ours, ref = models.load(tiny_dsa), hf_model(tiny_dsa)
     ids = torch.randint(0, ours.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = ref.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
@@ -117,3 +117,12 @@ def test_seed_users_plan_on_two_16gib_gpus():
     for fix in (["--mem-fraction-static", "0.96"], ["--mem-fraction-static", "0.98", "--chunked-prefill-size", "1280"]):
         fixed = plan(*fix, "--tensor-parallel-size", "2")
         assert fixed.exit_code == 0 and "verdict: fits" in fixed.output, fixed.output
+
+
+def test_glm5_shared_layers_have_no_indexer_and_no_index_keys(hf_gqa_checkpoints):
+    cfg = load_config(hf_gqa_checkpoints["glm_moe_dsa"])
+    assert cfg.shared_index_layers == (2,) and cfg.index_rope_interleave
+    model = models.build(cfg, "meta")
+    assert model.model.layers[2].self_attn.indexer is None and model.model.layers[1].self_attn.indexer is not None
+    index_spec = next(s for s in cfg.token_cache_specs() if s.name == "index_key")
+    assert index_spec.layers == (0, 1)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ktlite.errors import ConfigError
 from ktlite.kernels.triton import sparse_mla
 from ktlite.kernels.triton.reference import causal_mask, request_spans
 from ktlite.runtime.forward_batch import ForwardBatch
@@ -40,14 +41,20 @@ class DeepseekV32Config(DeepseekConfig):
     index_n_heads: int = 64
     index_head_dim: int = 128
     index_topk: int = 2048
+    index_rope_interleave: bool = False  # V3.2's indexer rotates halves; GLM-5's adjacent pairs
+    # layers that reuse the previous indexed layer's selection instead of running an indexer (GLM-5)
+    shared_index_layers: tuple[int, ...] = ()
+
+    @property
+    def indexed_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if i not in self.shared_index_layers)
 
     @property
     def is_v3(self) -> bool:  # V3's routing and defaults
         return True
 
     def token_cache_specs(self, tp_size: int = 1) -> list[TokenCacheSpec]:
-        layers = tuple(range(self.num_hidden_layers))
-        return super().token_cache_specs(tp_size) + [TokenCacheSpec("index_key", layers, (self.index_head_dim,))]
+        return super().token_cache_specs(tp_size) + [TokenCacheSpec("index_key", self.indexed_layers, (self.index_head_dim,))]
 
     def attention_workspace(self, tp_size: int) -> int:
         """MLA's, plus the indexer's q, k, head weights and one row of scores per head (over a chunk's
@@ -56,6 +63,7 @@ class DeepseekV32Config(DeepseekConfig):
 
 
 def parse_config(raw: dict[str, Any]) -> DeepseekV32Config:
+    """The V3 fields (V3 defaults) plus the indexer's."""
     base = deepseek_config.parse_config({**raw, "architectures": [deepseek_config.ARCHITECTURES[1]]})
     fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
     return DeepseekV32Config(**{**fields, "architecture": ARCHITECTURES[0]},
@@ -77,7 +85,7 @@ class Indexer(nn.Module):
 
     def key(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h [N, hidden] -> the cached index key [N, index_head_dim]."""
-        return apply_rope(self.k_norm(self.wk(h)), cos, sin, interleave=False)  # half-split, unlike the MLA rope
+        return apply_rope(self.k_norm(self.wk(h)), cos, sin, self.cfg.index_rope_interleave)
 
     def top_slots(self, h: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   batch: ForwardBatch, keys: torch.Tensor, req_to_token: torch.Tensor) -> torch.Tensor:
@@ -85,7 +93,7 @@ class Indexer(nn.Module):
         fewer tokens exist (the form the sparse attention kernels take)."""
         c = self.cfg
         q = apply_rope(self.wq_b(q_resid).view(-1, c.index_n_heads, c.index_head_dim), cos.unsqueeze(-2),
-                       sin.unsqueeze(-2), interleave=False)
+                       sin.unsqueeze(-2), c.index_rope_interleave)
         w = self.weights_proj(h).float() * c.index_n_heads**-0.5  # [N, H]
         out = torch.full((h.shape[0], c.index_topk), -1, dtype=torch.int64, device=h.device)
         for row, prefix, n, start in request_spans(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens):
@@ -101,19 +109,29 @@ class Indexer(nn.Module):
 
 
 class SparseMLAttention(MLAttention):
+    """MLA over the slots its indexer selects. A layer without an indexer (`shared_index_layers`)
+    reuses the slots the last indexed layer selected in the same forward."""
+
     def __init__(self, cfg: DeepseekV32Config, rotary: RotaryEmbedding):
         super().__init__(cfg, rotary)
-        self.indexer = Indexer(cfg)
+        self.indexer: Indexer | None = Indexer(cfg)
+        # (the indexed layer whose selection this one reuses,): a tuple, so torch does not register
+        # that layer as a submodule a second time
+        self.reuses: tuple[SparseMLAttention, ...] = ()
+        self.last_slots: torch.Tensor | None = None
 
     def forward_batch(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, ctx,
                       layer_idx: int) -> torch.Tensor:
         c, pool = self.cfg, ctx.kv_pool
         pool.write("latent", layer_idx, batch.out_cache_loc, self.latent(h, cos, sin))
-        pool.write("index_key", layer_idx, batch.out_cache_loc, self.indexer.key(h, cos, sin))
         q_resid = self.q_a_layernorm(self.q_a_proj(h))
         q = self.q_b_proj(q_resid).view(*h.shape[:-1], self.num_heads, c.qk_head_dim)
-        slots = self.indexer.top_slots(h, q_resid, cos, sin, batch, pool.buffer("index_key", layer_idx),
-                                       pool.req_to_token)
+        if self.indexer is None:
+            slots = self.reuses[0].last_slots
+        else:
+            pool.write("index_key", layer_idx, batch.out_cache_loc, self.indexer.key(h, cos, sin))
+            slots = self.last_slots = self.indexer.top_slots(h, q_resid, cos, sin, batch,
+                                                             pool.buffer("index_key", layer_idx), pool.req_to_token)
         o = sparse_mla(self.absorbed_query(q, cos, sin), pool.buffer("latent", layer_idx), slots, c.softmax_scale,
                        c.kv_lora_rank)
         return self.output(o)
@@ -125,6 +143,18 @@ class DeepseekV32ForCausalLM(DeepseekForCausalLM):
     attention_class = SparseMLAttention
     forward = CausalLM.forward
     new_cache = CausalLM.new_cache
+
+    def __init__(self, cfg: DeepseekV32Config, routed_experts: bool = True):
+        super().__init__(cfg, routed_experts)
+        source = None
+        for layer in self.model.layers:
+            if layer.layer_idx in cfg.shared_index_layers:
+                if source is None:
+                    raise ConfigError(f"config.json: layer {layer.layer_idx} reuses the index selection of an earlier "
+                                      "indexed layer, but no earlier layer has an indexer")
+                layer.self_attn.indexer, layer.self_attn.reuses = None, (source,)
+            else:
+                source = layer.self_attn
 
 
 Model = DeepseekV32ForCausalLM
