@@ -126,3 +126,32 @@ def test_glm5_shared_layers_have_no_indexer_and_no_index_keys(hf_gqa_checkpoints
     assert model.model.layers[2].self_attn.indexer is None and model.model.layers[1].self_attn.indexer is not None
     index_spec = next(s for s in cfg.token_cache_specs() if s.name == "index_key")
     assert index_spec.layers == (0, 1)
+
+
+# The launch line of the user ktlite was started for, verbatim but for the command name and paths
+SEED = ("--host 0.0.0.0 --port 30000 --model {M} --kt-weight-path {W} --kt-cpuinfer 36 --kt-threadpool-count 1 "
+        "--kt-num-gpu-experts 0 --attention-backend triton --trust-remote-code --mem-fraction-static 0.98 "
+        "--chunked-prefill-size 2048 --max-running-requests 16 --max-total-tokens 20000 "
+        "--served-model-name DeepSeek-V3.2 --enable-mixed-chunk --tensor-parallel-size 1 --enable-p2p-check "
+        "--disable-shared-experts-fusion --kt-method AMXINT4")
+
+
+def test_seed_launch_command_serves_a_v32_checkpoint(tmp_path):
+    import openai
+    from test_cli import Server
+
+    from ktlite.runtime.convert import convert_checkpoint
+    from ktlite.runtime.tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "M", "deepseek_v32", seed=7)
+    convert_checkpoint(model, tmp_path / "W", "AMXINT4", progress=False)
+    server = Server(SEED.format(M=model, W=tmp_path / "W").split(), tmp_path)
+    try:
+        client = openai.OpenAI(base_url="http://127.0.0.1:30000/v1", api_key="none", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["DeepSeek-V3.2"]
+        chunks = list(client.chat.completions.create(model="DeepSeek-V3.2", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=8, temperature=0, stream=True))
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+        assert "".join(c.choices[0].delta.content or "" for c in chunks)
+    finally:
+        assert server.stop() == 0
