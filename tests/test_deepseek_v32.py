@@ -155,3 +155,22 @@ def test_seed_launch_command_serves_a_v32_checkpoint(tmp_path):
         assert "".join(c.choices[0].delta.content or "" for c in chunks)
     finally:
         assert server.stop() == 0
+
+
+def test_fp8_checkpoint_keeps_indexer_projections_fp8(tmp_path):
+    """As in the hub's FP8 V3.2 checkpoints: the indexer's wq_b and wk are FP8, its weights_proj is not;
+    kept FP8 on the device they give the logits of the dequantized reference."""
+    from ktlite.runtime.models.fp8 import FP8Linear
+    from ktlite.runtime.tiny_model import write_tiny_model
+    from test_tensor_parallel import logits_of
+
+    path = write_tiny_model(tmp_path / "v32fp8", "deepseek_v32", fp8=True, seed=8)
+    ref = models.load(path)
+    batch = prompts(ref.config.vocab_size, lengths=(6, 11))
+    with Engine(str(path), **EXACT, weight_dtype="fp8", kt_num_gpu_experts=16) as eng:
+        indexer = eng.runtime.runner.model.model.layers[0].self_attn.indexer
+        assert isinstance(indexer.wq_b, FP8Linear) and isinstance(indexer.wk, FP8Linear)
+        assert not isinstance(indexer.weights_proj, FP8Linear)
+        got = logits_of(eng, batch)
+    want = torch.cat([ref(torch.tensor([ids]))[0, -1:] for ids in batch])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

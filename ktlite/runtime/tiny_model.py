@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ktlite.runtime.models import build
 from ktlite.runtime.models.config import parse_config
+from ktlite.runtime.models.fp8 import FP8Linear
 from ktlite.runtime.models.registry import tiny_configs
 
 logger = logging.getLogger(__name__)
@@ -121,11 +122,6 @@ def _fp8_quantize(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor,
     return q.to(torch.float8_e4m3fn), scale_inv.float()
 
 
-def _is_fp8_target(name: str) -> bool:
-    # block-FP8 checkpoints keep embeddings, lm_head, norms and routers in high precision
-    return name.endswith(("proj.weight", "proj_with_mqa.weight"))
-
-
 def write_tiny_model(
     path: str | Path, arch: str = "deepseek_v3", fp8: bool = False, seed: int = 0, dtype: torch.dtype = torch.bfloat16
 ) -> Path:
@@ -140,11 +136,14 @@ def write_tiny_model(
     if fp8:
         raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                       "weight_block_size": [128, 128]}
-    model = build(parse_config(raw), "cpu", torch.float32)
+    cfg = parse_config(raw)
+    model = build(cfg, "cpu", torch.float32)
+    # the linear layers block-FP8 checkpoints store in FP8 (embeddings, lm_head, norms, routers stay high precision)
+    fp8_names = {f"{n}.weight" for n, m in build(cfg, "meta", fp8_weights=True).named_modules() if isinstance(m, FP8Linear)}
     tensors: dict[str, torch.Tensor] = {}
     for name, value in _random_state(model, seed).items():
         stored = model.checkpoint_name(name)
-        if fp8 and _is_fp8_target(name):
+        if fp8 and name in fp8_names:
             tensors[stored], tensors[stored + "_scale_inv"] = _fp8_quantize(value)
         elif name.endswith(("mlp.gate.weight", "e_score_correction_bias")):
             tensors[stored] = value  # routers stay float32, as in the published checkpoints

@@ -74,6 +74,7 @@ def parse_config(raw: dict[str, Any]) -> DeepseekV32Config:
 
 class Indexer(nn.Module):
     plan_component = "attention"
+    fp8_linears = ("wq_b", "wk")  # FP8 checkpoints keep weights_proj in high precision
 
     def __init__(self, cfg: DeepseekV32Config):
         super().__init__()

@@ -38,11 +38,20 @@ def linear_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return layer.dequantized(dtype) if isinstance(layer, FP8Linear) else layer.weight
 
 
+def _stored_in_fp8(parent: nn.Module, name: str) -> bool:
+    """Whether block-FP8 checkpoints store this linear layer in FP8: every `*_proj` / `*_proj_with_mqa`,
+    unless the parent module lists its FP8 layers itself (`fp8_linears`, e.g. the DSA indexer)."""
+    listed = getattr(parent, "fp8_linears", None)
+    if listed is not None:
+        return name in listed
+    return name.endswith("_proj") or name.endswith("_proj_with_mqa")
+
+
 def swap_in_fp8(model: nn.Module) -> None:
-    """Replace every `*_proj` / `*_proj_with_mqa` nn.Linear (what DeepSeek-V3 stores in FP8) in place."""
+    """Replace every nn.Linear that block-FP8 checkpoints store in FP8 with an FP8Linear, in place."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and (name.endswith("_proj") or name.endswith("_proj_with_mqa")):
+            if isinstance(child, nn.Linear) and _stored_in_fp8(parent, name):
                 fp8 = FP8Linear(child.in_features, child.out_features, bias=child.bias is not None)
                 if fp8.bias is not None:
                     fp8.bias.data = fp8.bias.data.to(child.bias.dtype)  # the bias stays in the activation dtype
