@@ -4,9 +4,12 @@ Prints markdown tables (paste into bench/RESULTS.md, "## Triton kernels"):
 - MLA decode: achieved KV-read bandwidth vs the GPU's peak (decode is bandwidth-bound),
   128 heads, kv_lora_rank 512, rope 64, batch 1..64, context 1k..32k;
 - MLA extend, fused MoE (bf16 / INT8 / INT4 experts), FP8 block-scaled GEMM: TFLOPS vs peak, and
-  for small M the weight bandwidth, with torch (cuBLAS bf16) as the baseline where it has one.
+  for small M the weight bandwidth, with torch (cuBLAS bf16) as the baseline where it has one;
+- GQA decode (KV-read bandwidth) and extend (TFLOPS) at Qwen3-30B-A3B's attention shape (32 query
+  heads, 4 kv heads, head dim 128), bf16 and fp8 pools;
+- sparse MLA (DeepSeek-V3.2 attention, top-2048 slots per query): gathered-latent bandwidth and TFLOPS.
 
-    python bench/triton_kernels.py [--quick] [--only decode|extend|moe|fp8] [--peak-bw GB/s] [--peak-tflops T]
+    python bench/triton_kernels.py [--quick] [--only decode|extend|moe|fp8|gqa|sparse] [--peak-bw GB/s] [--peak-tflops T]
 
 Without a CUDA GPU it says so and exits: the kernels' CPU path is the torch twin, and the
 Triton interpreter measures nothing useful about GPU speed.
@@ -40,6 +43,7 @@ PEAKS = {
 
 H, KV_LORA, ROPE, NOPE = 128, 512, 64, 128  # DeepSeek-V3 attention
 HIDDEN, INTER = 7168, 2048  # DeepSeek-V3 routed expert
+GQA_HQ, GQA_HKV, GQA_D = 32, 4, 128  # Qwen3-30B-A3B attention
 
 
 def peaks(args: argparse.Namespace) -> tuple[float, float, float]:
@@ -62,9 +66,11 @@ def ratio(x: float, peak: float) -> str:
     return f"{x / peak:.2f}" if peak else "-"
 
 
-def make_pool(lens: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_pool(lens: list[int], dtype: torch.dtype, per_token: tuple[int, ...] = (KV_LORA + ROPE,)
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     total = sum(lens)
-    kv = torch.randn(total, KV_LORA + ROPE, device="cuda", dtype=dtype)
+    draw = torch.bfloat16 if dtype.itemsize == 1 else dtype  # torch has no randn for fp8
+    kv = torch.randn(total, *per_token, device="cuda", dtype=draw).to(dtype)
     req_to_token = torch.zeros(len(lens), max(lens), dtype=torch.int32, device="cuda")
     slots = torch.randperm(total, device="cuda", dtype=torch.int64).to(torch.int32)  # scattered, like a used pool
     start = 0
@@ -173,10 +179,74 @@ def bench_fp8(args: argparse.Namespace, bw: float, peak_bf16: float, peak_fp8: f
         del w_bf16
 
 
+def bench_gqa(args: argparse.Namespace, bw: float, peak: float) -> None:
+    from ktlite.kernels.triton.gqa_decode_attn import gqa_decode_triton
+    from ktlite.kernels.triton.gqa_extend_attn import gqa_extend_triton
+
+    scale = 1 / math.sqrt(GQA_D)
+    per_token = (GQA_HKV, GQA_D)
+    pools = {"bf16": (torch.bfloat16, 1.0), "fp8 e4m3": (torch.float8_e4m3fn, 0.05)}
+    print(f"\n### GQA decode ({GQA_HQ} query heads, {GQA_HKV} kv heads, head dim {GQA_D}, bf16 queries)\n")
+    print("| pool | batch | context | ms | KV GB/s | of peak |")
+    print("|---|---|---|---|---|---|")
+    batches = [1, 16, 64] if args.quick else [1, 4, 16, 32, 64]
+    contexts = [1024, 8192, 32768] if args.quick else [1024, 4096, 8192, 16384, 32768]
+    for name, (dtype, kv_scale) in pools.items():
+        for b in batches:
+            for ctx in contexts:
+                k, r2t, rows = make_pool([ctx] * b, dtype, per_token)  # V shares K's slot table
+                v = torch.randn_like(k, dtype=torch.bfloat16).to(dtype)
+                q = torch.randn(b, GQA_HQ, GQA_D, device="cuda", dtype=torch.bfloat16)
+                seq = torch.full((b,), ctx, dtype=torch.int64, device="cuda")
+                ms = bench_ms(lambda: gqa_decode_triton(q, k, v, r2t, rows, seq, scale, kv_scale, kv_scale))
+                gbs = 2 * b * ctx * GQA_HKV * GQA_D * dtype.itemsize / ms / 1e6
+                print(f"| {name} | {b} | {ctx} | {ms:.3f} | {gbs:.0f} | {ratio(gbs, bw)} |")
+                del k, v
+
+    print(f"\n### GQA extend ({GQA_HQ} query heads, {GQA_HKV} kv heads, head dim {GQA_D}, bf16 queries)\n")
+    print("| pool | prefix | chunk | ms | TFLOPS | of peak |")
+    print("|---|---|---|---|---|---|")
+    cases = [(0, 4096), (8192, 2048)] if args.quick else [(0, 1024), (0, 4096), (4096, 1024), (8192, 2048), (28672, 4096)]
+    for name, (dtype, kv_scale) in pools.items():
+        for prefix, chunk in cases:
+            k, r2t, rows = make_pool([prefix + chunk], dtype, per_token)
+            v = torch.randn_like(k, dtype=torch.bfloat16).to(dtype)
+            q = torch.randn(chunk, GQA_HQ, GQA_D, device="cuda", dtype=torch.bfloat16)
+            pl = torch.tensor([prefix], dtype=torch.int64, device="cuda")
+            el = torch.tensor([chunk], dtype=torch.int64, device="cuda")
+            ms = bench_ms(lambda: gqa_extend_triton(q, k, v, r2t, rows, pl, el, scale, kv_scale, kv_scale,
+                                                    max_extend_len=chunk))
+            keys = chunk * prefix + chunk * (chunk + 1) / 2  # causal (query, key) pairs
+            tflops = GQA_HQ * keys * 2 * 2 * GQA_D / ms / 1e9
+            print(f"| {name} | {prefix} | {chunk} | {ms:.3f} | {tflops:.1f} | {ratio(tflops, peak)} |")
+
+
+def bench_sparse_mla(args: argparse.Namespace, bw: float, peak: float) -> None:
+    from ktlite.kernels.triton.sparse_mla_attn import sparse_mla_triton
+
+    topk, pool_slots = 2048, 1 << 17
+    print(f"\n### Sparse MLA (bf16 pool, {H} heads, 576-wide latent, top-{topk} slots per query token)\n")
+    print("| tokens | valid slots | ms | latent GB/s | of peak BW | TFLOPS | of peak |")
+    print("|---|---|---|---|---|---|---|")
+    # (query tokens, valid slots per row; the rest are -1 as for a context shorter than top-k)
+    cases = [(1, 2048), (64, 2048), (4096, 2048)] if args.quick else \
+        [(1, 2048), (8, 2048), (64, 2048), (64, 256), (1024, 2048), (4096, 2048), (4096, 512)]
+    kv = torch.randn(pool_slots, KV_LORA + ROPE, device="cuda", dtype=torch.bfloat16)
+    scale = 1 / math.sqrt(NOPE + ROPE)
+    for n, valid in cases:
+        q = torch.randn(n, H, KV_LORA + ROPE, device="cuda", dtype=torch.bfloat16)
+        slots = torch.randint(0, pool_slots, (n, topk), device="cuda")  # repeats cost the same as distinct slots
+        slots[:, valid:] = -1
+        ms = bench_ms(lambda: sparse_mla_triton(q, kv, slots, scale, KV_LORA))
+        gbs = n * valid * (KV_LORA + ROPE) * 2 / ms / 1e6  # each selected latent counted once per query token
+        tflops = n * H * valid * 2 * (KV_LORA + ROPE + KV_LORA) / ms / 1e9
+        print(f"| {n} | {valid} | {ms:.3f} | {gbs:.0f} | {ratio(gbs, bw)} | {tflops:.1f} | {ratio(tflops, peak)} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
-    parser.add_argument("--only", choices=("decode", "extend", "moe", "fp8"))
+    parser.add_argument("--only", choices=("decode", "extend", "moe", "fp8", "gqa", "sparse"))
     parser.add_argument("--peak-bw", type=float, default=0, help="GPU memory bandwidth, GB/s")
     parser.add_argument("--peak-tflops", type=float, default=0, help="GPU dense bf16 TFLOPS")
     args = parser.parse_args(argv)
@@ -194,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         bench_moe(args, bw, bf16)
     if args.only in (None, "fp8"):
         bench_fp8(args, bw, bf16, fp8)
+    if args.only in (None, "gqa"):
+        bench_gqa(args, bw, bf16)
+    if args.only in (None, "sparse"):
+        bench_sparse_mla(args, bw, bf16)
     return 0
 
 

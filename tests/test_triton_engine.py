@@ -38,3 +38,13 @@ def test_engine_on_triton_kernels_matches_torch_twins(tiny_v3):
     triton, twin = run(tiny_v3, True), run(tiny_v3, False)
     assert triton["triton"] and not twin["triton"]  # each run really took its path
     assert triton["tokens"] == twin["tokens"]
+
+
+def test_gqa_and_sparse_mla_engines_on_triton_kernels_match_torch_twins(hf_gqa_checkpoints):
+    """GQA decode/extend (MiniMax-M2: per-layer q/k norm, partial rotary) and DeepSeek-V3.2's sparse MLA
+    through the interpreted kernels."""
+    for family in ("minimax_m2", "deepseek_v32"):
+        model = hf_gqa_checkpoints[family]
+        triton, twin = run(model, True), run(model, False)
+        assert triton["triton"] and not twin["triton"]
+        assert triton["tokens"] == twin["tokens"], family

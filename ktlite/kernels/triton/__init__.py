@@ -1,7 +1,7 @@
 """GPU-side kernels and their dispatch: Triton on CUDA tensors, the plain-torch twin elsewhere.
 
-The runtime calls mla_decode / mla_extend / fused_moe / fp8_linear and never picks an
-implementation itself:
+The runtime calls mla_decode / mla_extend / gqa_decode / gqa_extend / fused_moe / fp8_linear and
+never picks an implementation itself:
 - tensors on CUDA -> Triton kernel;
 - TRITON_INTERPRET=1 -> Triton kernel run by the interpreter on CPU tensors (tests);
 - otherwise (CPU, no interpreter) -> torch twin, chosen without touching Triton: a launch there
@@ -154,19 +154,49 @@ def fp8_linear(
     return fp8_linear_torch(x, weight, weight_scale_inv, bias)
 
 
-def gqa_decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale: float,
-               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+def gqa_decode(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
     """GQA decode over the token pool. q [B, Hq, D], k_buffer [slots, Hkv, D], v_buffer [slots, Hkv, Dv],
     seq_lens [B] (incl. the current token, already in the pool) -> [B, Hq, Dv] in q's dtype. Query head
-    h reads kv head h // (Hq // Hkv); k_scale/v_scale multiply fp8-stored values.
-    The GQA Triton kernels are not written yet: every device runs the torch twin."""
+    h reads kv head h // (Hq // Hkv); k_scale/v_scale multiply fp8-stored values (1.0 otherwise)."""
+    if use_triton(q):
+        return _kernels("gqa_decode_attn").gqa_decode_triton(
+            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, k_scale, v_scale
+        )
     return gqa_decode_torch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, k_scale, v_scale)
 
 
-def gqa_extend(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale: float,
-               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+def gqa_extend(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    sm_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    extend_start_loc: torch.Tensor | None = None,
+    max_extend_len: int | None = None,
+) -> torch.Tensor:
     """GQA causal extend. q [N, Hq, D] (N = sum(extend_lens), requests in order) -> [N, Hq, Dv]; the new
-    tokens' K/V are already in the pool. The GQA Triton kernels are not written yet: every device runs the torch twin."""
+    tokens' K/V are already in the pool. The optional extend_start_loc (exclusive cumsum of extend_lens)
+    and max_extend_len only spare the Triton path recomputing them."""
+    if use_triton(q):
+        return _kernels("gqa_extend_attn").gqa_extend_triton(
+            q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale,
+            k_scale, v_scale, extend_start_loc=extend_start_loc, max_extend_len=max_extend_len,
+        )
     return gqa_extend_torch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens,
                             sm_scale, k_scale, v_scale)
 
@@ -177,5 +207,5 @@ def sparse_mla(q: torch.Tensor, kv_buffer: torch.Tensor, topk_slots: torch.Tenso
     alike). q [N, H, kv_lora_rank + rope], kv_buffer [slots, kv_lora_rank + rope], topk_slots [N, K] int64
     (-1 = none; causality already applied) -> [N, H, kv_lora_rank] in q's dtype."""
     if use_triton(q):
-        return _kernels("sparse_mla").sparse_mla_triton(q, kv_buffer, topk_slots, sm_scale, kv_lora_rank)
+        return _kernels("sparse_mla_attn").sparse_mla_triton(q, kv_buffer, topk_slots, sm_scale, kv_lora_rank)
     return sparse_mla_torch(q, kv_buffer, topk_slots, sm_scale, kv_lora_rank)

@@ -5,9 +5,10 @@ sm80, tl.dot shapes, shared memory beyond the SM's limit). Triton ships ptxas, s
 ttir -> ptx -> cubin pipeline runs on a CPU box; this is what the tests call in a subprocess
 (TRITON_INTERPRET must be unset there, or triton.jit hands out interpreted functions).
 
-    python -m ktlite.kernels.triton.aot_check [--only mla|moe|fp8] [--arch 80 90]
+    python -m ktlite.kernels.triton.aot_check [--only mla|sparse_mla|gqa|moe|fp8] [--arch 80 90]
 
-Configurations mirror the wrappers' GPU defaults at the largest MLA model's sizes (hidden 7168, 128 heads).
+Configurations mirror the wrappers' GPU defaults at the largest MLA model's sizes (hidden 7168, 128 heads);
+GQA at head_dim 128 with groups of 8 to 16 query heads per kv head, bf16 and fp8 pools.
 """
 
 import argparse
@@ -20,7 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ktlite.kernels.triton import decode_attn, extend_attn, fp8, moe
+from ktlite.kernels.triton import decode_attn, extend_attn, fp8, gqa_decode_attn, gqa_extend_attn, moe, sparse_mla_attn
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,12 @@ def configs(dt: str = "bf16") -> list[KernelConfig]:
         KernelConfig("mla", "extend", extend_attn._extend_kernel, mla,
                      dict(dims, BLOCK_T=2, BLOCK_H=16, BLOCK_N=32), num_warps=8, num_stages=1, floats=("qk_scale",)),
     ]
+    for split in (False, True):  # direct output (prefill) or partials for decode_attn's stage 2
+        dst = "*fp32" if split else f"*{dt}"
+        out.append(KernelConfig("sparse_mla", f"sparse mla {'split' if split else 'direct'}",
+                                sparse_mla_attn._sparse_mla_kernel, dict(mla, TopK="*i64", O=dst, Lse=dst),
+                                dict(dims, BLOCK_H=16, BLOCK_N=32, SPLIT=split), floats=("qk_scale",)))
+    out += gqa_configs(dt)
     for bits, w_ty, s_ty in ((16, dt, dt), (8, "i8", "fp16"), (4, "u8", "fp16")):
         for gated in (True, False):
             for block_m in (16, 64):
@@ -87,6 +94,29 @@ def configs(dt: str = "bf16") -> list[KernelConfig]:
     return out
 
 
+def gqa_configs(dt: str) -> list[KernelConfig]:
+    """GQA decode/extend with a dt pool, an fp8 pool (sm89+) and fp8 bytes decoded by integer ops
+    (before sm89); index tensors are int64, as ForwardBatch builds them."""
+    ints = {name: "*i64" for name in ("ReqPoolIdx", "SeqLens", "PrefixLens", "ExtendLens", "ExtendStart")}
+    dims = dict(HEAD_D=128, HEAD_DV=128, BLOCK_D=128, BLOCK_DV=128)
+    floats = ("qk_scale", "v_scale")
+    stage2 = {"MidO": "*fp32", "MidLse": "*fp32", "Out": f"*{dt}"}
+    out = [KernelConfig("gqa", "gqa decode stage2", decode_attn._decode_stage2, stage2,
+                        dict(KV_LORA=128, BLOCK_C=128, BLOCK_S=8))]
+    pools = ((dt, dt, False, 80), ("fp8", "fp8e4nv", False, 89), ("fp8 bytes", "u8", True, 80))
+    for pool, kv_ty, bits, min_arch in pools:
+        ptrs = {"Q": f"*{dt}", "K": f"*{kv_ty}", "V": f"*{kv_ty}", "ReqToToken": "*i32", "MidO": "*fp32",
+                "MidLse": "*fp32", "Out": f"*{dt}", **ints}
+        out += [
+            KernelConfig("gqa", f"gqa decode stage1 {pool} pool", gqa_decode_attn._gqa_decode_stage1, ptrs,
+                         dict(dims, BLOCK_H=16, BLOCK_N=64, E4M3_BITS=bits), min_arch=min_arch, floats=floats),
+            KernelConfig("gqa", f"gqa extend {pool} pool", gqa_extend_attn._gqa_extend_kernel, ptrs,
+                         dict(dims, BLOCK_T=8, BLOCK_H=8, BLOCK_N=64, E4M3_BITS=bits), min_arch=min_arch,
+                         floats=floats),
+        ]
+    return out
+
+
 def compile_config(cfg: KernelConfig, arch: int) -> int:
     """Compile cfg for sm{arch}; returns shared memory bytes, raises if it does not fit."""
     if not isinstance(cfg.fn, triton.runtime.jit.JITFunction):
@@ -104,7 +134,7 @@ def compile_config(cfg: KernelConfig, arch: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("mla", "moe", "fp8"))
+    parser.add_argument("--only", choices=("mla", "sparse_mla", "gqa", "moe", "fp8"))
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90])
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     args = parser.parse_args(argv)
