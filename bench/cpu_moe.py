@@ -2,10 +2,11 @@
 
 For DeepSeek-V2-Lite expert shapes (hidden 2048, moe_intermediate 1408, 64 experts, top-6) and
 DeepSeek-V3 shapes (hidden 7168, moe_intermediate 2048, top-8, a few experts), T tokens per call,
-each method: time per call of CPUMoE.forward (the path it picks), both paths forced (the fused
+each method (ktlite's INT4/INT8/BF16 and the formats kept from a checkpoint: FP8 with 128x128 block
+scales, RAWINT4 = compressed-tensors INT4 group 32, LLAMAFILE = GGUF Q4_K blocks): time per call of CPUMoE.forward (the path it picks), both paths forced (the fused
 numba GEMV/FMA kernel and dequantize + oneDNN matmul), torch bf16/fp32 matmul of the same
 dequantized experts, effective weight GB/s against a numpy read benchmark, quantization error, and
-submit/wait overlap. Prints tables and writes them into bench/RESULTS.md (section
+submit/wait overlap, and the INT4/INT8 quantizer's speed (GB/s of bf16 source). Prints tables and writes them into bench/RESULTS.md (section
 "## CPU experts (Numba)").
 
     .venv/bin/python bench/cpu_moe.py            # ~3-5 min on 2 cores
@@ -32,7 +33,9 @@ from tqdm import tqdm
 
 from ktlite.kernels.cpu.gemm import expert_mlp_matmul
 from ktlite.kernels.cpu.moe import CPUMoE
-from ktlite.kernels.cpu.quant import dequantize, quantize, relative_error
+from ktlite.kernels.cpu.fp8 import fill_fp8_rows
+from ktlite.kernels.cpu.gguf_quants import BLOCKS
+from ktlite.kernels.cpu.quant import RAWINT4_GROUP, dequantize, empty_quantized, quantize, quantize_into, relative_error
 
 RESULTS = Path(__file__).parent / "RESULTS.md"
 SECTION = "## CPU experts (Numba)"
@@ -131,12 +134,57 @@ def make_routings(shape: Shape, t: int, n: int, seed: int) -> list[tuple[torch.T
              torch.rand(t, shape.topk, generator=g)) for _ in range(n)]
 
 
+def kept_formats(shape: Shape, method: str) -> tuple[tuple[str, int], tuple[str, int]] | None:
+    """(gate_up, down) storage of a method that keeps a checkpoint's encoding; None: ktlite quantizes."""
+    if method == "FP8":
+        return ("FP8", 128), ("FP8", 128)
+    if method == "RAWINT4":
+        return ("INT4", RAWINT4_GROUP), ("INT4", RAWINT4_GROUP)
+    if method == "LLAMAFILE":  # Q4_K needs K % 256 == 0: V2-Lite's down (K = 1408) is Q8_0, as llama.cpp falls back
+        return ("Q4_K", 256), ("Q4_K", 256) if shape.inter % 256 == 0 else ("Q8_0", 32)
+    return None
+
+
+def method_label(shape: Shape, method: str) -> str:
+    formats = kept_formats(shape, method)
+    if method == "LLAMAFILE":
+        return f"GGUF {formats[0][0]}" + (f" (down {formats[1][0]})" if formats[1] != formats[0] else "")
+    return f"{method} (group {RAWINT4_GROUP})" if method == "RAWINT4" else method
+
+
+def fill_kept(dst, w: torch.Tensor, fmt: str, seed: int) -> None:
+    """Encode float weights `w` [N, K] as a checkpoint would ship them, into a slot view `dst`: FP8 with
+    128x128 block scales (amax / 448), compressed-tensors INT4 (same storage as ktlite's INT4 group 32), or
+    GGUF blocks (random codes with small scales: gguf-py cannot quantize K-quants, and timing does not care)."""
+    if fmt == "FP8":
+        n, k = w.shape
+        tiles = w.reshape(n // 128, 128, k // 128, 128)
+        scale = tiles.abs().amax(dim=(1, 3)) / 448.0
+        q = (tiles / scale[:, None, :, None]).reshape(n, k).to(torch.float8_e4m3fn)
+        fill_fp8_rows(dst.qweight, dst.scales, q.view(torch.uint8).numpy(), scale.numpy(), (128, 128))
+    elif fmt == "INT4":
+        quantize_into(dst, (), w)
+    else:
+        rng = np.random.default_rng(seed)
+        raw = dst.qweight.view(np.uint8)
+        raw[:] = rng.integers(0, 256, raw.shape, dtype=np.uint8)
+        dst.qweight["d"] = np.float16(rng.uniform(-1e-3, 1e-3, dst.qweight.shape)).view(np.uint16)
+        if "dmin" in BLOCKS[fmt][0].names:
+            dst.qweight["dmin"] = np.float16(rng.uniform(0, 1e-3, dst.qweight.shape)).view(np.uint16)
+
+
 def build(shape: Shape, method: str, src: list[tuple[torch.Tensor, ...]], group: int, **kw) -> CPUMoE:
     """A CPUMoE whose slots hold copies of N_DISTINCT really quantized experts (own memory each)."""
     moe = CPUMoE(method, group, **kw)
-    layer = moe.reserve_layer(0, shape.experts, shape.hidden, shape.inter)
+    formats = kept_formats(shape, method)
+    layer = moe.reserve_layer(0, shape.experts, shape.hidden, shape.inter, formats=formats)
     for e, (g, u, d) in enumerate(src):
-        moe.set_expert(0, e, g, u, d)
+        if formats is None:
+            moe.set_expert(0, e, g, u, d)
+        else:
+            gate_up, down = moe.slot_views(0, e)
+            fill_kept(gate_up, torch.cat([g, u]), formats[0][0], seed=2 * e)
+            fill_kept(down, d, formats[1][0], seed=2 * e + 1)
     for e in range(N_DISTINCT, shape.experts):
         for qw in (layer.gate_up, layer.down):
             qw.qweight[e] = qw.qweight[e % N_DISTINCT]
@@ -176,6 +224,9 @@ def accuracy(src: list[tuple[torch.Tensor, ...]], method: str, group: int) -> tu
     g, u, d = src[0]
     if method == "per-row INT4":
         qg, qu, qd = (per_row_int4(m) for m in (g, u, d))
+    elif method in ("FP8", "RAWINT4"):  # the checkpoint's own encoding of these floats
+        fmt = kept_formats(V3, method)[0]
+        qg, qu, qd = (_kept(m, fmt) for m in (g, u, d))
     else:
         qg, qu, qd = (dequantize(quantize(m, method, group)) for m in (g, u, d))
     werr = relative_error(torch.cat([qg.flatten(), qu.flatten(), qd.flatten()]),
@@ -183,6 +234,24 @@ def accuracy(src: list[tuple[torch.Tensor, ...]], method: str, group: int) -> tu
     x = torch.randn(16, g.shape[1], generator=torch.Generator().manual_seed(5))
     mlp = lambda a, b, c: expert_mlp_matmul(x, torch.cat([a, b]), c)
     return werr, relative_error(mlp(qg, qu, qd), mlp(g, u, d))
+
+
+def _kept(w: torch.Tensor, fmt: tuple[str, int]) -> torch.Tensor:
+    dst = empty_quantized(*fmt, (), *w.shape)
+    fill_kept(dst, w, fmt[0], seed=0)
+    return dequantize(dst)
+
+
+def quantizer_speed(shape: Shape, group: int) -> dict[str, float]:
+    """GB/s of bf16 source the INT4/INT8 quantizer (load and `ktlite convert`) takes: 4 gate_up matrices
+    of `shape` (fastest of 3 runs)."""
+    w = (torch.randn(4 * 2 * shape.inter, shape.hidden, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16()
+    out = {}
+    for method in ("INT4", "INT8"):
+        dst = empty_quantized(method, group, (), *w.shape)
+        quantize_into(dst, (slice(0, 64),), w[:64])  # compile
+        out[method] = w.numel() * 2 / timed(lambda i: quantize_into(dst, (), w), 1.0, max_calls=3) / 1e9
+    return out
 
 
 def overlap_demo(moe: CPUMoE, shape: Shape, t: int) -> dict[str, float]:
@@ -229,7 +298,7 @@ def bench_shape(shape: Shape, methods: list[str], tokens: list[int], group: int,
             torch.randn(shape.inter, shape.hidden, generator=g) * 0.02,
             torch.randn(shape.hidden, shape.inter, generator=g) * 0.02) for _ in range(N_DISTINCT)]
     rows: list[dict] = []
-    acc = {m: accuracy(src, m, group) for m in methods + ["per-row INT4"]}
+    acc = {method_label(shape, m): accuracy(src, m, group) for m in methods + ["per-row INT4"] if m != "LLAMAFILE"}
     # torch baselines on the dequantized INT8 experts (any method would do: same shapes)
     deq = [(torch.cat([dequantize(quantize(gg, "INT8", group)), dequantize(quantize(uu, "INT8", group))]),
             dequantize(quantize(dd, "INT8", group))) for gg, uu, dd in src]
@@ -264,7 +333,7 @@ def bench_shape(shape: Shape, methods: list[str], tokens: list[int], group: int,
             auto = best[(method, "auto")]
             paths = {k: best[(method, k)] for k in forced[method]}
             gbs = touched * moe.nbytes() / shape.experts / auto / 1e9
-            rows.append({"shape": shape.name, "method": method, "T": t, "auto": auto,
+            rows.append({"shape": shape.name, "method": method_label(shape, method), "T": t, "auto": auto,
                          "path": path_label(routes, moe.prefill_threshold), "gbs": gbs, "bw_frac": gbs / bw,
                          "fma": paths["fma"], "onednn": paths["onednn"], "bf16": base["bf16"], "fp32": base["fp32"]})
     for m in methods:
@@ -274,7 +343,7 @@ def bench_shape(shape: Shape, methods: list[str], tokens: list[int], group: int,
     if "INT4" in methods and shape is V2_LITE:
         with build(shape, "INT4", src, group, num_threads=max(1, numba.config.NUMBA_NUM_THREADS - 1)) as moe:
             overlap = overlap_demo(moe, shape, 1)
-    return rows, {"accuracy": acc, "overlap": overlap}
+    return rows, {"accuracy": acc, "overlap": overlap, "quantizer": quantizer_speed(shape, group)}
 
 
 def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> str:
@@ -305,6 +374,10 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> st
         for m, (we, oe) in ex["accuracy"].items():
             lines.append(f"| {shape} | {m}{' (KTransformers layout)' if m == 'per-row INT4' else ''} "
                          f"| {we * 100:.2f} % | {oe * 100:.2f} % |")
+    lines += ["", "Quantizer (INT4/INT8 at load and in `ktlite convert`; numba, all threads), GB/s of bf16 source "
+              "(4 gate_up matrices, fastest of 3):", "", "| shape | INT4 | INT8 |", "|---|---|---|"]
+    for shape, ex in extra.items():
+        lines.append(f"| {shape} | {ex['quantizer']['INT4']:.2f} | {ex['quantizer']['INT8']:.2f} |")
     ov = extra.get(V2_LITE.name, {}).get("overlap")
     if ov:
         a = ov["alone"] * 1e3
@@ -338,6 +411,10 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> st
               "land within a few % of each other, either side of it from run to run (the ktlite and deq+oneDNN "
               "columns run the same code there and differ by as much).",
               "- The GEMV/oneDNN switch (DEFAULT_PREFILL_THRESHOLD) is 5 tokens per expert for INT4/INT8.",
+              "- Kept formats: FP8 decodes e4m3 in the row kernel (integer shifts + one multiply by 2^120), the same "
+              "vector code as INT8; RAWINT4 is ktlite's INT4 with groups of 32; GGUF Q4_K/Q5_K/Q6_K/Q8_0 blocks are "
+              "walked in the same vector IR, 16 codes at a time, with each sub-block's scale and min unpacked "
+              "in scalar code (one horizontal sum per row, the mins against the 32-weight sums of x).",
               "- INT4 < 8 % error is out of reach for a 4-bit code with one scale per 64 gaussian weights: the "
               "rate-distortion bound at 4 bits is 2^-4 = 6.25 % per matrix; uniform levels with a per-group MSE "
               "scale search measure 9.0 % at G=64 (8.1 % at G=32, 7.0 % at G=16; these and the codebook figures from a one-off script on 8M gaussian weights, not this bench), and even the MSE-optimal "
@@ -353,6 +430,10 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> st
             ok = r["auto"] <= r["bf16"]
             lines.append(f"- {r['shape']} prefill T=512 {r['method']}: {r['auto'] * 1e3:.0f} ms vs torch bf16 "
                          f"{r['bf16'] * 1e3:.0f} ms (target: not slower): {'met' if ok else 'MISSED'}.")
+    for shape, ex in extra.items():
+        q = min(ex["quantizer"].values())
+        lines.append(f"- {shape} quantizer {q:.2f} GB/s of bf16 source (target >= 1 GB/s on two cores): "
+                     f"{'met' if q >= 1 else 'MISSED'}.")
     for shape, ex in extra.items():
         if "INT4" in ex["accuracy"]:
             we, oe = ex["accuracy"]["INT4"]
@@ -372,7 +453,7 @@ def write_results(text: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer T values and a short time budget")
-    ap.add_argument("--methods", default="INT4,INT8,BF16")
+    ap.add_argument("--methods", default="INT4,INT8,BF16,FP8,RAWINT4,LLAMAFILE")
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--no-write", action="store_true", help="print only, leave bench/RESULTS.md alone")
     args = ap.parse_args()

@@ -10,10 +10,23 @@ token-level TTFT/ITL means (from /metrics deltas; they also count tokens that de
 
 Against a running server:
     python bench/serving.py --url http://127.0.0.1:30000 --num-prompts 200 --concurrency 32
+Grammar overhead (--response-format both): each run once plain and once with response_format
+json_object (grammar-constrained sampling); compare TPOT and the server's per-token ITL (the decode
+step as the server sees it) between the two rows:
+    python bench/serving.py --tiny --num-prompts 16 --concurrency 8 --response-format both
 In-process (starts the engine + server on 127.0.0.1, ephemeral port), with a sweep of one knob:
     python bench/serving.py --model /path/to/ckpt --engine-flags '{"kt_method": "INT4"}' \\
         --sweep kt_cpuinfer=1,2 --sweep chunked_prefill_size=64,256
     python bench/serving.py --tiny   # the tiny random test model, written to /tmp/ktlite-tiny-serving
+
+Multi-turn workload (`--workload multi-turn`): each of --num-prompts conversations sends --turns
+requests one after the other, every one resending the whole conversation so far (a chat client or a
+coding agent); reported: TTFT of first and later turns, and how much of the prompts the prefix cache
+served (usage.prompt_tokens_details.cached_tokens). In-process without --sweep it compares the prefix
+cache off, on, and on with a KV pool of --spill-pool-tokens (forcing eviction) without and with a
+host tier of --hicache-size GiB:
+    python bench/serving.py --tiny --workload multi-turn --num-prompts 8 --turns 4
+    python bench/serving.py --model /path/to/ckpt --workload multi-turn --spill-pool-tokens 16384
 
 Everything targets the given URL only; each run is bounded by --num-prompts and --timeout.
 """
@@ -49,6 +62,7 @@ class BenchRequest:
     prompt: str
     prompt_words: int
     output_len: int
+    messages: list[dict[str, str]] | None = None  # a whole conversation (chat API) instead of `prompt`
 
 
 @dataclass
@@ -61,6 +75,8 @@ class Result:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    text: str = ""
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
 
 
 def sample_requests(n: int, seed: int = 0, prompt_median: float = 48, prompt_sigma: float = 0.8,
@@ -78,12 +94,18 @@ def sample_requests(n: int, seed: int = 0, prompt_median: float = 48, prompt_sig
     return out
 
 
+RESPONSE_FORMATS: dict[str, dict[str, Any] | None] = {"none": None, "json_object": {"type": "json_object"}}
+
+
 async def one_request(session: aiohttp.ClientSession, url: str, req: BenchRequest, model: str | None,
-                      timeout: float, api_key: str | None = None, api: str = "chat") -> Result:
+                      timeout: float, api_key: str | None = None, api: str = "chat",
+                      response_format: dict[str, Any] | None = None) -> Result:
     body: dict[str, Any] = {"stream": True, "max_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0,
                             "stream_options": {"include_usage": True}}
+    if response_format is not None:  # a constrained reply ends when its JSON does, ignore_eos or not
+        body["response_format"] = response_format
     if api == "chat":
-        body["messages"] = [{"role": "user", "content": req.prompt}]
+        body["messages"] = req.messages or [{"role": "user", "content": req.prompt}]
     else:  # a checkpoint without a chat template
         body["prompt"] = req.prompt
     path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
@@ -118,8 +140,11 @@ async def one_request(session: aiohttp.ClientSession, url: str, req: BenchReques
                     if obj.get("usage"):
                         res.prompt_tokens = obj["usage"]["prompt_tokens"]
                         res.output_tokens = obj["usage"]["completion_tokens"]
+                        res.cached_tokens = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                     for choice in obj.get("choices") or []:
-                        if (choice["delta"].get("content") if "delta" in choice else choice.get("text")):
+                        content = choice["delta"].get("content") if "delta" in choice else choice.get("text")
+                        if content:
+                            res.text += content
                             now = time.perf_counter()
                             if last is None:
                                 res.ttft = now - t0
@@ -141,8 +166,8 @@ async def one_request(session: aiohttp.ClientSession, url: str, req: BenchReques
 
 async def run_benchmark(url: str, requests: list[BenchRequest], concurrency: int = 32,
                         request_rate: float = math.inf, model: str | None = None, seed: int = 0,
-                        timeout: float = 300.0, api_key: str | None = None, api: str = "chat"
-                        ) -> tuple[list[Result], float]:
+                        timeout: float = 300.0, api_key: str | None = None, api: str = "chat",
+                        response_format: dict[str, Any] | None = None) -> tuple[list[Result], float]:
     """Replay `requests` (at most `concurrency` at once, Poisson arrivals at `request_rate`/s).
     -> (results in request order, wall seconds)."""
     rng = random.Random(seed + 1)
@@ -151,7 +176,7 @@ async def run_benchmark(url: str, requests: list[BenchRequest], concurrency: int
 
     async def guarded(session, req):
         async with sem:
-            return await one_request(session, url, req, model, timeout, api_key, api)
+            return await one_request(session, url, req, model, timeout, api_key, api, response_format)
 
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         t0 = time.perf_counter()
@@ -204,18 +229,99 @@ COLUMNS = [("config", "config", "{}"), ("ok/n", None, None), ("req/s", "req_per_
            ("srv TTFT mean", "server_ttft_mean_ms", "{:.0f}"), ("srv ITL mean", "server_itl_mean_ms", "{:.1f}")]
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+def table(rows: list[dict[str, Any]], columns=COLUMNS) -> str:
     """A markdown table (times in ms)."""
-    head = "| " + " | ".join(c[0] for c in COLUMNS) + " |"
-    sep = "|" + "|".join("---" for _ in COLUMNS) + "|"
+    head = "| " + " | ".join(c[0] for c in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
     lines = [head, sep]
     for row in rows:
         cells = []
-        for title, key, fmt in COLUMNS:
+        for title, key, fmt in columns:
             value = row.get(key, float("nan")) if key else None
             cells.append(f"{row['completed']}/{row['requests']}" if key is None else fmt.format(value))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# ---- multi-turn workload: every turn resends the conversation so far -------------------------------
+
+@dataclass
+class Turn:
+    conversation: int
+    turn: int
+    result: Result
+
+
+async def run_conversation(session: aiohttp.ClientSession, url: str, index: int, turns: int, first_words: int,
+                           turn_words: int, output_len: int, seed: int, model: str | None, timeout: float,
+                           api_key: str | None) -> list[Turn]:
+    """One conversation: each turn adds a user message, sends the whole history, and appends the reply."""
+    rng = random.Random(seed * 7919 + index)
+    messages: list[dict[str, str]] = []
+    out = []
+    for t in range(turns):
+        words = first_words if t == 0 else turn_words
+        messages.append({"role": "user", "content": f"#{index}.{t} " + " ".join(rng.choice(WORDS) for _ in range(words))})
+        res = await one_request(session, url, BenchRequest("", words, output_len, messages=list(messages)), model,
+                                timeout, api_key)
+        out.append(Turn(index, t, res))
+        if not res.ok:
+            break
+        messages.append({"role": "assistant", "content": res.text})
+    return out
+
+
+async def run_multi_turn(url: str, conversations: int, turns: int, first_words: int, turn_words: int,
+                         output_len: int, concurrency: int, seed: int = 0, model: str | None = None,
+                         timeout: float = 300.0, api_key: str | None = None) -> tuple[list[Turn], float]:
+    """`conversations` conversations, at most `concurrency` at once. -> (every turn, wall seconds)."""
+    sem = asyncio.Semaphore(max(1, concurrency))
+    connector = aiohttp.TCPConnector(limit=max(1, concurrency) + 4)
+
+    async def guarded(session, i):
+        async with sem:
+            return await run_conversation(session, url, i, turns, first_words, turn_words, output_len, seed, model,
+                                          timeout, api_key)
+
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*(guarded(session, i) for i in range(conversations)))
+        return [t for conv in done for t in conv], time.perf_counter() - t0
+
+
+def summarize_multi_turn(turns: list[Turn], duration: float) -> dict[str, float]:
+    ok = [t for t in turns if t.result.ok]
+    first = [t.result.ttft for t in ok if t.turn == 0 and t.result.ttft is not None]
+    later = [t.result.ttft for t in ok if t.turn > 0 and t.result.ttft is not None]
+    prompt = sum(t.result.prompt_tokens for t in ok)
+    out: dict[str, float] = {
+        "requests": len(turns), "completed": len(ok), "duration_s": duration,
+        "prompt_tokens_mean": prompt / len(ok) if ok else float("nan"),
+        "cached_pct": 100.0 * sum(t.result.cached_tokens for t in ok) / prompt if prompt else 0.0,
+        "ttft_measured": len(first) + len(later),
+    }
+    for name, vals in (("ttft", first + later), ("ttft_first", first), ("ttft_later", later)):
+        out[f"{name}_mean_ms"] = statistics.fmean(vals) * 1e3 if vals else float("nan")
+        out[f"{name}_p50_ms"] = _pct(vals, 50) * 1e3
+        out[f"{name}_p99_ms"] = _pct(vals, 99) * 1e3
+    return out
+
+
+MULTI_TURN_COLUMNS = [("config", "config", "{}"), ("ok/n", None, None), ("prompt tok mean", "prompt_tokens_mean", "{:.0f}"),
+                      ("cached %", "cached_pct", "{:.1f}"), ("TTFT mean", "ttft_mean_ms", "{:.0f}"),
+                      ("TTFT turn 1", "ttft_first_mean_ms", "{:.0f}"), ("TTFT later", "ttft_later_mean_ms", "{:.0f}"),
+                      ("TTFT later p50", "ttft_later_p50_ms", "{:.0f}"), ("TTFT later p99", "ttft_later_p99_ms", "{:.0f}"),
+                      ("srv TTFT mean", "server_ttft_mean_ms", "{:.0f}"), ("duration s", "duration_s", "{:.1f}")]
+
+
+def multi_turn_configs(spill_pool_tokens: int | None, hicache_size: float) -> list[tuple[str, dict[str, Any]]]:
+    """Prefix cache off / on, and (given a pool size that forces eviction) that pool without and with the host tier."""
+    configs = [("cache off", {"disable_radix_cache": True}), ("cache on", {})]
+    if spill_pool_tokens:
+        small = {"max_total_tokens": spill_pool_tokens}
+        configs += [(f"cache on, pool {spill_pool_tokens}", small),
+                    (f"cache on, pool {spill_pool_tokens} + host {hicache_size:g} GiB", {**small, "hicache_size": hicache_size})]
+    return configs
 
 
 _SERVER_HISTS = {"ttft": "ktlite_time_to_first_token_seconds", "itl": "ktlite_inter_token_latency_seconds"}
@@ -288,6 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--api", choices=["chat", "completions"], default="chat",
                     help="chat: /v1/chat/completions (default); completions: /v1/completions (no chat template).")
+    ap.add_argument("--response-format", choices=["none", "json_object", "both"], default="none",
+                    help="json_object: every request grammar-constrained; both: each run plain, then constrained.")
     ap.add_argument("--num-prompts", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once).")
@@ -299,61 +407,101 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=4, help="Requests sent (and not counted) before each run.")
     ap.add_argument("--timeout", type=float, default=600.0, help="Per-request limit in seconds.")
     ap.add_argument("--json", dest="json_out", default=None, help="Also write the rows as JSON here.")
+    ap.add_argument("--workload", choices=["sharegpt", "multi-turn"], default="sharegpt",
+                    help="sharegpt: independent requests; multi-turn: --num-prompts conversations of --turns turns.")
+    ap.add_argument("--turns", type=int, default=4, help="multi-turn: requests per conversation.")
+    ap.add_argument("--first-words", type=int, default=100, help="multi-turn: words of each conversation's first message.")
+    ap.add_argument("--turn-words", type=int, default=20, help="multi-turn: words of each later user message.")
+    ap.add_argument("--turn-output-len", type=int, default=16, help="multi-turn: tokens of each reply.")
+    ap.add_argument("--spill-pool-tokens", type=int, default=None,
+                    help="multi-turn in-process: also run with a KV pool this small (eviction), without and with "
+                         "the host tier (--tiny: 1024).")
+    ap.add_argument("--hicache-size", type=float, default=1.0, help="multi-turn: host tier GiB for the spill runs.")
     args = ap.parse_args(argv)
     if sum(bool(x) for x in (args.url, args.model, args.tiny)) != 1:
         ap.error("give exactly one of --url, --model, --tiny")
+    multi_turn = args.workload == "multi-turn"
 
     reqs = sample_requests(args.num_prompts, args.seed, args.prompt_median, output_median=args.output_median,
                            max_prompt=args.max_prompt_len, max_output=args.max_output_len)
     warm = sample_requests(args.warmup, args.seed + 1000, 16, output_median=4, max_prompt=32, max_output=8)
-    print(f"{len(reqs)} requests: prompt words mean {statistics.fmean(r.prompt_words for r in reqs):.0f} "
-          f"(max {max(r.prompt_words for r in reqs)}), output tokens mean "
-          f"{statistics.fmean(r.output_len for r in reqs):.0f} (max {max(r.output_len for r in reqs)}); "
-          f"concurrency {args.concurrency}, request rate {args.request_rate}/s", flush=True)
+    if multi_turn:
+        print(f"{args.num_prompts} conversations x {args.turns} turns (first message {args.first_words} words, then "
+              f"{args.turn_words} words and {args.turn_output_len}-token replies), concurrency {args.concurrency}",
+              flush=True)
+    else:
+        print(f"{len(reqs)} requests: prompt words mean {statistics.fmean(r.prompt_words for r in reqs):.0f} "
+              f"(max {max(r.prompt_words for r in reqs)}), output tokens mean "
+              f"{statistics.fmean(r.output_len for r in reqs):.0f} (max {max(r.output_len for r in reqs)}); "
+              f"concurrency {args.concurrency}, request rate {args.request_rate}/s", flush=True)
+
+    response_format: dict[str, Any] | None = None  # set per run by bench_formats
+
+    async def workload(url: str) -> tuple[dict[str, float], list[str]]:
+        """-> (summary, errors) of one run of the chosen workload."""
+        if multi_turn:
+            turns, duration = await run_multi_turn(url, args.num_prompts, args.turns, args.first_words,
+                                                   args.turn_words, args.turn_output_len, args.concurrency,
+                                                   args.seed, args.served_model, args.timeout, args.api_key)
+            return summarize_multi_turn(turns, duration), [t.result.error for t in turns if not t.result.ok]
+        results, duration = await run_benchmark(url, reqs, args.concurrency, args.request_rate, args.served_model,
+                                                args.seed, args.timeout, args.api_key, args.api, response_format)
+        return summarize(results, duration), [r.error for r in results if not r.ok]
 
     def bench(url: str, label: str) -> dict[str, Any]:
         async def go():
-            if warm:
+            if warm:  # a constrained warm-up also builds the grammar engine before anything is timed
                 await run_benchmark(url, warm, args.concurrency, model=args.served_model, api_key=args.api_key,
-                                    api=args.api)
+                                    api=args.api, response_format=response_format)
             before = await server_histograms(url, args.api_key)
-            out = await run_benchmark(url, reqs, args.concurrency, args.request_rate, args.served_model, args.seed,
-                                      args.timeout, args.api_key, args.api)
+            out = await workload(url)
             return out, server_means(before, await server_histograms(url, args.api_key))
 
         load0 = _loadavg()
-        (results, duration), srv = asyncio.run(go())
-        row = {"config": label, **summarize(results, duration), **srv, "loadavg_before": load0,
-               "loadavg_after": _loadavg()}
-        errors = [r.error for r in results if not r.ok]
+        (summary, errors), srv = asyncio.run(go())
+        row = {"config": label, **summary, **srv, "loadavg_before": load0, "loadavg_after": _loadavg()}
         if errors:
             print(f"  {len(errors)} failed, e.g. {errors[0]}", file=sys.stderr)
         if row["ttft_measured"] < row["completed"]:
             print(f"  note: {row['completed'] - row['ttft_measured']} requests sent no text at all (ids outside the "
                   "tokenizer's vocab); client TTFT/ITL cover the rest, srv columns count every token", flush=True)
-        print(f"  {label}: {row['completed']}/{row['requests']} ok in {duration:.1f} s, "
-              f"{row['output_tok_per_s']:.1f} out tok/s (load avg {load0} -> {row['loadavg_after']})", flush=True)
+        figure = (f"TTFT later turns {row['ttft_later_mean_ms']:.0f} ms, {row['cached_pct']:.0f} % of prompt tokens cached"
+                  if multi_turn else f"{row['output_tok_per_s']:.1f} out tok/s")
+        print(f"  {label}: {row['completed']}/{row['requests']} ok in {row['duration_s']:.1f} s, {figure} "
+              f"(load avg {load0} -> {row['loadavg_after']})", flush=True)
         return row
+
+    def bench_formats(url: str, label: str) -> list[dict[str, Any]]:
+        nonlocal response_format
+        names = ["none", "json_object"] if args.response_format == "both" else [args.response_format]
+        rows = []
+        for name in names:
+            response_format = RESPONSE_FORMATS[name]
+            rows.append(bench(url, f"{label}, response_format={name}" if name != "none" or len(names) > 1 else label))
+        return rows
 
     rows = []
     if args.url:
-        rows.append(bench(args.url, args.url))
+        rows.extend(bench_formats(args.url, args.url))
     else:
         from ktlite import Engine
         from ktlite.server import ServerOptions, ServerThread
 
         model = _tiny_model() if args.tiny else args.model
         base = {**(TINY_FLAGS if args.tiny else {}), **json.loads(args.engine_flags)}
-        for combo in _parse_sweeps(args.sweep):
+        configs = [(", ".join(f"{k}={v}" for k, v in combo.items()) or "default", combo)
+                   for combo in _parse_sweeps(args.sweep)]
+        if multi_turn and not args.sweep:
+            configs = multi_turn_configs(args.spill_pool_tokens or (1024 if args.tiny else None), args.hicache_size)
+        for label, combo in configs:
             flags = {**base, **combo}
-            label = ", ".join(f"{k}={v}" for k, v in combo.items()) or "default"
             t0 = time.perf_counter()
             with Engine(model, **flags) as engine:
                 print(f"[{label}] engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
                 with ServerThread(engine, ServerOptions(host="127.0.0.1", port=0)) as srv:
-                    rows.append(bench(srv.url, label))
+                    rows.extend(bench_formats(srv.url, label))
     print()
-    print(table(rows))
+    print(table(rows, MULTI_TURN_COLUMNS if multi_turn else COLUMNS))
     print(f"\nload average (1/5/15 min) before/after each run: "
           + "; ".join(f"{r['config']}: {r['loadavg_before']} -> {r['loadavg_after']}" for r in rows))
     print(f"cpu count {os.cpu_count()}")

@@ -7,9 +7,11 @@ Prints markdown tables (paste into bench/RESULTS.md, "## Triton kernels"):
   for small M the weight bandwidth, with torch (cuBLAS bf16) as the baseline where it has one;
 - GQA decode (KV-read bandwidth) and extend (TFLOPS) at Qwen3-30B-A3B's attention shape (32 query
   heads, 4 kv heads, head dim 128), bf16 and fp8 pools;
-- sparse MLA (DeepSeek-V3.2 attention, top-2048 slots per query): gathered-latent bandwidth and TFLOPS.
+- sparse MLA (DeepSeek-V3.2 attention, top-2048 slots per query): gathered-latent bandwidth and TFLOPS;
+- Gated DeltaNet linear attention (Qwen3-Next shapes: 32 heads, dk = dv = 128, conv width 4 over 8192
+  channels): decode state bandwidth, prefill tokens/s of the chunked vs the recurrent kernel, conv1d.
 
-    python bench/triton_kernels.py [--quick] [--only decode|extend|moe|fp8|gqa|sparse] [--peak-bw GB/s] [--peak-tflops T]
+    python bench/triton_kernels.py [--quick] [--only decode|extend|moe|fp8|gqa|sparse|linear] [--peak-bw GB/s] [--peak-tflops T]
 
 Without a CUDA GPU it says so and exits: the kernels' CPU path is the torch twin, and the
 Triton interpreter measures nothing useful about GPU speed.
@@ -44,6 +46,7 @@ PEAKS = {
 H, KV_LORA, ROPE, NOPE = 128, 512, 64, 128  # DeepSeek-V3 attention
 HIDDEN, INTER = 7168, 2048  # DeepSeek-V3 routed expert
 GQA_HQ, GQA_HKV, GQA_D = 32, 4, 128  # Qwen3-30B-A3B attention
+LIN_H, LIN_D, LIN_CONV, LIN_W = 32, 128, 8192, 4  # Qwen3-Next linear attention (k heads repeated to 32)
 
 
 def peaks(args: argparse.Namespace) -> tuple[float, float, float]:
@@ -243,10 +246,58 @@ def bench_sparse_mla(args: argparse.Namespace, bw: float, peak: float) -> None:
         print(f"| {n} | {valid} | {ms:.3f} | {gbs:.0f} | {ratio(gbs, bw)} | {tflops:.1f} | {ratio(tflops, peak)} |")
 
 
+def bench_linear_attn(args: argparse.Namespace, bw: float) -> None:
+    from ktlite.kernels.triton.causal_conv_attn import causal_conv1d_triton
+    from ktlite.kernels.triton.gated_delta_attn import gated_delta_rule_triton
+
+    def inputs(lens: list[int]):
+        n, b = sum(lens), len(lens)
+        q, k, v = (torch.randn(n, LIN_H, LIN_D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        g = -torch.rand(n, LIN_H, device="cuda") * 0.5
+        beta = torch.rand(n, LIN_H, device="cuda", dtype=torch.bfloat16)
+        states = torch.zeros(b, LIN_H, LIN_D, LIN_D, device="cuda")
+        meta = (torch.arange(b, device="cuda"), torch.tensor(lens, device="cuda"),
+                torch.zeros(b, dtype=torch.bool, device="cuda"))
+        return (q, k, v, g, beta, states, *meta)
+
+    state_bytes = LIN_H * LIN_D * LIN_D * 4 * 2  # fp32 state read + written per sequence
+    print(f"\n### Gated delta rule decode ({LIN_H} heads, dk = dv = {LIN_D}, recurrent kernel)\n")
+    print("| batch | ms | state GB/s | of peak |")
+    print("|---|---|---|---|")
+    for b in [1, 16, 64] if args.quick else [1, 4, 16, 32, 64, 128]:
+        a = inputs([1] * b)
+        ms = bench_ms(lambda: gated_delta_rule_triton(*a))
+        gbs = b * state_bytes / ms / 1e6
+        print(f"| {b} | {ms:.3f} | {gbs:.0f} | {ratio(gbs, bw)} |")
+
+    print(f"\n### Gated delta rule prefill ({LIN_H} heads, dk = dv = {LIN_D}, bf16)\n")
+    print("| sequences x tokens | chunked ms | tokens/s | recurrent ms | chunked speed-up |")
+    print("|---|---|---|---|---|")
+    for lens in [[4096], [512] * 8] if args.quick else [[256], [4096], [16384], [512] * 8, [2048] * 8]:
+        a = inputs(lens)
+        chunked = bench_ms(lambda: gated_delta_rule_triton(*a, mode="chunked"))
+        recurrent = bench_ms(lambda: gated_delta_rule_triton(*a, mode="recurrent"))
+        print(f"| {len(lens)} x {lens[0]} | {chunked:.3f} | {sum(lens) / chunked * 1e3:.0f} | {recurrent:.3f} "
+              f"| {recurrent / chunked:.1f}x |")
+
+    print(f"\n### Causal conv1d + SiLU ({LIN_CONV} channels, width {LIN_W}, bf16)\n")
+    print("| sequences x tokens | ms | x+out GB/s | of peak |")
+    print("|---|---|---|---|")
+    for b, t in [(64, 1), (1, 4096)] if args.quick else [(1, 1), (64, 1), (1, 4096), (8, 2048)]:
+        x = torch.randn(b * t, LIN_CONV, device="cuda", dtype=torch.bfloat16)
+        weight = torch.randn(LIN_CONV, LIN_W, device="cuda", dtype=torch.bfloat16)
+        conv_states = torch.zeros(b, LIN_CONV, LIN_W - 1, device="cuda", dtype=torch.bfloat16)
+        meta = (torch.arange(b, device="cuda"), torch.full((b,), t, device="cuda"),
+                torch.zeros(b, dtype=torch.bool, device="cuda"))
+        ms = bench_ms(lambda: causal_conv1d_triton(x, conv_states, weight, *meta))
+        gbs = 2 * x.numel() * 2 / ms / 1e6
+        print(f"| {b} x {t} | {ms:.3f} | {gbs:.0f} | {ratio(gbs, bw)} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
-    parser.add_argument("--only", choices=("decode", "extend", "moe", "fp8", "gqa", "sparse"))
+    parser.add_argument("--only", choices=("decode", "extend", "moe", "fp8", "gqa", "sparse", "linear"))
     parser.add_argument("--peak-bw", type=float, default=0, help="GPU memory bandwidth, GB/s")
     parser.add_argument("--peak-tflops", type=float, default=0, help="GPU dense bf16 TFLOPS")
     args = parser.parse_args(argv)
@@ -268,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_gqa(args, bw, bf16)
     if args.only in (None, "sparse"):
         bench_sparse_mla(args, bw, bf16)
+    if args.only in (None, "linear"):
+        bench_linear_attn(args, bw)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`ktlite` command line: serve, chat, generate, plan, convert, tiny-model, bench, version.
+"""`ktlite` command line: serve, chat, generate, plan, doctor, convert, tiny-model, bench, version.
 
 `serve`, `chat` and `generate` share one set of engine flags, spelled as SGLang/KTransformers spell
 them, so a launch script moves over with only the command name changed. Flags that make no
@@ -31,7 +31,8 @@ def _setup_logging(verbose: bool) -> None:
 
 
 # `ktlite tiny-model --arch` names (each family's TINY_CONFIGS)
-_TINY_ARCHS = ["deepseek_v3", "deepseek_v2", "deepseek_v32", "glm_moe_dsa", "qwen3_moe", "minimax_m2", "glm4_moe"]
+_TINY_ARCHS = ["deepseek_v3", "deepseek_v2", "deepseek_v32", "glm_moe_dsa", "qwen3_moe", "qwen3_next", "minimax_m2",
+               "glm4_moe"]
 
 
 @click.group()
@@ -66,18 +67,21 @@ _ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--random-seed", "--seed"), "seed", dict(type=int, help="Engine seed (expert placement; requests bring their own).")),
     (("--gpu-memory",), "gpu_memory", dict(type=str, help="Plan against this much device memory (e.g. 24GiB) instead of what the device reports.")),
     (("--mem-fraction-static",), "mem_fraction_static", dict(type=float, help="Fraction of device memory for weights, GPU experts and KV pool [0.80].")),
-    (("--max-total-tokens",), "max_total_tokens", dict(type=int, help="KV pool size in tokens (default: what the memory plan allows).")),
-    (("--chunked-prefill-size",), "chunked_prefill_size", dict(type=int, help="Most new prompt tokens per prefill step; -1: no chunking [8192].")),
+    (("--max-total-tokens",), "max_total_tokens", dict(type=int, help="KV pool size in tokens [chosen: what the GPU memory leaves after weights and GPU experts].")),
+    (("--chunked-prefill-size",), "chunked_prefill_size", dict(type=int, help="Most new prompt tokens per prefill step; -1: no chunking [chosen: 8192, lowered to what the workspace allows].")),
     (("--max-running-requests",), "max_running_requests", dict(type=int, help="Most requests decoding together [64].")),
     (("--max-queued-requests",), "max_queued_requests", dict(type=int, help="Most requests waiting beyond the running ones; more get 503 (default: unbounded).")),
     (("--context-length",), "context_length", dict(type=int, help="Override the model's context length.")),
     (("--enable-mixed-chunk",), "enable_mixed_chunk", dict(is_flag=True, default=None, help="Let decodes ride in prefill batches.")),
-    (("--kt-method", "--kt-amx-method"), "kt_method", dict(type=str, help="CPU expert format: INT4, INT8, BF16 (AMXINT4/AMXINT8/LLAMAFILE/MOE_INT4... accepted as aliases) [INT4].")),
+    (("--disable-radix-cache",), "disable_radix_cache", dict(is_flag=True, default=None, help="Turn off the prefix cache (every request prefills its whole prompt).")),
+    (("--schedule-policy",), "schedule_policy", dict(type=click.Choice(["fcfs", "lpm"]), help="Admission order: fcfs (arrival), lpm (longest cached prefix first, none starved) [fcfs].")),
+    (("--hicache-size",), "hicache_size", dict(type=float, help="GiB of CPU RAM for KV evicted from the GPU pool, copied back instead of recomputed [0: off].")),
+    (("--kt-method", "--kt-amx-method"), "kt_method", dict(type=str, help="CPU expert format, KTransformers names: FP8, BF16, RAWINT4 (compressed-tensors INT4), LLAMAFILE (GGUF) keep the checkpoint's weights; INT4/INT8 (AMXINT4, MOE_INT8, ...) quantize group-wise [INT4].")),
     (("--kt-group-size",), "kt_group_size", dict(type=int, help="Quantization group size of CPU experts [64].")),
-    (("--kt-weight-path", "--kt-amx-weight-path"), "kt_weight_path", dict(type=str, help="Folder of pre-converted CPU expert weights (`ktlite convert`).")),
-    (("--kt-cpuinfer",), "kt_cpuinfer", dict(type=int, help="CPU threads for the experts (capped at the cores numba sees).")),
-    (("--kt-threadpool-count",), "kt_threadpool_count", dict(type=int, help="Expert thread pools (one per NUMA node) [1].")),
-    (("--kt-num-gpu-experts",), "kt_num_gpu_experts", dict(type=int, help="Routed experts per MoE layer kept on the GPU [0].")),
+    (("--kt-weight-path", "--kt-amx-weight-path"), "kt_weight_path", dict(type=str, help="Where the CPU experts come from: an HF folder (default: --model), a `ktlite convert` folder, or a GGUF file/folder (LLAMAFILE).")),
+    (("--kt-cpuinfer",), "kt_cpuinfer", dict(type=int, help="CPU threads for the experts [chosen: physical cores].")),
+    (("--kt-threadpool-count",), "kt_threadpool_count", dict(type=int, help="Expert thread pools, each owning a share of the experts [chosen: NUMA nodes].")),
+    (("--kt-num-gpu-experts",), "kt_num_gpu_experts", dict(type=int, help="Routed experts per MoE layer kept on the GPU [chosen: the most that fit beside the KV pool].")),
     (("--kt-gpu-experts-ratio",), "kt_gpu_experts_ratio", dict(type=float, help="Fraction of routed experts on the GPU (wins over the count).")),
     (("--kt-gpu-prefill-token-threshold",), "kt_gpu_prefill_token_threshold", dict(type=int, help="Prefills of at least this many tokens run all experts on the GPU, layer by layer.")),
     (("--kt-enable-dynamic-expert-update",), "kt_enable_dynamic_expert_update", dict(is_flag=True, default=None, help="Move hot experts to the GPU while serving.")),
@@ -86,7 +90,7 @@ _ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--init-expert-location",), "init_expert_location", dict(type=str, help="Expert statistics file to place GPU experts from.")),
     (("--record-expert-distribution",), "record_expert_distribution", dict(type=str, help="Write expert routing statistics to this file at shutdown.")),
     (("--kt-max-deferred-experts-per-token",), "kt_max_deferred_experts_per_token", dict(type=int, help="Defer this many CPU experts per token to the next layer [0].")),
-    (("--tensor-parallel-size", "--tp-size", "--tp"), "tensor_parallel_size", dict(type=int, help="GPUs to shard attention/dense over [1].")),
+    (("--tensor-parallel-size", "--tp-size", "--tp"), "tensor_parallel_size", dict(type=int, help="GPUs to shard attention/dense over [chosen: 1, or every GPU when one cannot hold the model].")),
 ]
 
 # Flags that change nothing in ktlite: accepted, with one info line each when given.
@@ -95,16 +99,50 @@ _NOOP_FLAGS: list[tuple[str, dict[str, Any], str]] = [
     ("--attention-backend", dict(type=str), "ktlite always uses its own MLA kernels (Triton on GPU, torch on CPU)"),
     ("--enable-p2p-check", dict(is_flag=True), "ktlite does not use peer-to-peer GPU copies"),
     ("--disable-shared-experts-fusion", dict(is_flag=True), "ktlite runs the shared experts as their own GPU MLP, never fused into the routed ones"),
-    ("--tool-call-parser", dict(type=str), "tools are passed to the chat template; tool calls are not parsed out of the text yet"),
-    ("--reasoning-parser", dict(type=str), "reasoning text is returned as ordinary content"),
     ("--disable-cuda-graph", dict(is_flag=True), "ktlite does not capture CUDA graphs yet"),
     ("--cuda-graph-max-bs", dict(type=int), "ktlite does not capture CUDA graphs yet"),
-    ("--disable-radix-cache", dict(is_flag=True), "ktlite has no prefix cache yet"),
     ("--enable-metrics", dict(is_flag=True), "/metrics is always on"),
+    ("--fp8-gemm-backend", dict(type=str), "ktlite's FP8 GEMM is its own Triton kernel on CUDA (the torch twin elsewhere)"),
 ]
 
 _ENGINE_FIELDS = [field for _, field, _ in _ENGINE_FLAGS]
 _NOOP_DESTS = [flag.lstrip("-").replace("-", "_") for flag, _, _ in _NOOP_FLAGS]
+
+# `--help` sections: option name -> section (kt_* options not listed are CPU-expert options; the rest "Options")
+_HELP_SECTIONS: dict[str, list[str]] = {
+    "Model": ["model_path", "served_model_name", "device", "dtype", "weight_dtype", "kv_cache_dtype", "context_length",
+              "seed", "tensor_parallel_size"],
+    "Memory (left out: chosen from the memory plan)": ["gpu_memory", "mem_fraction_static", "max_total_tokens",
+                                                       "chunked_prefill_size", "hicache_size"],
+    "CPU experts": ["init_expert_location", "record_expert_distribution"],
+    "Scheduling": ["max_running_requests", "max_queued_requests", "enable_mixed_chunk", "schedule_policy",
+                   "disable_radix_cache"],
+    "Machine to plan for (default: this one)": ["gpus", "cpu_memory", "cpu_cores", "numa_nodes"],
+    "Server": ["host", "port", "api_key", "skip_server_warmup", "max_request_bytes", "log_level"],
+    "SGLang-compatible, no effect": _NOOP_DESTS,
+}
+
+
+def _help_section(name: str) -> str:
+    for section, names in _HELP_SECTIONS.items():
+        if name in names:
+            return section
+    return "CPU experts" if name.startswith("kt_") else "Options"
+
+
+class _SectionedCommand(click.Command):
+    """A command whose --help lists its options in sections (model, memory, CPU experts, ...)."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {name: [] for name in [*_HELP_SECTIONS, "Options"]}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                sections[_help_section(param.name)].append(record)
+        for title, records in sections.items():
+            if records:
+                with formatter.section(title):
+                    formatter.write_dl(records)
 
 
 def engine_options(model_required: bool = True):
@@ -167,26 +205,45 @@ def _make_engine(model_path: str, flags: dict[str, Any]):
 
 
 # ---- serve ---------------------------------------------------------------------------------------
-@main.command()
+@main.command(cls=_SectionedCommand)
 @engine_options()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 for all).")
 @click.option("--port", default=30000, show_default=True, type=int, help="Port (0: any free port).")
-@click.option("--api-key", default=None, envvar="KTLITE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*.")
+@click.option("--api-key", default=None, envvar="KTLITE_API_KEY",
+              help="Require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on /v1/*.")
+@click.option("--tool-call-parser", default=None,
+              help="Take tool calls out of chat replies in this model format (SGLang's names: qwen3_coder, deepseekv3, "
+                   "deepseekv31, deepseekv32, kimi_k2, glm45, glm47, minimax-m2).")
+@click.option("--reasoning-parser", default=None,
+              help="Split thinking into reasoning_content (deepseek-r1, deepseek-v3, qwen3, kimi, kimi_k2, glm45, minimax).")
 @click.option("--skip-server-warmup", is_flag=True, help="Skip the start-up prefill of --chunked-prefill-size tokens.")
 @click.option("--max-request-bytes", type=click.IntRange(min=1024), default=8 * 2**20, show_default=True,
               help="Largest request body; bigger ones get 413.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False), default=None)
 def serve(model_path: str, engine_flags: dict[str, Any], host: str, port: int, api_key: str | None,
-          skip_server_warmup: bool, max_request_bytes: int, log_level: str | None) -> None:
-    """OpenAI-compatible HTTP server (chat/completions, models, health, metrics)."""
+          tool_call_parser: str | None, reasoning_parser: str | None, skip_server_warmup: bool,
+          max_request_bytes: int, log_level: str | None) -> None:
+    """OpenAI- and Anthropic-compatible HTTP server (chat/completions, messages, models, health, metrics)."""
     if log_level:
         logging.getLogger().setLevel(log_level.upper())
+    from ktlite.errors import ConfigError
     from ktlite.server.app import ServerOptions, run_server, warmup
+    from ktlite.server.reasoning import think_format
+    from ktlite.server.tool_parsers.stream import tool_format
+
+    for flag, name, check in (("--tool-call-parser", tool_call_parser, tool_format),
+                              ("--reasoning-parser", reasoning_parser, think_format)):
+        try:
+            if name:
+                check(name)
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint=flag) from exc
 
     t0 = time.perf_counter()
     engine = _make_engine(model_path, engine_flags)
     click.echo(f"loaded {model_path} in {time.perf_counter() - t0:.1f} s")
-    options = ServerOptions(host=host, port=port, api_key=api_key, max_request_bytes=max_request_bytes)
+    options = ServerOptions(host=host, port=port, api_key=api_key, max_request_bytes=max_request_bytes,
+                            tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
     try:
         if not skip_server_warmup:
             n, secs = warmup(engine)
@@ -227,7 +284,7 @@ def _sampling_dict(max_tokens, temperature, top_p, top_k, seed, defaults: dict[s
     return {**defaults, **{k: v for k, v in given.items() if v is not None}}
 
 
-@main.command()
+@main.command(cls=_SectionedCommand)
 @click.argument("prompt")
 @engine_options()
 @click.option("--chat/--raw", default=True, show_default=True, help="Wrap PROMPT in the model's chat template.")
@@ -259,7 +316,7 @@ def generate(prompt: str, model_path: str, engine_flags: dict[str, Any], chat: b
 _CHAT_HELP = "commands: /clear (forget the history), /system TEXT (set the system prompt), /exit"
 
 
-@main.command()
+@main.command(cls=_SectionedCommand)
 @engine_options(model_required=False)
 @click.option("--url", default=None, help="Talk to a running server (e.g. http://127.0.0.1:30000) instead of a local engine.")
 @click.option("--api-key", default=None, envvar="KTLITE_API_KEY", help="Bearer key for --url.")
@@ -467,8 +524,10 @@ def version() -> None:
     click.echo(f"ktlite {__version__}")
     click.echo(f"python {platform.python_version()}, torch {torch.__version__}, numba {version_of('numba')}, "
                f"triton {version_of('triton')}")
-    click.echo(f"cpu: {_cpu_model()}, {os.cpu_count()} logical cores ({_cpu_features()})")
-    flags = _cpu_flags()
+    from ktlite.doctor import cpu_features, cpu_flags, cpu_model
+
+    click.echo(f"cpu: {cpu_model()}, {os.cpu_count()} logical cores ({cpu_features()})")
+    flags = cpu_flags()
     click.echo(f"cpu experts: AVX512 {'yes' if 'avx512f' in flags else 'no'}, "
                f"AMX {'yes' if {'amx_tile', 'amx_int8'} <= flags else 'no'}")
     if torch.cuda.is_available():
@@ -482,61 +541,57 @@ def version() -> None:
         click.echo("gpu: none (the GPU side runs on the CPU through the torch twins)")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+@main.command(cls=_SectionedCommand)
+@engine_options()
+@click.option("--gpus", type=click.IntRange(min=0),
+              help="GPUs of the machine, 0 for none [--tensor-parallel-size or 1 with --gpu-memory, else this machine's].")
+@click.option("--cpu-memory", help="RAM available for the CPU experts, e.g. 768GiB [this machine's available RAM].")
+@click.option("--cpu-cores", type=click.IntRange(min=1), help="Physical CPU cores [this machine's].")
+@click.option("--numa-nodes", type=click.IntRange(min=1), help="NUMA nodes [this machine's].")
+def plan(model_path: str, engine_flags: dict[str, Any], gpus: int | None, cpu_memory: str | None,
+         cpu_cores: int | None, numa_nodes: int | None) -> None:
+    """Choose the knobs you leave out, print them, the GPU memory plan and whether the routed experts
+    fit in RAM (exit 1 if anything does not fit). Reads only config.json; takes serve's flags.
 
-
-def _cpu_features() -> str:
-    flags = _cpu_flags()
-    wanted = ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"]
-    return " ".join(f for f in wanted if f in flags) or "no AVX2/AVX512/AMX flags found"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-@main.command()
-@click.option("--model", "--model-path", "model", required=True, type=click.Path(exists=True, file_okay=False),
-              help="HF folder; only its config.json is read.")
-@click.option("--gpu-memory", help="Memory per GPU, e.g. 16GiB, 24GB, 800MiB [default: free memory of each CUDA GPU].")
-@click.option("--mem-fraction-static", type=float, help="Fraction of GPU memory for weights + KV pool [0.80].")
-@click.option("--max-total-tokens", type=int, help="KV pool size in tokens [what the static budget leaves].")
-@click.option("--chunked-prefill-size", type=int, help="Prompt tokens per prefill forward, -1 = whole prompt [8192].")
-@click.option("--max-running-requests", type=int, help="Requests batched together [64].")
-@click.option("--context-length", type=int, help="Longest request [max_position_embeddings].")
-@click.option("--kt-num-gpu-experts", type=int, help="Routed experts per MoE layer on the GPU(s) [0].")
-@click.option("--kt-gpu-experts-ratio", type=float, help="Fraction of routed experts on the GPU(s); wins over the count.")
-@click.option("--kt-gpu-prefill-token-threshold", type=int, help="Layerwise GPU prefill from this prompt length [off].")
-@click.option("--tensor-parallel-size", type=int, help="GPUs, one table each [1].")
-@click.option("--dtype", help="GPU weights: auto (fp8 for FP8 checkpoints, else bf16), fp8, bfloat16, float16, float32.")
-@click.option("--kv-cache-dtype", help="auto (activation dtype), fp8_e4m3, bfloat16, float16, float32.")
-def plan(model: str, **flags: object) -> None:
-    """Print the GPU memory plan for --model and whether it fits (exit 1 if not)."""
+    \b
+    ktlite plan --model /path/DeepSeek-V3 --gpu-memory 16GiB --gpus 2 --cpu-memory 768GiB
+    """
+    from ktlite.config import EngineConfig
     from ktlite.errors import ConfigError, PlanError
-    from ktlite.runtime.memory import PlanInputs, make_plan
+    from ktlite.runtime.knobs import Hardware, format_rows, resolve
     from ktlite.runtime.models.config import load_config
 
-    try:  # unset flags keep PlanInputs' defaults
-        result = make_plan(load_config(model), PlanInputs(**{k: v for k, v in flags.items() if v is not None}))
+    try:
+        config = EngineConfig.from_kwargs(model_path, **engine_flags)
+        hardware = Hardware.describe(gpus, config.gpu_memory, cpu_memory, cpu_cores, numa_nodes,
+                                     engine_flags.get("tensor_parallel_size"))
+        head = f"model: {model_path}\nmachine: {hardware.summary()}"
+        choice = resolve(config, load_config(model_path), hardware)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     except PlanError as exc:
-        click.echo(f"model: {model}\n{exc}", err=True)
+        click.echo(f"{head}\n{exc}", err=True)
         raise SystemExit(1) from exc
-    click.echo(f"model: {model}\n{result.format_table()}")
+    # a GPU described without --cpu-memory asks about the GPU: this machine's RAM is shown, not judged
+    judge_ram = cpu_memory is not None or (gpus is None and config.gpu_memory is None)
+    note = "" if judge_ram else " (this machine's RAM; --cpu-memory describes the target's)"
+    click.echo(f"{head}\nknobs:\n{format_rows(choice.rows)}\n\n{choice.plan.format_table()}\n{choice.cpu.text()}{note}")
+    if judge_ram and not choice.cpu.fits:
+        click.echo(choice.cpu.error(), err=True)
+        raise SystemExit(1)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON: a list of {name, status, value, fix}.")
+def doctor(as_json: bool) -> None:
+    """Check this machine for ktlite: CPU, cores, NUMA, vector flags and Numba's target, RAM, huge
+    pages, GPUs, versions, threading layer; each line ok / warn / fail with the fix (exit 1 on a fail)."""
+    from ktlite.doctor import FAIL, format_checks, run_checks, to_json
+
+    checks = run_checks()
+    click.echo(to_json(checks) if as_json else format_checks(checks))
+    if any(c.status == FAIL for c in checks):
+        raise SystemExit(1)
 
 
 @main.command()

@@ -7,12 +7,17 @@ and a script's keyword arguments mean the same thing.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 from ktlite.errors import ConfigError
+
+# Knobs ktlite chooses from the memory plan and the hardware when the caller leaves them out
+# (ktlite/runtime/knobs.py); the defaults below are only what a config built directly keeps.
+AUTO_KNOBS = frozenset({"tensor_parallel_size", "kt_num_gpu_experts", "max_total_tokens", "chunked_prefill_size",
+                        "kt_cpuinfer", "kt_threadpool_count"})
 
 
 @dataclass
@@ -35,6 +40,10 @@ class EngineConfig:
     max_queued_requests: int | None = None
     context_length: int | None = None
     enable_mixed_chunk: bool = False
+    # prefix cache (SGLang names)
+    disable_radix_cache: bool = False
+    schedule_policy: str = "fcfs"  # "lpm": the waiting request with the longest cached prefix first
+    hicache_size: float = 0.0  # GiB of CPU RAM holding KV evicted from the device pool (0: no host tier)
     # hybrid experts (KTransformers names)
     kt_method: str = "INT4"
     kt_group_size: int = 64
@@ -51,14 +60,18 @@ class EngineConfig:
     record_expert_distribution: str | None = None
     kt_max_deferred_experts_per_token: int = 0
     tensor_parallel_size: int = 1
+    # the flags the caller gave (from_kwargs); None: every value is final (a config built directly, or
+    # one returned by knobs.choose_knobs, which fills in the AUTO_KNOBS the caller left out)
+    user_set: frozenset[str] | None = field(default=None, repr=False)
 
     @classmethod
     def from_kwargs(cls, model_path: str, **flags: Any) -> "EngineConfig":
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"user_set"}
         unknown = sorted(set(flags) - known)
         if unknown:
             raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}")
-        config = cls(model_path=str(model_path), **flags)
+        given = frozenset(name for name, value in flags.items() if value is not None)
+        config = cls(model_path=str(model_path), **flags, user_set=given)
         config.validate()
         return config
 
@@ -85,6 +98,13 @@ class EngineConfig:
             raise ConfigError(f"--weight-dtype must be auto or fp8, got {self.weight_dtype!r}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ConfigError(f"--schedule-policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        if self.hicache_size < 0:
+            raise ConfigError(f"--hicache-size must be >= 0 (GiB), got {self.hicache_size}")
+        if self.disable_radix_cache and (self.hicache_size or self.schedule_policy == "lpm"):
+            raise ConfigError("--hicache-size and --schedule-policy lpm work on the prefix cache: "
+                              "drop --disable-radix-cache or them")
 
     @property
     def torch_device(self) -> torch.device:

@@ -3,7 +3,8 @@
     python -m ktlite.demo MODEL_DIR [--prompt TEXT] [--max-tokens N]
 
 What a new user would do by hand: `ktlite serve`, wait for the "listening on" line, `curl -N` an
-OpenAI streaming request, read the `data:` lines, Ctrl-C the server.
+OpenAI streaming request, read the `data:` lines, Ctrl-C the server. The default model (`make demo`)
+is ktlite's tiny random checkpoint, so the demo says that its text is noise and how to run a real one.
 """
 
 from __future__ import annotations
@@ -15,8 +16,28 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 READY = re.compile(r"listening on (http://\S+)")
+REAL_MODEL_STEPS = """To run a real model (an HF folder with config.json, *.safetensors and tokenizer.json):
+  ktlite doctor                                  # is this machine ready (CPU flags, RAM, GPUs, threading)?
+  ktlite plan --model /path/to/checkpoint        # the knobs ktlite picks for it here (reads config.json only)
+  ktlite serve --model-path /path/to/checkpoint  # the same server, on the real weights
+  python -m ktlite.demo /path/to/checkpoint      # or this demo against it"""
+
+
+def is_random_demo_model(model: str) -> bool:
+    """Whether `model` is a `ktlite tiny-model` checkpoint (random weights): its config.json carries
+    exactly one family's tiny shapes, which no trained checkpoint has."""
+    from ktlite.runtime.tiny_model import ARCH_CONFIGS, CONTEXT, VOCAB_SIZE
+
+    try:
+        raw = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if raw.get("vocab_size") != VOCAB_SIZE or raw.get("max_position_embeddings") != CONTEXT:
+        return False
+    return any(all(raw.get(k) == v for k, v in fields.items()) for fields in ARCH_CONFIGS.values())
 
 
 def start_server(model: str) -> tuple[subprocess.Popen, str]:
@@ -38,6 +59,10 @@ def main() -> None:
     ap.add_argument("--prompt", default="Tell me about Mixture-of-Experts models.")
     ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args()
+    random_weights = is_random_demo_model(args.model)
+    if random_weights:
+        print(f"{args.model} is ktlite's tiny demo model: its weights are random, so the server, streaming and "
+              "batching are real but the reply text will be noise.\n")
 
     t0 = time.perf_counter()
     server, url = start_server(args.model)
@@ -62,6 +87,9 @@ def main() -> None:
     print(f"\nreply: {text!r}")
     print(f"server ready in {ready_s:.1f} s; {len(chunks)} chunks, {tokens} tokens in {total_s * 1000:.0f} ms "
           f"({tokens / total_s:.1f} tok/s, prefill included); stream ended with [DONE]: {lines[-1] == 'data: [DONE]'}")
+    if random_weights:
+        print("\nThat reply is noise because the demo model's weights are random.")
+    print(f"\n{REAL_MODEL_STEPS}")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def tiny_model(request, tiny_v3, tiny_v2) -> Path:
 
 
 GQA_FAMILIES = ("qwen3_moe", "minimax_m2", "glm4_moe")
-HF_FAMILIES = GQA_FAMILIES + ("deepseek_v32", "glm_moe_dsa")
+HF_FAMILIES = GQA_FAMILIES + ("deepseek_v32", "glm_moe_dsa", "qwen3_next")
 
 
 @pytest.fixture(scope="session")
@@ -62,3 +62,9 @@ def tiny_dsa(request, hf_gqa_checkpoints) -> Path:
     """Each sparse-attention family in turn: DeepSeek-V3.2 and GLM-5 (whose layer 2 reuses layer 1's
     selection), written by transformers."""
     return hf_gqa_checkpoints[request.param]
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next(hf_gqa_checkpoints) -> Path:
+    """Qwen3-Next (3 Gated DeltaNet layers + 1 gated attention layer), written by transformers."""
+    return hf_gqa_checkpoints["qwen3_next"]

@@ -45,15 +45,21 @@ FAMILIES = {
         first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=CONTEXT,
         index_n_heads=16, index_head_dim=32, index_topk=6, index_topk_pattern="FFS", tie_word_embeddings=False,
         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(
+        **{**_COMMON, "num_hidden_layers": 4}, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4,
+        shared_expert_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        full_attention_interval=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
 }
 
 
-def _spread(model: torch.nn.Module, seed: int) -> None:
+def _spread(model: torch.nn.Module, seed: int, norm_center: float) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") and "indexer" not in name:
-                value = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+                value = norm_center + 0.1 * torch.randn(p.shape, generator=gen)
             elif name.endswith("gate.weight"):  # routers
                 value = 0.5 * torch.randn(p.shape, generator=gen)
             elif p.dim() == 1:  # biases
@@ -73,7 +79,8 @@ def write_hf_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
     config.bos_token_id, config.eos_token_id = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _spread(model, seed)
+    # Qwen3-Next stores its (1 + w) norms' w: centre those at 0 so every norm scales by about 1
+    _spread(model, seed, norm_center=0.0 if family == "qwen3_next" else 1.0)
     model.to(torch.bfloat16).save_pretrained(path)
     write_tokenizer_files(path, tokenizer)
     return path

@@ -31,8 +31,9 @@ def per_row_int4(w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name,method", [("int4", "INT4"), ("INT8", "INT8"), ("bf16", "BF16"),
-                                         ("AMXINT4", "INT4"), ("moe_int8", "INT8"), ("FP8", "INT8"),
-                                         ("LLAMAFILE", "INT4"), ("RAWINT4", "INT4")])
+                                         ("AMXINT4", "INT4"), ("moe_int8", "INT8"), ("FP8", "FP8"),
+                                         ("fp8_perchannel", "FP8"), ("LLAMAFILE", "LLAMAFILE"),
+                                         ("RAWINT4", "RAWINT4")])
 def test_method_names_and_aliases(name, method):
     assert normalize_kt_method(name) == method
 
@@ -45,7 +46,7 @@ def test_alias_logged_once(caplog):
 
 
 def test_unknown_method_lists_valid_values():
-    with pytest.raises(ConfigError, match="INT4, INT8, BF16, AMXINT4"):
+    with pytest.raises(ConfigError, match="INT4, INT8, BF16, FP8, RAWINT4, LLAMAFILE, AMXINT4"):
         normalize_kt_method("Q4_K")
 
 

@@ -14,18 +14,19 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
 from ktlite.config import EngineConfig
 from ktlite.kernels.cpu.moe import CPUMoE
 from ktlite.runtime import models
-from ktlite.runtime.convert import load_converted
+from ktlite.runtime.expert_sources import open_source
 from ktlite.runtime.experts import DynamicPlacement, ExpertStats, initial_placement
-from ktlite.runtime.hybrid_moe import ExpertSource, HybridMoE
+from ktlite.runtime.hybrid_moe import HybridMoE
+from ktlite.runtime.knobs import choose_knobs
 from ktlite.runtime.kv_cache import KVPool
 from ktlite.runtime.loader import CheckpointReader, load_weights
 from ktlite.runtime.memory import MemoryPlan, PlanInputs, make_plan
 from ktlite.runtime.model_runner import ModelRunner
+from ktlite.runtime.state_cache import StatePool
 from ktlite.runtime.models.config import ModelConfig, load_config
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,11 @@ class Runtime:
     dynamic: DynamicPlacement | None = None
     record_path: str | None = None
 
+    @property
+    def supports_prefix_cache(self) -> bool:
+        """False for families with per-request recurrent state, which a token prefix cannot restore."""
+        return self.runner.model.supports_prefix_cache
+
     def placement(self) -> dict[int, list[int]]:
         return {l: sorted(m.gpu_experts) for l, m in self.moe_layers.items()}
 
@@ -58,13 +64,6 @@ class Runtime:
             logger.info("expert distribution written to %s", self.record_path)
         if self.cpu_moe is not None:
             self.cpu_moe.close()
-
-
-def expert_source(reader: CheckpointReader, cfg: ModelConfig) -> ExpertSource:
-    def read(layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(reader.get(cfg.expert_weight_name(layer, expert, p), torch.float32) for p in ("gate", "up", "down"))
-
-    return read
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -104,20 +103,12 @@ def plan_inputs(config: EngineConfig, cfg: ModelConfig) -> PlanInputs:
     )
 
 
-def _load_cpu_experts(cpu: CPUMoE, source: ExpertSource, cfg: ModelConfig, placement: dict[int, list[int]]) -> None:
-    todo = [(l, e) for l in cfg.moe_layers for e in range(cfg.n_routed_experts) if e not in placement[l]]
-    for l in cfg.moe_layers:
-        cpu_ids = [e for e in range(cfg.n_routed_experts) if e not in placement[l]]
-        cpu.reserve_layer(l, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cpu_ids)
-    for l, e in tqdm(todo, desc=f"CPU experts ({cpu.method})", unit="expert", disable=not todo):
-        cpu.set_expert(l, e, *source(l, e))
-
-
 def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
     """The runtime of one process; `tp` (a tp_layers.TPContext) makes it one tensor-parallel rank's
     shard (see ktlite/runtime/parallel.py): sliced weights, its share of the GPU experts, and the
     CPU experts only on rank 0."""
     cfg = load_config(config.model_path)
+    config, _ = choose_knobs(config, cfg)  # a config the Engine already resolved comes back unchanged
     device, dtype = config.torch_device, config.torch_dtype
     rank = tp.rank if tp is not None else 0
     plan = make_plan(cfg, plan_inputs(config, cfg))  # raises PlanError before anything is allocated
@@ -129,7 +120,8 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
     model = models.build(cfg, device, dtype, routed_experts=False,
                          fp8_weights=config.keeps_fp8(cfg.fp8_block_size is not None), tp=tp)
     load_weights(model, reader, progress=progress, shards=getattr(model, "tp_shards", None))
-    source = expert_source(reader, cfg)
+    experts = open_source(config, cfg)  # --kt-method and --kt-weight-path pick it (expert_sources.py)
+    source = experts.dense
 
     per_layer = plan.gpu_experts_total  # the plan resolved --kt-gpu-experts-ratio vs --kt-num-gpu-experts
     stats = ExpertStats.load(config.init_expert_location, cfg.n_routed_experts) if config.init_expert_location else None
@@ -144,11 +136,7 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
     with contextlib.ExitStack() as on_failure:  # a failed load must not leave the CPU pools running
         if cpu is not None:
             on_failure.callback(cpu.close)
-            if config.kt_weight_path:  # experts converted ahead of time by `ktlite convert`
-                cpu_ids = {l: [e for e in range(cfg.n_routed_experts) if e not in placement[l]] for l in cfg.moe_layers}
-                load_converted(config.kt_weight_path, cpu, reader.config, cpu_ids)
-            else:
-                _load_cpu_experts(cpu, source, cfg, placement)
+            experts.fill(cpu, placement, progress)
             cpu.warmup()
 
         observers = []
@@ -182,7 +170,11 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
         # what the family caches per token on this rank (a full MLA latent, or this rank's kv heads)
         pool = KVPool(cfg.token_cache_specs(tp.size if tp is not None else 1), plan.kv_pool_tokens,
                       config.max_running_requests, context, config.torch_kv_dtype, device, alloc=alloc)
-        runner = ModelRunner(model, pool, moe_layers, config.kt_max_deferred_experts_per_token, tp=tp)
+        # recurrent layers' per-request state, at the request's KV-pool row
+        states = StatePool(cfg.request_state_specs(tp.size if tp is not None else 1), config.max_running_requests,
+                           device, alloc=alloc)
+        runner = ModelRunner(model, pool, moe_layers, config.kt_max_deferred_experts_per_token, tp=tp,
+                             state_pool=states)
         if config.kt_max_deferred_experts_per_token:
             logger.info("--kt-max-deferred-experts-per-token %d: outputs change slightly (deferred experts "
                         "join one layer later)", config.kt_max_deferred_experts_per_token)

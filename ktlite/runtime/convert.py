@@ -6,8 +6,8 @@ Output folder (`--kt-weight-path` at serve time):
         gate_up.qweight [E, 2I, *], gate_up.scales [E, 2I, G'], down.qweight [E, H, *], down.scales
         (the formats of ktlite/kernels/cpu/quant.py; gate rows then up rows, as CPUMoE stores them)
 
-Conversion streams: one expert tensor is read (FP8 sources dequantized by CheckpointReader) and
-quantized at a time into the current layer's arrays, so RAM holds one quantized layer plus one
+Conversion streams: one expert tensor is read (bf16 as stored; FP8 sources dequantized by
+CheckpointReader) and quantized (numba, kernels/cpu/quantizer.py) at a time into the current layer's arrays, so RAM holds one quantized layer plus one
 source tensor. Each layer file is written to a temporary name and renamed, then recorded in the
 manifest, so an interrupted run resumes at the first layer that is not recorded. The source
 fingerprint is a sha256 of config.json's model keys and the names/shapes/dtypes of the expert
@@ -122,11 +122,12 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, method: st
         gate_up = empty_quantized(method, group_size, (n_experts,), 2 * inter, hidden)
         down = empty_quantized(method, group_size, (n_experts,), hidden, inter)
         for e in range(n_experts):
-            gate, up, dn = (reader.get(cfg.expert_weight_name(layer, e, p)) for p in _PROJS)
+            gate, up, dn = (_source_tensor(reader, cfg.expert_weight_name(layer, e, p)) for p in _PROJS)
             if gate.shape != (inter, hidden) or up.shape != (inter, hidden) or dn.shape != (hidden, inter):
                 raise CheckpointError(f"layer {layer} expert {e}: shapes {tuple(gate.shape)}, {tuple(up.shape)}, "
                                       f"{tuple(dn.shape)} do not match config ({inter}, {hidden}) / ({hidden}, {inter})")
-            quantize_into(gate_up, (e,), torch.cat([gate, up]))
+            quantize_into(gate_up, (e, slice(0, inter)), gate)  # straight into the stack's halves: no concatenation
+            quantize_into(gate_up, (e, slice(inter, 2 * inter)), up)
             quantize_into(down, (e,), dn)
             read_bytes += 3 * inter * hidden * _source_bytes(reader, cfg.expert_weight_name(layer, e, "gate"))
         name = f"layer_{layer:03d}.safetensors"
@@ -141,6 +142,11 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, method: st
     manifest["complete"] = True
     _write_json_atomic(manifest_path, manifest)
     return manifest_path
+
+
+def _source_tensor(reader: CheckpointReader, name: str) -> torch.Tensor:
+    """An expert weight as stored (bf16 stays bf16: the quantizer reads its bits), FP8 dequantized to fp32."""
+    return reader.get(name) if reader.is_fp8(name) else reader.get_raw(name)
 
 
 def _source_bytes(reader: CheckpointReader, name: str) -> int:

@@ -18,9 +18,14 @@ from typing import Any
 from ktlite.config import EngineConfig
 from ktlite.errors import RequestError
 from ktlite.runtime.assembly import Runtime, assemble
+from ktlite.runtime.host_cache import make_host_cache
+from ktlite.runtime.knobs import choose_knobs
+from ktlite.runtime.models import load_config
+from ktlite.runtime.radix_cache import RadixCache, prefix_cache_enabled
 from ktlite.runtime.sampling import SamplingParams
 from ktlite.runtime.scheduler import Scheduler, SchedulerConfig, StreamEvent
 from ktlite.runtime.tokenizer import Tokenizer
+from ktlite.runtime.verify import verify_plan
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +37,13 @@ class GenerationResult:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (not prefilled again)
 
     @property
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 def _params(sampling_params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
@@ -53,6 +60,9 @@ class Engine:
 
     def __init__(self, model_path: str, **flags: Any):
         self.config = EngineConfig.from_kwargs(model_path, **flags)
+        # every knob the caller left out, chosen from the plan and the hardware (logged as one table);
+        # before the tensor-parallel branch, since the rank count is one of them
+        self.config, self.knobs = choose_knobs(self.config, load_config(self.config.model_path))
         self.tokenizer = Tokenizer(self.config.model_path)
         self._failure: str | None = None  # set when a tensor-parallel rank dies
         if self.config.tensor_parallel_size > 1:  # ranks 1..N-1 in their own processes
@@ -61,6 +71,7 @@ class Engine:
             self.runtime: Runtime = launch(self.config, on_failure=self._on_rank_failure)
         else:
             self.runtime = assemble(self.config)
+        verify_plan(self.runtime)  # one full chunk and the largest decode batch, before serving anything
         self.scheduler = Scheduler(
             self.runtime.runner,
             self.tokenizer,
@@ -69,14 +80,24 @@ class Engine:
                 max_running_requests=self.config.max_running_requests,
                 context_length=self.runtime.context_length,
                 enable_mixed_chunk=self.config.enable_mixed_chunk,
+                schedule_policy=self.config.schedule_policy,
             ),
             after_step=self.runtime.after_step,
+            prefix_cache=self._prefix_cache(),
         )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ktlite-engine", daemon=True)
         self._thread.start()
         self._task = asyncio.run_coroutine_threadsafe(self.scheduler.run(), self._loop)
         self._closed = False
+
+    def _prefix_cache(self) -> RadixCache | None:
+        if not prefix_cache_enabled(self.config, self.runtime):
+            if not self.config.disable_radix_cache:
+                logger.info("prefix cache off: this model keeps per-request state that a token prefix cannot restore")
+            return None
+        pool = self.runtime.runner.kv_pool
+        return RadixCache(pool, make_host_cache(pool, self.config))
 
     # ---- prompts ------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | None, input_ids: Sequence[int] | None) -> list[int]:
@@ -129,7 +150,8 @@ class Engine:
         async for event in self.stream_ids(prompt_ids, params):
             text.append(event.text)
             ids.extend(event.token_ids)
-        return GenerationResult("".join(text), ids, event.finish_reason, event.prompt_tokens, event.completion_tokens)
+        return GenerationResult("".join(text), ids, event.finish_reason, event.prompt_tokens, event.completion_tokens,
+                                event.cached_tokens)
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None):
         """Like `generate`, awaitable from any event loop."""

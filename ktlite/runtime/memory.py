@@ -58,12 +58,13 @@ from torch import nn
 
 from ktlite.errors import ConfigError, PlanError
 from ktlite.runtime.kv_cache import kv_bytes_per_token
+from ktlite.runtime.state_cache import state_bytes_per_request
 from ktlite.runtime.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 WEIGHT_COMPONENTS = ("embeddings", "lm_head", "attention", "dense_mlp", "shared_experts", "norms_router")
-STATIC_COMPONENTS = WEIGHT_COMPONENTS + ("gpu_experts", "kv_pool", "request_table")
+STATIC_COMPONENTS = WEIGHT_COMPONENTS + ("gpu_experts", "kv_pool", "state_pool", "request_table")
 HEADROOM_COMPONENTS = ("prefill_workspace", "layerwise_buffer")
 COMPONENTS = STATIC_COMPONENTS + HEADROOM_COMPONENTS
 
@@ -473,8 +474,11 @@ def _plan(cfg: ModelConfig, inputs: PlanInputs, device_bytes: tuple[int, ...]) -
     cache_specs = cfg.token_cache_specs(tp)
     kv_per_token = kv_bytes_per_token(cache_specs, _TORCH_DTYPES[res.kv_dtype])
     request_table = inputs.max_running_requests * res.context_length * 4  # int32 token slots per request
+    state_per_request = state_bytes_per_request(cfg.request_state_specs(tp))
     static_budget = [int(frac * d) for d in device_bytes]
-    fixed = [sum(weights.values()) + experts_on[r] * moe_layers * per_expert + request_table for r in range(tp)]
+    state_pool = inputs.max_running_requests * state_per_request
+    fixed = [sum(weights.values()) + experts_on[r] * moe_layers * per_expert + request_table + state_pool
+             for r in range(tp)]
 
     problems: list[str] = []
     if inputs.max_total_tokens is not None:
@@ -503,6 +507,8 @@ def _plan(cfg: ModelConfig, inputs: PlanInputs, device_bytes: tuple[int, ...]) -
             "gpu_experts": f"{experts_on[r]} per layer x {moe_layers} layers x {per_expert:,} B",
             "kv_pool": f"{kv_tokens:,} tokens x {kv_per_token:,} B ({_cache_note(cache_specs)} x {res.kv_dtype})",
             "request_table": f"{inputs.max_running_requests} requests x {res.context_length:,} token slots, int32",
+            "state_pool": (f"{inputs.max_running_requests} requests x {state_per_request:,} B (recurrent layers' state)"
+                           if state_per_request else "none (no recurrent layers)"),
             "prefill_workspace": f"estimate for {forward_tokens:,} tokens per forward",
             "layerwise_buffer": f"one MoE layer's {lw_experts} experts" if layerwise else "off (no --kt-gpu-prefill-token-threshold)",
         }
@@ -511,6 +517,7 @@ def _plan(cfg: ModelConfig, inputs: PlanInputs, device_bytes: tuple[int, ...]) -
             "gpu_experts": experts_on[r] * moe_layers * per_expert,
             "kv_pool": kv_tokens * kv_per_token,
             "request_table": request_table,
+            "state_pool": state_pool,
             "prefill_workspace": workspace_bytes(cfg, forward_tokens, inputs.max_running_requests, tp, res.act_dtype, gpu_moe),
             "layerwise_buffer": lw_experts * per_expert,
         }

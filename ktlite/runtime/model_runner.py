@@ -17,14 +17,16 @@ from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.hybrid_moe import HybridMoE
 from ktlite.runtime.kv_cache import KVPool
 from ktlite.runtime.models.base import CausalLM
+from ktlite.runtime.state_cache import StatePool
 
 __all__ = ["ForwardBatch", "ModelRunner"]
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_pool: KVPool, moe_layers: dict[int, HybridMoE],
-                 deferred_experts: int = 0, tp=None):
+                 deferred_experts: int = 0, tp=None, state_pool: StatePool | None = None):
         self.model, self.kv_pool, self.moe_layers = model, kv_pool, moe_layers
+        self.state_pool = state_pool or StatePool([], kv_pool.max_requests, kv_pool.device)
         self.tp = tp  # a tp_layers.TPContext, or None for one process
         self.config = model.config
         self.deferred_experts = deferred_experts

@@ -24,6 +24,10 @@ Design decisions:
   replicated, so every rank computes and writes the same latents; only the queries differ per
   rank. Rank 0's scheduler owns the free lists; a worker's `req_to_token` is brought up to date
   from each batch itself (request row, position and slot of every new token), so no table is sent.
+  What a batch does not carry (a request row starting with prefix-cache slots, the host tier's
+  copies) rank 0 records in its pool's journal and sends with the next batch's header; each
+  worker replays it on its own pool and host tier before that forward, so every rank agrees on
+  the slots.
 - Routed experts: the router is replicated, so every rank computes the same top-k. GPU experts
   are expert-parallel: rank r holds placement[l][r::N] of each layer's GPU experts. The CPU
   experts exist once, on rank 0 (only rank 0 owns a CPUMoE, so CPU RAM holds one copy); rank 0
@@ -46,6 +50,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import datetime
 import logging
@@ -53,10 +58,12 @@ import multiprocessing.connection
 import os
 import signal
 import socket
+import sys
 import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -65,10 +72,12 @@ import torch.multiprocessing as mp
 from ktlite.config import EngineConfig
 from ktlite.errors import ConfigError, KtliteError
 from ktlite.runtime.assembly import Runtime, assemble, plan_inputs
+from ktlite.runtime.host_cache import make_host_cache
 from ktlite.runtime.memory import allocated_by_component, make_plan
 from ktlite.runtime.model_runner import ForwardBatch, ModelRunner
 from ktlite.runtime.models.config import load_config
 from ktlite.runtime.models.tp_layers import TPContext
+from ktlite.runtime.radix_cache import prefix_cache_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +191,7 @@ def _worker_main(rank: int, size: int, config: EngineConfig, port: int, conn) ->
         joined = True
         runner = runtime.runner
         device = runner.device
+        host = make_host_cache(runner.kv_pool, config) if prefix_cache_enabled(config, runtime) else None
         while True:
             try:
                 message = conn.recv()
@@ -190,10 +200,11 @@ def _worker_main(rank: int, size: int, config: EngineConfig, port: int, conn) ->
                 return
             if message[0] == _STOP:
                 return
-            sizes = message[1]
+            sizes, journal = message[1], message[2]
             payload = torch.empty(3 * sizes[0] + 3 * sizes[1] + sizes[2], dtype=torch.int64, device=device)
             dist.broadcast(payload, 0)
             batch = _unpack(sizes, payload)
+            runner.kv_pool.replay(journal, host)
             _update_table(runner, batch)
             runner.forward(batch)
     except BaseException:  # noqa: BLE001 - reported to rank 0, then this process exits non-zero
@@ -270,6 +281,7 @@ class TPDriver:
         self.runner, self.workers = runner, workers
         self.kv_pool, self.config, self.moe_layers = runner.kv_pool, runner.config, runner.moe_layers
         self.model = runner.model
+        self.kv_pool.journal = []  # what the prefix cache does to the pool beyond the batches
         self._lock = threading.Lock()
 
     @property
@@ -282,8 +294,9 @@ class TPDriver:
                 raise RankFailure(self.workers.failure)
             try:
                 sizes, payload = _pack(batch)
+                journal = self.kv_pool.take_journal()
                 for conn in self.workers.conns:
-                    conn.send((_FORWARD, sizes))
+                    conn.send((_FORWARD, sizes, journal))
                 dist.broadcast(payload, 0)
                 return self.runner.forward(batch)
             except Exception as exc:
@@ -345,9 +358,46 @@ def _wait_all(workers: _Workers, expect: str) -> dict[int, object]:
     return out
 
 
+def _is_main_test(node: ast.expr) -> bool:
+    """`__name__ == "__main__"` (either way round)."""
+    if not (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq)):
+        return False
+    sides = {ast.dump(node.left), ast.dump(node.comparators[0])}
+    return sides == {ast.dump(ast.Name("__name__", ast.Load())), ast.dump(ast.Constant("__main__"))}
+
+
+def require_main_guard(size: int) -> None:
+    """Spawned ranks import the main script again: an Engine created by its top-level code (not under
+    `if __name__ == "__main__":`) would start again in every rank, which dies before it can report
+    anything. Raise ConfigError with the fix before any rank starts."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not os.path.isfile(path):
+        return  # python -c, a REPL, a notebook: spawn does not re-run anything
+    script = os.path.realpath(path)
+    frame = next((f for f, _ in traceback.walk_stack(None)
+                  if f.f_code.co_name == "<module>" and os.path.realpath(f.f_code.co_filename) == script), None)
+    if frame is None:
+        return  # the script's top level has finished (e.g. an engine started from a thread or callback)
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"), path)
+    except (OSError, SyntaxError, ValueError):
+        return
+    guards = [(n.lineno, n.end_lineno) for n in ast.walk(tree) if isinstance(n, ast.If) and _is_main_test(n.test)]
+    if any(lo <= frame.f_lineno <= hi for lo, hi in guards):
+        return
+    raise ConfigError(
+        f"tensor_parallel_size={size} starts one process per rank with the 'spawn' method, which runs "
+        f"{path} again in each of them; line {frame.f_lineno} starts the engine outside "
+        "`if __name__ == \"__main__\":`, so every rank would start another engine instead of joining this one. "
+        "Put the code that creates the Engine under the guard:\n\n"
+        "    if __name__ == \"__main__\":\n        engine = Engine(...)\n")
+
+
 def launch(config: EngineConfig, on_failure: Callable[[str], None] | None = None) -> ParallelRuntime:
     """Start ranks 1..N-1, build rank 0 here, join the group; -> rank 0's runtime (runner = TPDriver)."""
     validate(config)
+    require_main_guard(config.tensor_parallel_size)
     size = config.tensor_parallel_size
     if dist.is_initialized():
         raise ConfigError("torch.distributed is already initialised in this process: one tensor-parallel "

@@ -1,7 +1,9 @@
 """Per-request sampling parameters and the batched sampler the scheduler calls once per step.
 
-Order of logits processing, per row: penalties -> min_tokens suppression of ending ids -> greedy
-argmax, or temperature -> top_k -> top_p -> min_p -> one draw with the request's own generator.
+Order of logits processing, per row: penalties -> grammar mask (rows with a `json_schema`) ->
+min_tokens suppression of ending ids (not on grammar rows: the grammar decides where output may end)
+-> greedy argmax, or temperature -> top_k -> top_p -> min_p -> one draw with the request's own
+generator.
 
 Batch invariance: every sampled row goes through the same sorted pipeline and draws exactly one
 uniform number per step from its own CPU generator, so a request's tokens depend only on its
@@ -10,14 +12,18 @@ seed, its logits and its params, never on which other requests share the batch o
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ktlite.errors import RequestError
+
+if TYPE_CHECKING:  # the grammar engine is imported on the first constrained request only (~2 s)
+    from ktlite.runtime.grammar import TokenMasks
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
 GREEDY_TEMPERATURE = 1e-5
@@ -31,6 +37,18 @@ def is_int(value: Any) -> bool:
 def is_number(value: Any) -> bool:
     """A finite int or float (NaN and inf are rejected)."""
     return is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+def canonical_schema(schema: Any) -> str:
+    """A JSON schema (dict or JSON text) -> canonical JSON text (the grammar cache's key)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise RequestError(f"json_schema is not valid JSON: {exc}", "json_schema") from exc
+    if not isinstance(schema, dict):
+        raise RequestError(f"json_schema must be a JSON object (a schema), got {type(schema).__name__}", "json_schema")
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)  # key order kept: it is the output order
 
 
 @dataclass
@@ -49,8 +67,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Constrain the output to compact JSON matching this schema (a dict or JSON text; {"type":
+    # "object"} for any object); kept as canonical JSON text. See ktlite/runtime/grammar.py.
+    json_schema: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.json_schema is not None:
+            self.json_schema = canonical_schema(self.json_schema)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif isinstance(self.stop, tuple):
@@ -212,20 +235,26 @@ def sample(
     params: Sequence[SamplingParams],
     states: Sequence[SamplerState],
     eos_token_ids: Iterable[int] = (),
+    masks: TokenMasks | None = None,
 ) -> torch.Tensor:
     """One token per row of logits [B, V] -> int64 [B] on the logits' device.
 
     Does not modify `logits` and does not append to `states`: the scheduler appends the tokens
     it keeps. `eos_token_ids` (the tokenizer's) are suppressed, with stop_token_ids, while a
-    request has fewer than min_tokens output tokens.
+    request has fewer than min_tokens output tokens. `masks`: the allowed tokens of the rows that
+    follow a grammar (masks.rows); every other token of those rows gets -inf.
     """
     batch, vocab = logits.shape
     if len(params) != batch or len(states) != batch:
         raise ValueError(f"sample: {batch} logits rows but {len(params)} params and {len(states)} states")
-    x = apply_penalties(logits, params, states)
+    x = apply_penalties(logits, params, states)  # a float32 copy: masking it leaves `logits` alone
+    constrained = set()
+    if masks is not None:
+        masks.apply(x)
+        constrained = set(masks.rows)
     eos_token_ids = tuple(eos_token_ids)
     for i, (p, s) in enumerate(zip(params, states)):
-        if len(s.output_ids) < p.min_tokens:
+        if len(s.output_ids) < p.min_tokens and i not in constrained:
             ids = [t for t in p.ending_token_ids(eos_token_ids) if t < vocab]
             x[i, ids] = -math.inf
     tokens = torch.empty(batch, dtype=torch.long, device=logits.device)

@@ -16,6 +16,16 @@ Policy:
 - When decode needs more KV than is free, the newest running request is preempted (KV freed,
   requeued by arrival order) instead of failing.
 - Abort frees a request's KV at once (or right after the step it is in).
+- A request with a `json_schema` carries a grammar state (ktlite/runtime/grammar.py): its next-token
+  mask is filled on a worker thread while the forward runs, applied at sampling, and the state
+  advances with each token kept (preemption keeps the output, so the state stays valid).
+
+Prefix cache (ktlite/runtime/radix_cache.py, unless --disable-radix-cache or the model keeps
+per-request state): an admitted request starts with `computed` = its longest cached prefix; each
+prefill chunk's tokens are indexed as soon as they are computed, and a request that ends (finished,
+preempted or aborted) leaves all its computed tokens in the cache. Cached slots no request uses count
+as free and are evicted before anyone is preempted. `--schedule-policy lpm` admits the waiting
+request with the longest cached prefix first; one passed over LPM_MAX_SKIPS times goes first.
 """
 
 from __future__ import annotations
@@ -23,21 +33,31 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ktlite.errors import RequestError
 from ktlite.runtime.kv_cache import KVPool
 from ktlite.runtime.model_runner import ForwardBatch, ModelRunner
+from ktlite.runtime.radix_cache import Node, RadixCache
 from ktlite.runtime.sampling import SamplerState, SamplingParams, sample
 from ktlite.runtime.stop import StopStringMatcher, finish_reason
 from ktlite.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
+if TYPE_CHECKING:  # imported on the first request with a json_schema (the grammar engine loads in ~2 s)
+    from ktlite.runtime.grammar import GrammarBackend, GrammarState, TokenMasks
+
 logger = logging.getLogger(__name__)
+
+LPM_MAX_SKIPS = 8  # lpm: admissions of later requests a waiting one sits out before it goes first
+LPM_MAX_QUEUE = 128  # lpm: longer queues are admitted fcfs (scoring every request each step costs too much)
+PREFETCH_REQUESTS = 4  # waiting requests whose host-held prefixes are copied back during a step
 
 
 @dataclass
@@ -49,6 +69,7 @@ class StreamEvent:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -68,6 +89,10 @@ class Request:
     finish_reason: str | None = None
     aborted: bool = False
     first_token_time: float | None = None
+    cached_tokens: int | None = None  # prompt tokens the prefix cache served at its first admission
+    prefix: Node | None = None  # the prefix-cache node this request holds (its indexed tokens)
+    skipped: int = 0  # lpm: scheduling passes that admitted a later request instead
+    grammar: GrammarState | None = None  # params.json_schema: where the output is in its grammar
 
     @property
     def sequence_len(self) -> int:
@@ -92,19 +117,25 @@ class SchedulerConfig:
     max_running_requests: int
     context_length: int
     enable_mixed_chunk: bool = False
+    schedule_policy: str = "fcfs"  # or "lpm" (needs the prefix cache)
 
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: SchedulerConfig,
-                 after_step: Callable[[], None] | None = None):
+                 after_step: Callable[[], None] | None = None, prefix_cache: RadixCache | None = None):
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
         self.pool: KVPool = runner.kv_pool
+        self.cache = prefix_cache
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._after_step = after_step
         self._counter = itertools.count()
         self._wakeup: asyncio.Event | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktlite-forward")
+        # grammar masks are computed on their own thread while the forward runs
+        self._mask_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktlite-grammar")
+        self._grammars: GrammarBackend | None = None
+        self._grammars_lock = threading.Lock()
         self._last_was_prefill = False
         self._closed = False
         self.steps = 0
@@ -126,6 +157,17 @@ class Scheduler:
                 "messages",
             )
 
+    @property
+    def grammars(self) -> GrammarBackend:
+        """The grammar engine (built on first use; thread-safe). Compile a new schema with
+        `grammars.compile` off the event loop before `add`, which then finds it cached."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from ktlite.runtime.grammar import GrammarBackend
+
+                self._grammars = GrammarBackend(self.tokenizer, self.runner.config.vocab_size)
+            return self._grammars
+
     def add(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
         """Queue a request (call on the scheduler's loop). Returns the queue its events arrive on."""
         self.check_prompt(len(prompt_ids), params)
@@ -134,6 +176,7 @@ class Scheduler:
             rid=rid, prompt_ids=list(prompt_ids), params=params, queue=queue,
             sampler=SamplerState(prompt_ids, params.seed), detok=self.tokenizer.detokenizer(prompt_ids),
             stops=StopStringMatcher(params.stop), order=next(self._counter),
+            grammar=self.grammars.state(params.json_schema) if params.json_schema else None,
         )
         self.waiting.append(req)
         self._wake()
@@ -176,6 +219,7 @@ class Scheduler:
                 continue
             empty = 0
             batch, sample_reqs = self._build_batch(plan)
+            self._prefetch()
             logits_and_ids = await loop.run_in_executor(self._executor, self._forward_and_sample, batch, sample_reqs)
             self._process(plan, sample_reqs, logits_and_ids)
             self.steps += 1
@@ -188,6 +232,7 @@ class Scheduler:
             self._finish(req, "abort")
         self._wake()
         self._executor.shutdown(wait=False)
+        self._mask_executor.shutdown(wait=False)
 
     # ---- scheduling -------------------------------------------------------------------------
     def _schedule(self) -> list[tuple[Request, int]]:
@@ -219,25 +264,36 @@ class Scheduler:
 
     def _schedule_prefill(self, prefilling: list[Request], decoding: list[Request]) -> list[tuple[Request, int]]:
         budget = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else 1 << 62
-        free = self.pool.free_tokens - len(decoding)  # decodes riding along need one slot each
+        reserved = len(decoding)  # slots this step takes and has not allocated yet (a decode takes one)
         plan: list[tuple[Request, int]] = []
         for req in sorted(prefilling, key=lambda r: r.order):
-            n = min(req.remaining, budget, free)
+            n = min(req.remaining, budget, self.pool.free_tokens - reserved)
             if n <= 0:
                 break
             plan.append((req, n))
-            budget, free = budget - n, free - n
-        while self.waiting and budget > 0 and free > 0 and len(self.running) < self.config.max_running_requests:
-            req = self.waiting[0]
+            budget, reserved = budget - n, reserved + n
+        admitted = []
+        for req in self._admission_order():
+            if budget <= 0 or self.pool.free_tokens <= reserved or len(self.running) >= self.config.max_running_requests:
+                break
             if req.sequence_len + 1 > self.pool.num_slots:  # a preempted request that outgrew the pool
                 self._finish(req, "length")
                 continue
-            n = min(req.remaining, budget, free)
-            self.waiting.pop(0)
             req.row = self.pool.alloc_request()
+            self._take_cached_prefix(req, reserved)
+            n = min(req.remaining, budget, self.pool.free_tokens - reserved)
+            if n <= 0:  # its cached prefix held the last free slots: it waits for room
+                self._release(req)
+                req.computed = 0
+                break
+            if req.cached_tokens is None:
+                req.cached_tokens = min(req.computed, len(req.prompt_ids))
+            self.waiting.remove(req)
             self.running.append(req)
+            admitted.append(req)
             plan.append((req, n))
-            budget, free = budget - n, free - n
+            budget, reserved = budget - n, reserved + n
+        self._count_skips(admitted)
         if not plan and prefilling and not decoding:
             # a chunked prefill is stuck on KV: make room from the newest other request
             others = [r for r in self.running if r is not prefilling[0]]
@@ -247,10 +303,57 @@ class Scheduler:
             self._finish(prefilling[0], "length")  # cannot happen when the prompt fits the pool
         return plan + [(r, 1) for r in decoding] if plan else []
 
+    def _admission_order(self) -> list[Request]:
+        """Waiting requests in the order to admit them: arrival (fcfs) or longest cached prefix first
+        (lpm, arrival order among equals), a request passed over LPM_MAX_SKIPS times first of all."""
+        if self.config.schedule_policy != "lpm" or self.cache is None or len(self.waiting) > LPM_MAX_QUEUE:
+            return list(self.waiting)
+
+        def key(req: Request) -> tuple[int, int]:  # sorted() is stable: arrival order among equal keys
+            if req.skipped >= LPM_MAX_SKIPS:
+                return (0, 0)
+            return (1, -self.cache.match_len(req.tokens(0, req.sequence_len)))
+
+        return sorted(self.waiting, key=key)
+
+    def _count_skips(self, admitted: list[Request]) -> None:
+        if admitted and self.config.schedule_policy == "lpm":
+            newest = max(r.order for r in admitted)
+            for req in self.waiting:
+                if req.order < newest:
+                    req.skipped += 1
+
+    def _take_cached_prefix(self, req: Request, reserved: int) -> None:
+        """Start req's row with its longest cached prefix (the prefix cache keeps one token for it to run)."""
+        if self.cache is None:
+            return
+        hit = self.cache.acquire(req.tokens(0, req.sequence_len), reserved + 1)
+        req.prefix = hit.node
+        self.pool.assign_prefix(req.row, hit.slots)
+        req.computed = hit.length
+
+    def _release(self, req: Request) -> None:
+        """Give back req's row and slots; with the prefix cache its computed tokens stay indexed."""
+        if self.cache is None:
+            self.pool.free_request(req.row)
+        else:
+            slots = self.pool.release_request(req.row)
+            done = min(req.computed, len(slots))  # slots past `computed` belong to a step that never finished
+            unused = self.cache.release(req.prefix, req.tokens(0, done), slots[:done])
+            self.pool.free_slots(unused + slots[done:])
+            req.prefix = None
+        req.row = None
+
+    def _prefetch(self) -> None:
+        """Copy the next waiting requests' host-held cached prefixes back while this step runs."""
+        if self.cache is not None and self.cache.host is not None:
+            for req in self.waiting[:PREFETCH_REQUESTS]:
+                self.cache.prefetch(req.tokens(0, req.sequence_len))
+
     def _preempt(self, req: Request) -> None:
         logger.info("KV pool full: preempting request %s (%d tokens) to recompute later", req.rid, req.computed)
-        self.pool.free_request(req.row)
-        req.row, req.computed = None, 0
+        self._release(req)
+        req.computed = 0
         self.running.remove(req)
         self.waiting.append(req)
         self.waiting.sort(key=lambda r: r.order)
@@ -268,17 +371,25 @@ class Scheduler:
         return batch, [req for (req, _), w in zip(plan, want) if w]
 
     def _forward_and_sample(self, batch: ForwardBatch, sample_reqs: list[Request]) -> list[int]:
+        rows = [i for i, r in enumerate(sample_reqs) if r.grammar is not None]
+        masks: Future[TokenMasks] | None = None
+        if rows:  # fill the grammar masks while the device runs the forward
+            masks = self._mask_executor.submit(self.grammars.masks, [sample_reqs[i].grammar for i in rows], rows,
+                                               len(sample_reqs))
         logits = self.runner.forward(batch)
         if not sample_reqs:
             return []
         ids = sample(logits, [r.params for r in sample_reqs], [r.sampler for r in sample_reqs],
-                     eos_token_ids=self.tokenizer.eos_token_ids)
+                     eos_token_ids=self.tokenizer.eos_token_ids, masks=masks.result() if masks else None)
         return ids.tolist()
 
     # ---- results ----------------------------------------------------------------------------
     def _process(self, plan: list[tuple[Request, int]], sample_reqs: list[Request], new_ids: list[int]) -> None:
         for req, n in plan:
             req.computed += n
+            if self.cache is not None and n > 1 and req.row is not None:  # a prefill chunk: index it now
+                req.prefix = self.cache.extend(req.prefix, req.tokens(0, req.computed),
+                                               self.pool.row_slots(req.row)[: req.computed])
         for req, token in zip(sample_reqs, new_ids):
             if req.finish_reason is not None:
                 continue
@@ -287,6 +398,8 @@ class Scheduler:
             req.output_ids.append(token)
             req.sampler.append(token)
             reason = finish_reason(req.params, token, len(req.output_ids), self.tokenizer.eos_token_ids)
+            if req.grammar is not None and reason is None:
+                reason = self._advance_grammar(req, token)
             if reason is None and req.sequence_len >= self.config.context_length:
                 reason = "length"
             text = "" if self._is_hidden(req, reason) else req.detok.push(token)
@@ -300,18 +413,27 @@ class Scheduler:
                 self._finish(req, reason, notify=False)
 
     @staticmethod
+    def _advance_grammar(req: Request, token: int) -> str | None:
+        """Move req's grammar past its new token; -> "stop" once the grammar is complete."""
+        if not req.grammar.advance(token):  # the mask allowed only grammar tokens: an engine fault
+            logger.warning("request %s: token %d is outside its grammar; ending the output here", req.rid, token)
+            return "stop"
+        return "stop" if req.grammar.terminated else None
+
+    @staticmethod
     def _is_hidden(req: Request, reason: str | None) -> bool:
         """EOS/stop ids end the text without adding to it (like OpenAI's finish_reason 'stop')."""
         return reason == "stop" and req.params.skip_special_tokens
 
     def _emit(self, req: Request, text: str, ids: list[int], reason: str | None) -> None:
-        req.queue.put_nowait(StreamEvent(text, ids, reason, len(req.prompt_ids), len(req.output_ids)))
+        req.queue.put_nowait(StreamEvent(text, ids, reason, len(req.prompt_ids), len(req.output_ids),
+                                         req.cached_tokens or 0))
 
     def _finish(self, req: Request, reason: str, notify: bool = True) -> None:
         if req.row is not None:
-            self.pool.free_request(req.row)
-            req.row = None
+            self._release(req)
         req.finish_reason = reason
+        req.grammar = None  # finished or aborted: its grammar state goes with it
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:

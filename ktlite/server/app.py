@@ -1,8 +1,15 @@
 """The OpenAI-compatible HTTP server: routes, auth, admission, streaming, shutdown.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics, GET /openapi.json (the OpenAPI description, `ktlite/server/openapi.py`). Every error
-is OpenAI's JSON shape `{"error": {message, type, param, code}}`.
+GET /metrics, GET /openapi.json (the OpenAPI description, `ktlite/server/openapi.py`), and
+Anthropic's POST /v1/messages and /v1/messages/count_tokens (`ktlite/server/anthropic.py`). Every
+error is OpenAI's JSON shape `{"error": {message, type, param, code}}`, on /v1/messages* Anthropic's
+`{"type": "error", "error": {type, message}}`. With --api-key, /v1/* takes the key as
+`Authorization: Bearer KEY` or `x-api-key: KEY` (what each API's clients send).
+
+A request with a JSON schema to enforce (response_format, or a forced tool call) has its grammar
+compiled in a worker thread before it is queued, so a schema the engine cannot enforce is a 400
+and a slow first compile never stalls the event loop.
 
 A request that is admitted gets its own rid (the response id) and runs through
 `Engine.stream_ids`; if the client goes away (a failed write, or aiohttp cancelling the handler
@@ -36,11 +43,15 @@ from typing import Any
 from aiohttp import web
 
 from ktlite.errors import RequestError
+from ktlite.server import anthropic
+from ktlite.server.chat_output import parse_output
 from ktlite.server.metrics import Metrics
 from ktlite.server.openapi import openapi
-from ktlite.server.protocol import (APIError, ParsedRequest, bad_request, chat_response, chunk, completion_response,
-                                    models_response, parse_chat, parse_completion, usage)
+from ktlite.server.protocol import (APIError, OpenAIStream, ParsedRequest, bad_request, chat_response,
+                                    completion_response, models_response, parse_chat, parse_completion)
+from ktlite.server.reasoning import think_format
 from ktlite.server.sse import ClientGone, SSEWriter
+from ktlite.server.tool_parsers.stream import tool_format
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +68,20 @@ class ServerOptions:
     max_queued_requests: int | None = None  # default: the engine config's (None: unbounded)
     max_request_bytes: int = 8 * 2**20  # --max-request-bytes
     retry_after_s: int = 1
+    tool_call_parser: str | None = None  # --tool-call-parser: take tool calls out of chat replies
+    reasoning_parser: str | None = None  # --reasoning-parser: split thinking into reasoning_content
+
+
+@dataclass
+class Collected:
+    """One prompt's whole reply."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
 
 
 def served_name(engine, options: ServerOptions | None = None) -> str:
@@ -71,6 +96,10 @@ class OpenAIServer:
     def __init__(self, engine, options: ServerOptions | None = None):
         self.engine = engine
         self.options = options or ServerOptions()
+        if self.options.tool_call_parser:
+            tool_format(self.options.tool_call_parser)  # ConfigError naming the supported ones
+        if self.options.reasoning_parser:
+            think_format(self.options.reasoning_parser)
         self.model_name = served_name(engine, self.options)
         self.metrics = Metrics(self.model_name)
         queued = self.options.max_queued_requests
@@ -87,6 +116,8 @@ class OpenAIServer:
         app[ENGINE_KEY] = self
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)
@@ -108,21 +139,22 @@ class OpenAIServer:
             return response
         except APIError as exc:
             status = exc.status
-            return _error_response(exc)
+            return _error_response(request, exc)
         except web.HTTPException as exc:  # aiohttp's own 404/405/413...
             status = exc.status
             if exc.status < 400:
                 raise
             kind = "invalid_request_error" if exc.status < 500 else "server_error"
             code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
-            return _error_response(APIError(exc.status, exc.reason if exc.status != 413 else exc.text, kind, None, code))
+            return _error_response(request, APIError(exc.status, exc.reason if exc.status != 413 else exc.text, kind,
+                                                     None, code))
         except asyncio.CancelledError:
             status = 499  # client closed the connection (nginx's convention)
             raise
         except Exception as exc:  # never a hang, never an HTML page
             logger.exception("internal error on %s %s", request.method, request.path)
-            return _error_response(APIError(500, f"internal server error: {type(exc).__name__}: {exc}", "server_error",
-                                            None, "internal_error"))
+            return _error_response(request, APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
+                                                     "server_error", None, "internal_error"))
         finally:
             self.metrics.count_request(endpoint, status)
 
@@ -130,11 +162,13 @@ class OpenAIServer:
         key = self.options.api_key
         if not key:
             return
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' (the server's --api-key)",
-                           "invalid_request_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            token = request.headers.get("x-api-key", "")  # Anthropic's clients send the key here
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>' "
+                           "(the server's --api-key)", "invalid_request_error", None, "invalid_api_key",
+                           {"WWW-Authenticate": "Bearer"})
 
     # ---- simple routes ------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -162,8 +196,22 @@ class OpenAIServer:
         arrival = time.monotonic()
         body = await self._json(request)
         model = self._resolve_model(body.get("model") if isinstance(body, dict) else None)
-        parsed = parse_chat(body, self.engine.tokenizer, self.engine.runtime.context_length, model)
+        parsed = parse_chat(body, self.engine.tokenizer, self.engine.runtime.context_length, model,
+                            self.options.tool_call_parser, self.options.reasoning_parser)
         return await self._run(request, parsed, arrival)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        body = await self._json(request)
+        model = self._resolve_model(body.get("model"))
+        parsed = anthropic.parse_request(body, self.engine.tokenizer, self.engine.runtime.context_length, model,
+                                         self.options.tool_call_parser, self.options.reasoning_parser)
+        return await self._run(request, parsed, arrival)
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        self._resolve_model(body.get("model"))
+        return web.json_response(anthropic.count_tokens(body, self.engine.tokenizer))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
@@ -209,6 +257,8 @@ class OpenAIServer:
                 param = "prompt" if parsed.kind == "completion" else (exc.param or "messages")
                 code = "context_length_exceeded" if "context" in str(exc) or "KV pool" in str(exc) else None
                 raise bad_request(str(exc), param, code) from exc
+        if parsed.params.json_schema is not None:
+            await self._compile_grammar(parsed)
         self._admit(len(parsed.prompts))
         self.metrics.in_flight += len(parsed.prompts)
         try:
@@ -217,6 +267,14 @@ class OpenAIServer:
             return await self._complete(request, parsed, arrival)
         finally:
             self.metrics.in_flight -= len(parsed.prompts)
+
+    async def _compile_grammar(self, parsed: ParsedRequest) -> None:
+        """Compile (or find cached) the request's grammar off the event loop; 400 if it cannot be enforced."""
+        try:
+            await asyncio.to_thread(self.engine.scheduler.grammars.compile, parsed.params.json_schema)
+        except RequestError as exc:
+            param = "tools" if parsed.output.forced_call else "response_format"
+            raise bad_request(str(exc), param, "invalid_schema") from exc
 
     def _admit(self, n: int) -> None:
         if self.shutting_down or getattr(self.engine, "_closed", False):
@@ -257,19 +315,21 @@ class OpenAIServer:
             await agen.aclose()
 
     async def _complete(self, request: web.Request, parsed: ParsedRequest, arrival: float) -> web.Response:
-        async def one(i: int, ids: list[int]) -> tuple[str, str, int, int]:
+        async def one(i: int, ids: list[int]) -> Collected:
             rid = parsed.request_id if len(parsed.prompts) == 1 else f"{parsed.request_id}-{i}"
-            texts, event = [], None
+            texts, token_ids, event = [], [], None
             gen = self._events(request, ids, parsed, rid, arrival)
             try:
                 async for event in gen:
                     texts.append(event.text)
+                    token_ids.extend(event.token_ids)
                     transport = request.transport
                     if transport is None or transport.is_closing():
                         raise ClientGone()
             finally:
                 await gen.aclose()
-            return "".join(texts), event.finish_reason, event.prompt_tokens, event.completion_tokens
+            return Collected("".join(texts), token_ids, event.finish_reason, event.prompt_tokens,
+                             event.completion_tokens, event.cached_tokens)
 
         tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(parsed.prompts)]
         try:
@@ -281,45 +341,63 @@ class OpenAIServer:
         except BaseException:  # cancelled (client gone) or failed: abort the other prompts too
             await _cancel_all(tasks)
             raise
-        if any(r[1] == "abort" for r in results):
+        if any(r.finish_reason == "abort" for r in results):
             raise APIError(503, "the request was aborted (the server is shutting down)", "server_error", None, "aborted")
+        r = results[0]
         if parsed.kind == "chat":
-            text, reason, p, c = results[0]
-            return web.json_response(chat_response(parsed, text, reason, p, c))
-        return web.json_response(completion_response(parsed, results))
+            return web.json_response(chat_response(parsed, r.text, r.finish_reason, r.prompt_tokens,
+                                                   r.completion_tokens, r.cached_tokens))
+        if parsed.kind == "messages":
+            return web.json_response(anthropic.message_response(
+                parsed, parse_output(parsed.output, r.text), r.finish_reason,
+                self._stop_sequence(parsed, r.token_ids, r.finish_reason), r.prompt_tokens, r.completion_tokens,
+                r.cached_tokens))
+        return web.json_response(completion_response(parsed, [
+            (r.text, r.finish_reason, r.prompt_tokens, r.completion_tokens, r.cached_tokens) for r in results]))
+
+    def _stop_sequence(self, parsed: ParsedRequest, token_ids: list[int], reason: str) -> str | None:
+        """The stop string that ended a reply (Anthropic reports it), from its untruncated text."""
+        if reason != "stop" or not parsed.params.stop:
+            return None
+        full = self.engine.tokenizer.decode(token_ids, skip_special_tokens=parsed.params.skip_special_tokens)
+        return anthropic.matched_stop(parsed.params.stop, full)
 
     async def _stream(self, request: web.Request, parsed: ParsedRequest, arrival: float) -> web.StreamResponse:
+        if parsed.kind == "messages":
+            frames: OpenAIStream | anthropic.MessageStream = anthropic.MessageStream(
+                parsed, lambda ids, reason: self._stop_sequence(parsed, ids, reason))
+        else:
+            frames = OpenAIStream(parsed)
         writer = SSEWriter(request)
         await writer.start()
         gen = self._events(request, parsed.prompts[0], parsed, parsed.request_id, arrival)
+
+        async def send(batch: list[tuple[str | None, dict[str, Any]]]) -> None:
+            for name, data in batch:
+                await writer.send(data, name)
+
+        async def close() -> None:
+            await (writer.done() if frames.done else writer.end())
+
         try:
-            if parsed.kind == "chat":
-                await writer.send(chunk(parsed, role=True))
-            elif parsed.echo_texts:
-                await writer.send(chunk(parsed, text=parsed.echo_texts[0]))
+            await send(frames.start())
             final = None
             async for event in gen:
-                if event.text:
-                    await writer.send(chunk(parsed, text=event.text))
+                await send(frames.event(event))
                 if event.finish_reason is not None:
                     final = event
             if final is None or final.finish_reason == "abort":
-                await writer.send({"error": {"message": "the request was aborted (the server is shutting down)",
-                                             "type": "server_error", "param": None, "code": "aborted"}})
+                await send(frames.error("the request was aborted (the server is shutting down)", 503))
             else:
-                await writer.send(chunk(parsed, finish_reason=final.finish_reason))
-                if parsed.include_usage:
-                    await writer.send(chunk(parsed, no_choices=True,
-                                            usage_=usage(final.prompt_tokens, final.completion_tokens)))
-            await writer.done()
+                await send(frames.end(final))
+            await close()
         except ClientGone:
             logger.info("client went away mid-stream: request %s aborted", parsed.request_id)
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, then end the stream
             logger.exception("request %s failed mid-stream", parsed.request_id)
             try:
-                await writer.send({"error": {"message": str(exc), "type": "server_error", "param": None,
-                                             "code": "internal_error"}})
-                await writer.done()
+                await send(frames.error(str(exc), 500))
+                await close()
             except ClientGone:
                 pass
         finally:
@@ -347,8 +425,9 @@ async def _cancel_all(tasks: list[asyncio.Future]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _error_response(exc: APIError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+def _error_response(request: web.Request, exc: APIError) -> web.Response:
+    body = anthropic.error_body(exc) if request.path.startswith("/v1/messages") else exc.body()
+    return web.json_response(body, status=exc.status, headers=exc.headers)
 
 
 def create_app(engine, options: ServerOptions | None = None) -> web.Application:

@@ -1,7 +1,8 @@
 """Prometheus text exposition (format 0.0.4) without a client library.
 
 Counters and histograms are updated on the server's event loop; gauges (running/waiting requests,
-KV pool use) are read from the engine when /metrics is scraped.
+KV pool use) and the prefix cache's figures (hit rate, evictions, host tier) are read from the
+engine when /metrics is scraped.
 """
 
 from __future__ import annotations
@@ -95,5 +96,28 @@ class Metrics:
                [({}, float(pool.used_tokens / pool.num_slots if pool.num_slots else 0.0))])
         metric("preemptions_total", "counter", "Requests preempted because the KV pool was full.",
                [({}, getattr(sched, "preemptions", 0))])
+        cache = sched.cache
+        if cache is not None:
+            self._render_cache(metric, cache)
         metric("info", "gauge", "Served model.", [({"model": self.model_name}, 1)])
         return "\n".join(out) + "\n"
+
+    @staticmethod
+    def _render_cache(metric, cache) -> None:
+        st = cache.stats
+        metric("cache_hit_rate", "gauge", "Fraction of admitted requests' tokens served from the prefix cache.",
+               [({}, float(st.hit_tokens / st.query_tokens if st.query_tokens else 0.0))])
+        metric("prefix_cache_query_tokens_total", "counter", "Tokens of admitted requests looked up in the prefix cache.",
+               [({}, st.query_tokens)])
+        metric("prefix_cache_hit_tokens_total", "counter", "Tokens served from the prefix cache instead of prefilled.",
+               [({}, st.hit_tokens)])
+        metric("prefix_cache_evicted_tokens_total", "counter", "Prefix-cache tokens evicted from the KV pool to make room.",
+               [({}, st.evicted_tokens)])
+        metric("prefix_cache_tokens", "gauge", "KV pool slots indexed by the prefix cache.", [({}, cache.device_tokens)])
+        if cache.host is not None:
+            metric("host_cache_tokens", "gauge", "Tokens held in the host-memory tier (--hicache-size).",
+                   [({}, cache.host_tokens)])
+            metric("host_cache_saved_tokens_total", "counter", "Tokens copied to the host-memory tier.",
+                   [({}, st.host_saved_tokens)])
+            metric("host_cache_loaded_tokens_total", "counter",
+                   "Tokens copied back from the host-memory tier instead of recomputed.", [({}, st.host_loaded_tokens)])

@@ -61,8 +61,31 @@ _MESSAGE = {
         "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _CONTENT_PART, "minItems": 1,
                                                    "maxItems": 4}]},
         "name": {"type": "string"},
+        "tool_call_id": {"type": "string", "description": "role tool: the call this message answers"},
+        "tool_calls": {"type": "array", "maxItems": 2, "items": {
+            "type": "object", "required": ["id", "type", "function"],
+            "properties": {"id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+                           "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+                               "name": {"type": "string"},
+                               "arguments": {"type": "string", "description": "JSON text",
+                                             "examples": ['{"city": "Paris"}']}}}}}},
     },
 }
+
+# A small JSON schema: tool parameters and response_format schemas (the server enforces any it can).
+_SCHEMA = {"type": "object", "description": "a JSON schema", "properties": {
+    "type": {"type": "string", "enum": ["object"]},
+    "properties": {"type": "object", "properties": {
+        "flag": {"type": "object", "properties": {"type": {"type": "string", "enum": ["boolean"]}}},
+        "level": {"type": "object", "properties": {"type": {"type": "string", "enum": ["integer"]},
+                                                   "minimum": {"type": "integer"}, "maximum": {"type": "integer"}}}}},
+    "required": {"type": "array", "items": {"type": "string", "enum": ["flag", "level"]}, "maxItems": 2}}}
+
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "examples": ["get_weather"]}, "description": {"type": "string"},
+        "parameters": _SCHEMA}}}}
 
 CHAT_REQUEST = {
     "type": "object",
@@ -70,9 +93,83 @@ CHAT_REQUEST = {
     "properties": {
         "messages": {"type": "array", "items": _MESSAGE, "minItems": 1, "maxItems": 6},
         "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
+        "tools": {"type": ["array", "null"], "items": _TOOL, "maxItems": 3,
+                  "description": "rendered by the chat template; calls parsed by --tool-call-parser"},
+        "tool_choice": {"anyOf": [
+            {"type": "string", "enum": ["auto", "none", "required"]},
+            {"type": "object", "required": ["type", "function"], "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {"type": "object", "required": ["name"], "properties": {
+                    "name": {"type": "string", "examples": ["get_weather"]}}}}},
+            {"type": "null"}],
+            "description": "required / a named function: the output is constrained to one call"},
+        "response_format": {"anyOf": [
+            {"type": "object", "required": ["type"], "properties": {
+                "type": {"type": "string", "enum": ["text", "json_object"]}}},
+            {"type": "object", "required": ["type", "json_schema"], "properties": {
+                "type": {"type": "string", "enum": ["json_schema"]},
+                "json_schema": {"type": "object", "required": ["name", "schema"], "properties": {
+                    "name": {"type": "string"}, "strict": {"type": "boolean"}, "schema": _SCHEMA}}}},
+            {"type": "null"}],
+            "description": "json_object / json_schema: compact JSON enforced by grammar-constrained sampling"},
+        "chat_template_kwargs": {"type": ["object", "null"], "description": "extra chat template variables",
+                                 "properties": {"enable_thinking": {"type": "boolean"},
+                                                "thinking": {"type": "boolean"}}},
+        "separate_reasoning": {"type": ["boolean", "null"],
+                               "description": "false: thinking stays in content even with --reasoning-parser"},
         **_SAMPLING,
     },
 }
+
+_BLOCKS = {"type": "array", "minItems": 1, "maxItems": 3, "items": {"anyOf": [
+    {"type": "object", "required": ["type", "text"], "properties": {
+        "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}},
+    {"type": "object", "required": ["type", "id", "name", "input"], "properties": {
+        "type": {"type": "string", "enum": ["tool_use"]}, "id": {"type": "string"},
+        "name": {"type": "string", "examples": ["get_weather"]}, "input": {"type": "object"}}},
+    {"type": "object", "required": ["type", "tool_use_id", "content"], "properties": {
+        "type": {"type": "string", "enum": ["tool_result"]}, "tool_use_id": {"type": "string"},
+        "content": {"type": "string"}}},
+    {"type": "object", "required": ["type", "thinking"], "properties": {
+        "type": {"type": "string", "enum": ["thinking"]}, "thinking": {"type": "string"},
+        "signature": {"type": "string"}}}]}}
+
+_ANTHROPIC_CHAT = {
+    "model": {"type": "string", "examples": ["default"]},
+    "system": {"anyOf": [{"type": "string"}, {"type": "array", "maxItems": 2, "items": {
+        "type": "object", "required": ["type", "text"], "properties": {
+            "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]},
+    "messages": {"type": "array", "minItems": 1, "maxItems": 4, "items": {
+        "type": "object", "required": ["role", "content"], "properties": {
+            "role": {"type": "string", "enum": ["user", "assistant"]},
+            "content": {"anyOf": [{"type": "string"}, _BLOCKS]}}}},
+    "tools": {"type": "array", "maxItems": 3, "items": {
+        "type": "object", "required": ["name", "input_schema"], "properties": {
+            "name": {"type": "string", "examples": ["get_weather"]}, "description": {"type": "string"},
+            "input_schema": _SCHEMA}}},
+    "tool_choice": {"type": "object", "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["auto", "any", "tool", "none"]},
+        "name": {"type": "string", "examples": ["get_weather"]}}},
+    "thinking": {"type": "object", "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["enabled", "disabled"]}, "budget_tokens": {"type": "integer"}}},
+}
+
+MESSAGES_REQUEST = {
+    "type": "object",
+    "required": ["model", "messages", "max_tokens"],
+    "properties": {
+        **_ANTHROPIC_CHAT,
+        "max_tokens": {"type": "integer", "minimum": 1, "examples": [1, 4, 16]},
+        "stop_sequences": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"type": "integer"},
+        "stream": {"type": "boolean"},
+        "metadata": {"type": "object"},
+    },
+}
+
+COUNT_TOKENS_REQUEST = {"type": "object", "required": ["model", "messages"], "properties": _ANTHROPIC_CHAT}
 
 COMPLETION_REQUEST = {
     "type": "object",
@@ -103,16 +200,24 @@ _JSON_ERRORS = {
 }
 
 
-def _generation(summary: str, request: str, response: str) -> dict[str, Any]:
+_ANTHROPIC_ERRORS = {
+    code: {"description": value["description"], "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/AnthropicError"}}}}
+    for code, value in _JSON_ERRORS.items()
+}
+
+
+def _generation(summary: str, request: str, response: str, errors: dict[str, Any] = _JSON_ERRORS,
+                stream: str = "server-sent events ending in 'data: [DONE]'") -> dict[str, Any]:
     return {"post": {
         "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {
             "schema": {"$ref": f"#/components/schemas/{request}"}}}},
         "responses": {
-            "200": {"description": "the completion, or with stream=true server-sent events ending in 'data: [DONE]'",
+            "200": {"description": f"the reply, or with stream=true {stream}",
                     "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{response}"}},
                                 "text/event-stream": {"schema": {"type": "string"}}}},
-            **_JSON_ERRORS,
+            **errors,
         },
     }}
 
@@ -124,10 +229,18 @@ def _get(summary: str, schema: dict[str, Any] | None = None, content_type: str =
 
 OPENAPI: dict[str, Any] = {
     "openapi": "3.1.0",
-    "info": {"title": "ktlite OpenAI-compatible API", "version": "0.1.0"},
+    "info": {"title": "ktlite OpenAI- and Anthropic-compatible API", "version": "0.1.0"},
     "paths": {
         "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest", "ChatCompletion"),
         "/v1/completions": _generation("Text completion", "CompletionRequest", "Completion"),
+        "/v1/messages": _generation("Anthropic Messages API", "MessagesRequest", "Message", _ANTHROPIC_ERRORS,
+                                    "Anthropic's named events (message_start ... message_stop)"),
+        "/v1/messages/count_tokens": {"post": {
+            "summary": "Anthropic: prompt tokens of a Messages request",
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/CountTokensRequest"}}}},
+            "responses": {"200": {"description": "the count", "content": {"application/json": {"schema": {
+                "type": "object", "properties": {"input_tokens": {"type": "integer"}}}}}}, **_ANTHROPIC_ERRORS}}},
         "/v1/models": _get("The served model"),
         "/v1/models/{model}": {"get": {**_get("One model")["get"], "parameters": [
             {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]}},
@@ -137,7 +250,8 @@ OPENAPI: dict[str, Any] = {
         "/openapi.json": _get("This document"),
     },
     "components": {
-        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                            "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}},
         "schemas": {
             "ChatCompletionRequest": CHAT_REQUEST,
             "CompletionRequest": COMPLETION_REQUEST,
@@ -147,7 +261,20 @@ OPENAPI: dict[str, Any] = {
             "Completion": {"type": "object", "properties": {
                 "id": {"type": "string"}, "object": {"const": "text_completion"}, "model": {"type": "string"},
                 "choices": {"type": "array"}, "usage": _USAGE}},
+            "MessagesRequest": MESSAGES_REQUEST,
+            "CountTokensRequest": COUNT_TOKENS_REQUEST,
+            "Message": {"type": "object", "properties": {
+                "id": {"type": "string"}, "type": {"const": "message"}, "role": {"const": "assistant"},
+                "content": {"type": "array"}, "stop_reason": {"type": ["string", "null"]},
+                "stop_sequence": {"type": ["string", "null"]}, "usage": {"type": "object", "properties": {
+                    "input_tokens": {"type": "integer"}, "output_tokens": {"type": "integer"},
+                    "cache_read_input_tokens": {"type": "integer"},
+                    "cache_creation_input_tokens": {"type": "integer"}}}}},
             "Error": _ERROR,
+            "AnthropicError": {"type": "object", "required": ["type", "error"], "properties": {
+                "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"],
+                                                      "properties": {"type": {"type": "string"},
+                                                                     "message": {"type": "string"}}}}},
         },
     },
 }
@@ -160,5 +287,5 @@ def openapi(api_key_required: bool = False) -> dict[str, Any]:
         for path, item in doc["paths"].items():
             if path.startswith("/v1/"):
                 for op in item.values():
-                    op["security"] = [{"bearer": []}]
+                    op["security"] = [{"bearer": []}, {"x-api-key": []}]
     return doc

@@ -8,6 +8,14 @@ ignore_eos, stop_token_ids, skip_special_tokens) are accepted as SGLang and vLLM
 max_tokens when the client gives none: chat gets the rest of the context (OpenAI's "until the
 context ends"), capped by `DEFAULT_CHAT_MAX_TOKENS`; completions get 16, the legacy OpenAI default.
 A prompt plus max_tokens beyond the context is a 400, as on OpenAI.
+
+Chat extras (`ChatSpec`, shared with the Anthropic API): `tools` go to the chat template unless
+`tool_choice` is "none" (then the model is not told about them and nothing is parsed); with "auto"
+the server's `--tool-call-parser` takes calls out of the text; "required" or a named function
+constrain the output by grammar to one call (see chat_output.py). `response_format` json_object /
+json_schema constrain it to compact JSON (see ktlite/runtime/grammar.py). `--reasoning-parser` splits
+thinking into `reasoning_content` unless `separate_reasoning` is false; a grammar-constrained output
+is all answer, so it is not split. `chat_template_kwargs` reach the template as variables.
 """
 
 from __future__ import annotations
@@ -19,6 +27,10 @@ from typing import Any
 
 from ktlite.errors import RequestError
 from ktlite.runtime.sampling import SamplingParams, is_int, is_number
+from ktlite.server.chat_output import OutputPlan, OutputStream, Piece, forced_call_schema, parse_output
+from ktlite.server.reasoning import prompt_opens_think
+
+Frame = tuple[str | None, dict[str, Any]]  # one server-sent event: (event name or None, data)
 
 DEFAULT_CHAT_MAX_TOKENS = 1 << 20  # i.e. the context's end, whatever the model
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -57,6 +69,7 @@ class ParsedRequest:
     max_tokens_param: str  # the name the client used, for error messages
     max_tokens_given: bool
     echo_texts: list[str] = field(default_factory=list)  # completions with echo=true
+    output: OutputPlan = field(default_factory=OutputPlan)  # chat: how the text becomes reasoning/content/calls
     request_id: str = ""
     created: int = 0
 
@@ -113,8 +126,8 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _sampling(body: dict[str, Any], default_max_tokens: int, context_length: int, prompt_lens: list[int]
-              ) -> tuple[SamplingParams, str, bool]:
+def sampling_params(body: dict[str, Any], default_max_tokens: int, context_length: int, prompt_lens: list[int],
+              json_schema: dict[str, Any] | None = None) -> tuple[SamplingParams, str, bool]:
     """-> (params, name of the max-tokens field the client used, whether it gave one)."""
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     given = body.get(name) is not None
@@ -131,7 +144,7 @@ def _sampling(body: dict[str, Any], default_max_tokens: int, context_length: int
                 name, "context_length_exceeded")
     else:
         max_tokens = max(1, min(default_max_tokens, room))
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens}
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "json_schema": json_schema}
     for key in _PASS_THROUGH:
         if body.get(key) is not None:
             kwargs[key] = body[key]
@@ -181,22 +194,123 @@ def _include_usage(body: dict[str, Any]) -> bool:
     return bool(so.get("include_usage"))
 
 
-def parse_chat(body: Any, tokenizer, context_length: int, model: str) -> ParsedRequest:
-    _common(body)
-    messages = parse_messages(body.get("messages"))
-    extra: dict[str, Any] = {}
-    if body.get("tools"):
-        extra["tools"] = body["tools"]  # rendered by the template; tool-call parsing is not done yet
-    if isinstance(body.get("chat_template_kwargs"), dict):  # SGLang/vLLM: e.g. {"thinking": true}
-        extra.update({k: v for k, v in body["chat_template_kwargs"].items()
-                      if isinstance(k, str) and k not in ("messages", "add_generation_prompt")})
+@dataclass
+class ChatSpec:
+    """A chat request in the terms both APIs share (OpenAI shapes for messages and tools)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str = "auto"  # "auto", "none" or "required"
+    tool_name: str | None = None  # a named function (tool_choice {"type": "function", ...})
+    response_schema: dict[str, Any] | None = None  # response_format json_object / json_schema
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    separate_reasoning: bool = True
+
+
+@dataclass
+class ChatPrompt:
+    ids: list[int]
+    output: OutputPlan
+    json_schema: dict[str, Any] | None  # what the grammar enforces, if anything
+
+
+def parse_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """OpenAI `tools`: [{"type": "function", "function": {"name", "description"?, "parameters"?}}]."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects", "tools")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type", "function") != "function":
+            raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", f"tools[{i}]")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"tools[{i}].function.name must be a non-empty string", f"tools[{i}].function.name")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object",
+                              f"tools[{i}].function.parameters")
+    return tools or None
+
+
+def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:
+    """OpenAI `tool_choice` -> ("auto" | "none" | "required", function name or None)."""
+    if value is None:
+        return "auto", None
+    if value in ("auto", "none", "required"):
+        choice, name = value, None
+    elif isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict) \
+            and isinstance(value["function"].get("name"), str):
+        choice, name = "required", value["function"]["name"]
+    else:
+        raise bad_request('tool_choice must be "auto", "none", "required" or {"type": "function", "function": '
+                          f'{{"name": ...}}}}, got {value!r}'[:300], "tool_choice")
+    if choice == "required" and not tools:
+        raise bad_request("tool_choice requires a tool call but no tools were given", "tool_choice")
+    if name is not None and name not in {t["function"]["name"] for t in tools}:
+        raise bad_request(f"tool_choice names the function {name!r}, which is not in tools", "tool_choice")
+    return choice, name
+
+
+def _response_schema(value: Any) -> dict[str, Any] | None:
+    """OpenAI `response_format` -> the JSON schema to enforce (None for plain text)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request("response_format.json_schema.schema must be a JSON schema object",
+                              "response_format.json_schema.schema")
+        return schema
+    raise bad_request('response_format.type must be "text", "json_object" or "json_schema"', "response_format")
+
+
+def chat_spec(body: dict[str, Any]) -> ChatSpec:
+    """The OpenAI chat body's messages, tools and output options."""
+    tools = parse_tools(body.get("tools"))
+    choice, name = _tool_choice(body.get("tool_choice"), tools)
+    kwargs = _get(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object", {})
+    separate = _get(body, "separate_reasoning", lambda v: isinstance(v, bool), "a boolean", True)
+    return ChatSpec(parse_messages(body.get("messages")), tools, choice, name,
+                    _response_schema(body.get("response_format")), dict(kwargs), separate)
+
+
+def chat_prompt(spec: ChatSpec, tokenizer, tool_parser: str | None = None, reasoning_parser: str | None = None,
+                id_prefix: str = "call_") -> ChatPrompt:
+    """Render the template and decide how the output is constrained and taken apart."""
+    forced = spec.tool_choice == "required"
+    if forced and spec.response_schema is not None:
+        raise bad_request("response_format cannot be combined with a required or named tool_choice: the output is "
+                          "then a tool call", "response_format")
+    tools = spec.tools if spec.tool_choice != "none" else None
+    kwargs = {k: v for k, v in spec.template_kwargs.items()
+              if isinstance(k, str) and k not in ("messages", "tools", "add_generation_prompt")}
     try:
-        ids = tokenizer.encode_chat(messages, **extra)
+        text = tokenizer.render_chat(spec.messages, tools=tools, **kwargs)
     except RequestError as exc:
         raise bad_request(str(exc), exc.param or "messages") from exc
-    params, name, given = _sampling(body, DEFAULT_CHAT_MAX_TOKENS, context_length, [len(ids)])
-    return ParsedRequest("chat", model, [ids], params, bool(body.get("stream")), _include_usage(body), name, given,
-                         request_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()))
+    schema = forced_call_schema(tools, spec.tool_name) if forced else spec.response_schema
+    split = bool(reasoning_parser) and spec.separate_reasoning and schema is None  # a grammar output is all answer
+    plan = OutputPlan(reasoning_parser if split else None,
+                      split and prompt_opens_think(reasoning_parser, text),
+                      tool_parser if tools and not forced else None, tools, forced, id_prefix)
+    return ChatPrompt(tokenizer.encode(text, add_bos=False), plan, schema)  # the template wrote the BOS
+
+
+def parse_chat(body: Any, tokenizer, context_length: int, model: str, tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None) -> ParsedRequest:
+    _common(body)
+    prompt = chat_prompt(chat_spec(body), tokenizer, tool_call_parser, reasoning_parser)
+    params, name, given = sampling_params(body, DEFAULT_CHAT_MAX_TOKENS, context_length, [len(prompt.ids)],
+                                    prompt.json_schema)
+    return ParsedRequest("chat", model, [prompt.ids], params, bool(body.get("stream")), _include_usage(body), name,
+                         given, output=prompt.output, request_id=f"chatcmpl-{uuid.uuid4().hex}",
+                         created=int(time.time()))
 
 
 def parse_completion(body: Any, tokenizer, vocab_size: int, context_length: int, model: str) -> ParsedRequest:
@@ -233,46 +347,60 @@ def parse_completion(body: Any, tokenizer, vocab_size: int, context_length: int,
     if body.get("suffix"):
         raise bad_request("suffix is not supported by ktlite", "suffix")
     echo = _get(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
-    params, name, given = _sampling(body, DEFAULT_COMPLETION_MAX_TOKENS, context_length, [max(len(i), 1) for i in ids_list])
+    params, name, given = sampling_params(body, DEFAULT_COMPLETION_MAX_TOKENS, context_length, [max(len(i), 1) for i in ids_list])
     return ParsedRequest("completion", model, ids_list, params, stream, _include_usage(body), name, given,
                          echo_texts=echo_texts if echo else [], request_id=f"cmpl-{uuid.uuid4().hex}",
                          created=int(time.time()))
 
 
 # ---- responses ----------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache served (not prefilled)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def openai_finish_reason(reason: str | None) -> str | None:
-    return reason  # "stop" and "length" are OpenAI's; "abort" only happens on shutdown
+def openai_finish_reason(reason: str | None, tool_calls: bool = False) -> str | None:
+    """"stop" and "length" are OpenAI's ("abort" only happens on shutdown); a reply that ended by
+    itself after tool calls is "tool_calls"."""
+    return "tool_calls" if tool_calls and reason == "stop" else reason
 
 
-def chat_response(req: ParsedRequest, text: str, reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+def chat_response(req: ParsedRequest, text: str, reason: str, prompt_tokens: int, completion_tokens: int,
+                  cached_tokens: int = 0) -> dict:
+    out = parse_output(req.output, text)
+    message: dict[str, Any] = {"role": "assistant", "content": out.content}
+    if req.output.reasoning_parser:
+        message["reasoning_content"] = out.reasoning or None
+    if out.tool_calls:
+        message["content"] = out.content or None  # OpenAI: null beside tool calls when there is no text
+        message["tool_calls"] = [c.openai() for c in out.tool_calls]
     return {
         "id": req.request_id, "object": "chat.completion", "created": req.created, "model": req.model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                     "finish_reason": openai_finish_reason(reason)}],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "choices": [{"index": 0, "message": message, "logprobs": None,
+                     "finish_reason": openai_finish_reason(reason, bool(out.tool_calls))}],
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }
 
 
 def completion_response(req: ParsedRequest, results: list[tuple[str, str, int, int]]) -> dict:
-    """results: one (text, finish_reason, prompt_tokens, completion_tokens) per prompt."""
-    choices, p_total, c_total = [], 0, 0
-    for i, (text, reason, p, c) in enumerate(results):
+    """results: one (text, finish_reason, prompt_tokens, completion_tokens, cached_tokens) per prompt."""
+    choices, p_total, c_total, cached_total = [], 0, 0, 0
+    for i, (text, reason, p, c, cached) in enumerate(results):
         if req.echo_texts:
             text = req.echo_texts[i] + text
         choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": openai_finish_reason(reason)})
-        p_total, c_total = p_total + p, c_total + c
+        p_total, c_total, cached_total = p_total + p, c_total + c, cached_total + cached
     return {"id": req.request_id, "object": "text_completion", "created": req.created, "model": req.model,
-            "choices": choices, "usage": usage(p_total, c_total)}
+            "choices": choices, "usage": usage(p_total, c_total, cached_total)}
 
 
 def chunk(req: ParsedRequest, *, text: str | None = None, role: bool = False, finish_reason: str | None = None,
-          usage_: dict[str, int] | None = None, no_choices: bool = False) -> dict:
-    """One streaming chunk. Chat chunks carry a `delta`; completion chunks carry `text`."""
+          usage_: dict[str, Any] | None = None, no_choices: bool = False, reasoning: str | None = None,
+          tool_calls: list[dict[str, Any]] | None = None) -> dict:
+    """One streaming chunk. Chat chunks carry a `delta` (content, reasoning_content, tool_calls);
+    completion chunks carry `text`."""
     if req.kind == "chat":
         obj = "chat.completion.chunk"
         delta: dict[str, Any] = {}
@@ -281,6 +409,10 @@ def chunk(req: ParsedRequest, *, text: str | None = None, role: bool = False, fi
             delta["content"] = ""
         if text is not None:
             delta["content"] = text
+        if reasoning is not None:
+            delta["reasoning_content"] = reasoning
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": openai_finish_reason(finish_reason)}
     else:
         obj = "text_completion"
@@ -290,6 +422,50 @@ def chunk(req: ParsedRequest, *, text: str | None = None, role: bool = False, fi
     if req.include_usage:
         out["usage"] = usage_  # null on every chunk but the last, as OpenAI does
     return out
+
+
+class OpenAIStream:
+    """The chunks of one streamed OpenAI request, as frames: `start`, `event` per engine event, then
+    `end` (or `error`), followed by `data: [DONE]`. Chat text goes through the request's output
+    pipeline, so reasoning and tool calls arrive as `reasoning_content` and `tool_calls` deltas."""
+
+    done = True
+
+    def __init__(self, req: ParsedRequest):
+        self.req = req
+        self.output = OutputStream(req.output) if req.kind == "chat" else None
+
+    def start(self) -> list[Frame]:
+        if self.req.kind == "chat":
+            return [(None, chunk(self.req, role=True))]
+        return [(None, chunk(self.req, text=self.req.echo_texts[0]))] if self.req.echo_texts else []
+
+    def event(self, event) -> list[Frame]:
+        if not event.text:
+            return []
+        if self.output is None:
+            return [(None, chunk(self.req, text=event.text))]
+        return self._piece(self.output.feed(event.text))
+
+    def end(self, final) -> list[Frame]:
+        frames = self._piece(self.output.finish()) if self.output is not None else []
+        calls = self.output is not None and bool(self.output.calls)
+        frames.append((None, chunk(self.req, finish_reason=openai_finish_reason(final.finish_reason, calls))))
+        if self.req.include_usage:
+            frames.append((None, chunk(self.req, no_choices=True, usage_=usage(
+                final.prompt_tokens, final.completion_tokens, final.cached_tokens))))
+        return frames
+
+    @staticmethod
+    def error(message: str, status: int) -> list[Frame]:
+        code = "aborted" if status == 503 else "internal_error"
+        return [(None, {"error": {"message": message, "type": "server_error", "param": None, "code": code}})]
+
+    def _piece(self, piece: Piece) -> list[Frame]:
+        if not (piece.content or piece.reasoning or piece.tool_calls):
+            return []
+        return [(None, chunk(self.req, text=piece.content or None, reasoning=piece.reasoning or None,
+                             tool_calls=piece.tool_calls))]
 
 
 def models_response(names: list[str], created: int) -> dict:

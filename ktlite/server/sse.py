@@ -1,4 +1,5 @@
-"""Server-sent events: `data: {json}\n\n` frames and the final `data: [DONE]`."""
+"""Server-sent events: OpenAI's `data: {json}\n\n` frames ending in `data: [DONE]`, and Anthropic's
+named events (`event: NAME\ndata: {json}\n\n`, no terminator)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ SSE_HEADERS = {
 }
 
 
-def frame(obj: dict[str, Any] | str) -> bytes:
+def frame(obj: dict[str, Any] | str, event: str | None = None) -> bytes:
     data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {data}\n\n".encode()
 
 
 DONE = frame("[DONE]")
@@ -37,11 +39,15 @@ class SSEWriter:
         await self.response.prepare(self.request)
         self.started = True
 
-    async def send(self, obj: dict[str, Any] | str) -> None:
-        await self._write(frame(obj))
+    async def send(self, obj: dict[str, Any] | str, event: str | None = None) -> None:
+        await self._write(frame(obj, event))
 
     async def done(self) -> None:
+        """OpenAI's end of stream: `data: [DONE]`."""
         await self._write(DONE)
+        await self.end()
+
+    async def end(self) -> None:
         await self.response.write_eof()
 
     async def _write(self, data: bytes) -> None:

@@ -17,6 +17,9 @@ Group size = 2**group_shift (32, 64 or 128), each row a whole number of 64-byte 
   a vector, multiplied by the block's scale and added to a vector accumulator (one horizontal sum per
   row). INT4's -8 offset is folded out: sum (q - 8) s x = sum s (q x) - 8 sum_b s_b xs[b], with
   xs[b] = sum of x over 32-block b (computed once per token). BF16: shift into fp32 bits + FMA.
+- FP8 (E4M3 records, fp8.py) decodes like INT8 with e4m3 -> fp32 by integer shifts and one exact
+  multiply by 2^120; GGUF blocks (Q4_K, Q5_K, Q6_K, Q8_0 records, gguf_quants.py) are walked run by run
+  (`_gguf_runs`: 16 codes, their scale and min), the scales unpacked in scalar IR per sub-block.
 - `decode_row(qrow, srow, out, group_shift)` writes the dequantized row (length Kp) into `out`:
   fp32, or bf16 bits (uint16, round to nearest even via LLVM's fptrunc to bfloat) when `out` is
   uint16 (the prefill path).
@@ -39,12 +42,15 @@ owns whole rows of `act`/`out`, so there are no races. For many tokens gemm.py's
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from ktlite.kernels.cpu.fp8 import E4M3
+from ktlite.kernels.cpu.gguf_quants import BLOCKS
 from ktlite.kernels.cpu.threads import ensure_threadsafe_layer
 
 ensure_threadsafe_layer()  # before the first parallel region of the process
@@ -54,6 +60,8 @@ XS_BLOCK = 32  # weights per entry of xs (the smallest group size)
 
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _LANES = 16
+_T_E4M3 = numba.from_dtype(E4M3)
+_T_GGUF = {numba.from_dtype(dtype): kind for kind, (dtype, _) in BLOCKS.items()}  # numba record type -> GGML type
 _V8, _V16, _V32, _VF = (ir.VectorType(t, _LANES) for t in (_I8, _I16, _I32, _F32))
 
 
@@ -195,6 +203,50 @@ def _int8_row_dot(typingctx, q, s, x, gs):
     return sig, codegen
 
 
+_TWO_POW_120 = ir.Constant(_F32, 2.0**120)
+
+
+def _e4m3_to_f32(builder, z):
+    """e4m3fn bit patterns (zero-extended to int32 lanes) -> their exact fp32 values. Sign to bit 31,
+    exponent and mantissa (7 bits) to bits 26..20: that is the value scaled by 2^-120 (exponent bias 127
+    instead of 7; e4m3 subnormals land on fp32 subnormals), so one multiply by 2^120 (exact) restores
+    it. NaN (0x7f/0xff) is not preserved; checkpoints hold none."""
+    sign = builder.shl(builder.and_(z, _cvec(_V32, 0x80)), _cvec(_V32, 24))
+    mag = builder.shl(builder.and_(z, _cvec(_V32, 0x7F)), _cvec(_V32, 20))
+    v = builder.bitcast(builder.or_(sign, mag), _VF)
+    return builder.fmul(v, _splat(builder, _TWO_POW_120))
+
+
+def _byte_ptr(builder, ptr):
+    return builder.bitcast(ptr, _I8.as_pointer())
+
+
+@intrinsic
+def _fp8_row_dot(typingctx, q, s, x, gs):
+    if not (_is_vec(q, _T_E4M3) and _is_vec(s, types.float32) and _is_vec(x, types.float32)):
+        return None
+    sig = types.float32(q, s, x, types.int64)
+
+    def codegen(context, builder, sig, args):
+        (qp, nb), (sp, _), (xp, _) = _arrays(context, builder, sig, args, 3)
+        qp = _byte_ptr(builder, qp)
+        gs = args[3]
+        accs = [cgutils.alloca_once_value(builder, _cvec(_VF, 0.0)) for _ in range(2)]
+        with cgutils.for_range(builder, builder.lshr(nb, _c64(6))) as loop:
+            k0 = builder.shl(loop.index, _c64(6))
+            _prefetch(builder, qp, k0)
+            f = [_e4m3_to_f32(builder, builder.zext(_vload(builder, qp, builder.add(k0, _c64(16 * p)), _V8), _V32))
+                 for p in range(4)]
+            xv = [_vload(builder, xp, builder.add(k0, _c64(16 * p)), _VF) for p in range(4)]
+            for h, acc in enumerate(accs):  # 32-weight halves: a group is at least 32 wide
+                part = _vfma(builder, f[2 * h + 1], xv[2 * h + 1], builder.fmul(f[2 * h], xv[2 * h]))
+                scale = _load(builder, sp, builder.lshr(builder.add(k0, _c64(32 * h)), gs))
+                builder.store(_vfma(builder, part, _splat(builder, scale), builder.load(acc)), acc)
+        return _hsum(builder, builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
+
+    return sig, codegen
+
+
 def _bf16_to_f32(builder, bits16):
     return builder.bitcast(builder.shl(builder.zext(bits16, _V32), _cvec(_V32, 16)), _VF)
 
@@ -297,7 +349,7 @@ def _round_bf16(builder, v):
 
 
 def _decoder(qdtype):
-    int4 = qdtype == types.uint8
+    """decode_row for one byte-coded format: INT4 (uint8 nibbles), INT8 (int8) or FP8 (E4M3 records)."""
 
     def typer(typingctx, q, s, out, gs):
         if not (_is_vec(q, qdtype) and _is_vec(s, types.float32) and (_is_vec(out, types.float32)
@@ -308,25 +360,30 @@ def _decoder(qdtype):
 
         def codegen(context, builder, sig, args):
             (qp, nb), (sp, _), (op, _) = _arrays(context, builder, sig, args, 3)
+            qp = _byte_ptr(builder, qp)
             gs = args[3]
 
-            def put(vals, k):
-                v = builder.fmul(builder.sitofp(vals, _VF), _splat(builder, _load(builder, sp, builder.lshr(k, gs))))
+            def put(v, k):  # v: fp32 lanes of weights k..k+15 before their group's scale
+                v = builder.fmul(v, _splat(builder, _load(builder, sp, builder.lshr(k, gs))))
                 _vstore(builder, _round_bf16(builder, v) if bf16 else v, op, k)
 
             with cgutils.for_range(builder, builder.lshr(nb, _c64(6))) as loop:
                 b0 = builder.shl(loop.index, _c64(6))
                 _prefetch(builder, qp, b0)
-                if int4:
+                if qdtype == types.uint8:
                     k0 = builder.shl(loop.index, _c64(7))
                     for p in range(4):
                         lo, hi = _nibbles(builder, qp, builder.add(b0, _c64(16 * p)))
-                        put(builder.sub(lo, _cvec(_V32, 8)), builder.add(k0, _c64(16 * p)))
-                        put(builder.sub(hi, _cvec(_V32, 8)), builder.add(k0, _c64(64 + 16 * p)))
+                        put(builder.sitofp(builder.sub(lo, _cvec(_V32, 8)), _VF), builder.add(k0, _c64(16 * p)))
+                        put(builder.sitofp(builder.sub(hi, _cvec(_V32, 8)), _VF), builder.add(k0, _c64(64 + 16 * p)))
                 else:
                     for p in range(4):
                         k = builder.add(b0, _c64(16 * p))
-                        put(builder.sext(_vload(builder, qp, k, _V8), _V32), k)
+                        raw = _vload(builder, qp, k, _V8)
+                        if qdtype == types.int8:
+                            put(builder.sitofp(builder.sext(raw, _V32), _VF), k)
+                        else:
+                            put(_e4m3_to_f32(builder, builder.zext(raw, _V32)), k)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -336,6 +393,151 @@ def _decoder(qdtype):
 
 _decode_int4 = _decoder(types.uint8)
 _decode_int8 = _decoder(types.int8)
+_decode_fp8 = _decoder(_T_E4M3)
+
+
+# ---- GGUF blocks (gguf_quants.py) ----------------------------------------------------------------
+# One walker emits, block by block, each run of 16 weights as (first k, fp32 codes, scale, min): ggml's
+# w = scale * code - min. The row dot FMAs codes * x into a vector accumulator scaled per run (mins: one
+# scalar term per 32 weights against xs, the block sums of x); the decoder stores scale * code - min,
+# multiply then subtract like gguf-py's numpy, so the values are gguf.quants.dequantize's bit for bit.
+
+_BLOCK_BYTES = {kind: dtype.itemsize for kind, (dtype, _) in BLOCKS.items()}
+_BLOCK_WEIGHTS = {kind: qk for kind, (_, qk) in BLOCKS.items()}
+
+
+def _byte(builder, bp, off):
+    return builder.zext(builder.load(builder.gep(bp, [off], inbounds=True)), _I32)
+
+
+def _f16_at(builder, bp, off):
+    """The little-endian float16 at byte offset `off` as fp32, by integer ops (no F16C needed)."""
+    h = builder.zext(builder.load(builder.bitcast(builder.gep(bp, [off], inbounds=True), _I16.as_pointer()), align=1), _I32)
+    c = lambda v: ir.Constant(_I32, v)
+    sign = builder.shl(builder.and_(h, c(0x8000)), c(16))
+    e = builder.and_(builder.lshr(h, c(10)), c(0x1F))
+    m = builder.and_(h, c(0x3FF))
+    normal = builder.or_(sign, builder.or_(builder.shl(builder.add(e, c(112)), c(23)), builder.shl(m, c(13))))
+    special = builder.or_(sign, builder.or_(c(0x7F800000), builder.shl(m, c(13))))  # inf / nan
+    tiny = builder.fmul(builder.uitofp(m, _F32), ir.Constant(_F32, 2.0**-24))  # zero / subnormal: exact
+    tiny = builder.select(builder.icmp_unsigned("!=", sign, c(0)), builder.fneg(tiny), tiny)
+    big = builder.bitcast(builder.select(builder.icmp_unsigned("==", e, c(31)), special, normal), _F32)
+    return builder.select(builder.icmp_unsigned("==", e, c(0)), tiny, big)
+
+
+def _lanes(builder, bp, off):
+    """16 bytes at bp[off] as int32 lanes (zero-extended)."""
+    return builder.zext(_vload(builder, bp, off, _V8), _V32)
+
+
+def _k4_scale_min(builder, bp, sc, j):
+    """6-bit (scale, min) of sub-block j (0..7) from a Q4_K/Q5_K block's 12 packed bytes at byte offset sc."""
+    at = lambda i: _byte(builder, bp, builder.add(sc, _c64(i)))
+    c = lambda v: ir.Constant(_I32, v)
+    if j < 4:
+        return builder.and_(at(j), c(63)), builder.and_(at(j + 4), c(63))
+    scale = builder.or_(builder.and_(at(j + 4), c(0xF)), builder.shl(builder.lshr(at(j - 4), c(6)), c(4)))
+    mn = builder.or_(builder.lshr(at(j + 4), c(4)), builder.shl(builder.lshr(at(j), c(6)), c(4)))
+    return scale, mn
+
+
+def _gguf_runs(builder, kind, bp, blk):
+    """(k of the run's first weight within the row, fp32 codes [16], scale, min or None) for each run of
+    16 weights of block `blk`, in order."""
+    base = builder.mul(blk, _c64(_BLOCK_BYTES[kind]))
+    k0 = builder.mul(blk, _c64(_BLOCK_WEIGHTS[kind]))
+    at = lambda off: builder.add(base, _c64(off))
+    kk = lambda off: builder.add(k0, _c64(off))
+    vi = lambda v: _cvec(_V32, v)
+    if kind == "Q8_0":
+        d = _f16_at(builder, bp, at(0))
+        for p in range(2):
+            yield kk(16 * p), builder.sitofp(builder.sext(_vload(builder, bp, at(2 + 16 * p), _V8), _V32), _VF), d, None
+    elif kind in ("Q4_K", "Q5_K"):
+        five = kind == "Q5_K"
+        d, dmin = _f16_at(builder, bp, at(0)), _f16_at(builder, bp, at(2))
+        qs = 48 if five else 16
+        for sub in range(8):  # 32-weight sub-blocks: run j = sub // 2, low nibbles then high nibbles
+            s, m = _k4_scale_min(builder, bp, at(4), sub)
+            scale = builder.fmul(d, builder.uitofp(s, _F32))
+            mn = builder.fmul(dmin, builder.uitofp(m, _F32))
+            for p in range(2):
+                code = builder.and_(builder.lshr(_lanes(builder, bp, at(qs + 32 * (sub // 2) + 16 * p)),
+                                                 vi(4 * (sub % 2))), vi(15))
+                if five:
+                    high = builder.and_(builder.lshr(_lanes(builder, bp, at(16 + 16 * p)), vi(sub)), vi(1))
+                    code = builder.or_(code, builder.shl(high, vi(4)))
+                yield kk(32 * sub + 16 * p), builder.sitofp(code, _VF), scale, mn if p == 0 else None
+    else:  # Q6_K: halves of 128, runs of 32 (low nibbles of ql[:32], of ql[32:64], then high), scales per 16
+        d = _f16_at(builder, bp, at(208))
+        for h in range(2):
+            for r in range(4):
+                for sub in range(2):
+                    lo = builder.and_(builder.lshr(_lanes(builder, bp, at(64 * h + 32 * (r % 2) + 16 * sub)),
+                                                   vi(4 * (r // 2))), vi(15))
+                    hi = builder.and_(builder.lshr(_lanes(builder, bp, at(128 + 32 * h + 16 * sub)), vi(2 * r)), vi(3))
+                    code = builder.sub(builder.or_(lo, builder.shl(hi, vi(4))), vi(32))
+                    sc = builder.sitofp(builder.load(builder.gep(bp, [at(192 + 8 * h + 2 * r + sub)], inbounds=True)), _F32)
+                    yield kk(128 * h + 32 * r + 16 * sub), builder.sitofp(code, _VF), builder.fmul(d, sc), None
+
+
+def _gguf_kind(ty):
+    return _T_GGUF.get(ty.dtype) if isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" else None
+
+
+def _gguf_dot(kind):
+    def typer(typingctx, q, x, xs):
+        if _gguf_kind(q) != kind or not (_is_vec(x, types.float32) and _is_vec(xs, types.float32)):
+            return None
+        sig = types.float32(q, x, xs)
+
+        def codegen(context, builder, sig, args):
+            (qp, nb), (xp, _), (xsp, _) = _arrays(context, builder, sig, args, 3)
+            bp = _byte_ptr(builder, qp)
+            acc = cgutils.alloca_once_value(builder, _cvec(_VF, 0.0))
+            mins = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+            with cgutils.for_range(builder, nb) as loop:
+                _prefetch(builder, bp, builder.mul(loop.index, _c64(_BLOCK_BYTES[kind])))
+                for k, codes, scale, mn in _gguf_runs(builder, kind, bp, loop.index):
+                    prod = builder.fmul(codes, _vload(builder, xp, k, _VF))
+                    builder.store(_vfma(builder, prod, _splat(builder, scale), builder.load(acc)), acc)
+                    if mn is not None:  # sum over the 32-weight sub-block of min * x = min * xs[k / 32]
+                        xsum = _load(builder, xsp, builder.lshr(k, _c64(5)))
+                        builder.store(builder.fma(mn, xsum, builder.load(mins)), mins)
+            return builder.fsub(_hsum(builder, builder.load(acc)), builder.load(mins))
+
+        return sig, codegen
+
+    return intrinsic(typer)
+
+
+def _gguf_decode(kind):
+    def typer(typingctx, q, out):
+        if _gguf_kind(q) != kind or not (_is_vec(out, types.float32) or _is_vec(out, types.uint16)):
+            return None
+        bf16 = out.dtype == types.uint16
+        sig = types.void(q, out)
+
+        def codegen(context, builder, sig, args):
+            (qp, nb), (op, _) = _arrays(context, builder, sig, args, 2)
+            bp = _byte_ptr(builder, qp)
+            with cgutils.for_range(builder, nb) as loop:
+                held = None
+                for k, codes, scale, mn in _gguf_runs(builder, kind, bp, loop.index):
+                    v = builder.fmul(_splat(builder, scale), codes)
+                    if kind in ("Q4_K", "Q5_K"):
+                        held = mn if mn is not None else held  # the sub-block's min, from its first run
+                        v = builder.fsub(v, _splat(builder, held))
+                    _vstore(builder, _round_bf16(builder, v) if bf16 else v, op, k)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return intrinsic(typer)
+
+
+_GGUF_DOT = {kind: _gguf_dot(kind) for kind in _BLOCK_BYTES}
+_GGUF_DECODE = {kind: _gguf_decode(kind) for kind in _BLOCK_BYTES}
 
 
 def row_dot(qrow, srow, x, xs, group_shift):  # pragma: no cover - replaced by the overload in jit code
@@ -354,6 +556,12 @@ def _row_dot_impl(qrow, srow, x, xs, group_shift):
         return lambda qrow, srow, x, xs, group_shift: _int8_row_dot(qrow, srow, x, group_shift)
     if qrow.dtype == types.uint16:
         return lambda qrow, srow, x, xs, group_shift: _bf16_row_dot(qrow, x)
+    if qrow.dtype == _T_E4M3:
+        return lambda qrow, srow, x, xs, group_shift: _fp8_row_dot(qrow, srow, x, group_shift)
+    gguf = _T_GGUF.get(qrow.dtype)
+    if gguf is not None:
+        dot = _GGUF_DOT[gguf]
+        return lambda qrow, srow, x, xs, group_shift: dot(qrow, x, xs)
     return None
 
 
@@ -371,6 +579,12 @@ def _decode_row_impl(qrow, srow, out, group_shift):
         return lambda qrow, srow, out, group_shift: _decode_int8(qrow, srow, out, group_shift)
     if qrow.dtype == types.uint16 and out.dtype == types.float32:
         return _decode_bf16
+    if qrow.dtype == _T_E4M3:
+        return lambda qrow, srow, out, group_shift: _decode_fp8(qrow, srow, out, group_shift)
+    gguf = _T_GGUF.get(qrow.dtype)
+    if gguf is not None:
+        decode = _GGUF_DECODE[gguf]
+        return lambda qrow, srow, out, group_shift: decode(qrow, out)
     return None
 
 
@@ -392,10 +606,11 @@ DECODE_ONCE_TOKENS = 3
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, group_shift, scratch, act, out):
+def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, scratch, act, out):
     """x [T, Kp(hidden)] fp32, zero beyond hidden; slots [M] expert slots into the stacked weights;
     pairs tok_ptr[m]:tok_ptr[m+1] of expert m are tokens tok_idx[p] with weights tok_w[p];
-    gu_q/gu_s [E, 2I, ...] (gate rows then up rows), d_q/d_s [E, H, ...]; scratch [threads, 2, >= max
+    gu_q/gu_s [E, 2I, ...] (gate rows then up rows), d_q/d_s [E, H, ...], each in its own storage format
+    with its own group shift; scratch [threads, 2, >= max
     Kp] fp32 row buffers (one pair per thread: allocating them inside prange page-faulted and ran up to
     20x slower); act [P, Kp(inter)] fp32 scratch, zero beyond I (only act[:, :I] is written);
     out [T, H] fp32, accumulated into."""
@@ -417,16 +632,16 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, group_shif
             for i in range(c * ROWS_PER_CHUNK, min(inter, (c + 1) * ROWS_PER_CHUNK)):
                 gq, gsc, uq, usc = gu_q[e, i], gu_s[e, i], gu_q[e, inter + i], gu_s[e, inter + i]
                 if once:
-                    decode_row(gq, gsc, bg, group_shift)
-                    decode_row(uq, usc, bu, group_shift)
+                    decode_row(gq, gsc, bg, gu_shift)
+                    decode_row(uq, usc, bu, gu_shift)
                 for p in range(tok_ptr[m], tok_ptr[m + 1]):
                     xr, xsr = x[tok_idx[p]], xs[tok_idx[p]]
                     if once:
                         g = _f32_dot(bg, xr)
                         u = _f32_dot(bu, xr)
                     else:
-                        g = row_dot(gq, gsc, xr, xsr, group_shift)
-                        u = row_dot(uq, usc, xr, xsr, group_shift)
+                        g = row_dot(gq, gsc, xr, xsr, gu_shift)
+                        u = row_dot(uq, usc, xr, xsr, gu_shift)
                     act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * u
     acts = np.empty((act.shape[0], act.shape[1] // XS_BLOCK), np.float32)
     for p in range(act.shape[0]):
@@ -439,12 +654,12 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, group_shif
             for h in range(c * ROWS_PER_CHUNK, min(hidden, (c + 1) * ROWS_PER_CHUNK)):
                 dq, dsc = d_q[e, h], d_s[e, h]
                 if once:
-                    decode_row(dq, dsc, bd, group_shift)
+                    decode_row(dq, dsc, bd, d_shift)
                 for p in range(tok_ptr[m], tok_ptr[m + 1]):
                     if once:
                         v = _f32_dot(bd, act[p])
                     else:
-                        v = row_dot(dq, dsc, act[p], acts[p], group_shift)
+                        v = row_dot(dq, dsc, act[p], acts[p], d_shift)
                     out[tok_idx[p], h] += tok_w[p] * v
 
 

@@ -8,6 +8,10 @@ API (what the runtime calls):
     # or, streaming tensor by tensor (the loader / converted weights):
     moe.reserve_layer(layer_idx, n_experts, hidden, inter, cpu_experts=None)
     moe.set_expert(layer_idx, expert, gate[I, H], up[I, H], down[H, I])
+    # or a checkpoint's own encoding (FP8, GGUF blocks, compressed-tensors INT4: expert_sources.py):
+    moe.reserve_layer(layer_idx, ..., formats=(("FP8", 128), ("FP8", 128)))
+    gate_up, down = moe.slot_views(layer_idx, expert)       # the slot's storage, filled in place
+    moe.native_fill = fn(layer_idx, expert, gate_up, down)  # refills a slot on dynamic placement
     out = moe.forward(layer_idx, hidden[T, H], topk_ids[T, k], topk_weights[T, k], skip_mask[E])
     handle = moe.submit(...same args...);  ...GPU work...;  out = handle.wait()
     moe.warmup(); moe.nbytes(); moe.close()
@@ -20,8 +24,10 @@ CPU (e.g. on the GPU): it contributes nothing here. Only `cpu_experts` are store
 of GPU experts); selecting an expert that is neither stored nor masked raises KtliteError, since
 that means the placement and the mask disagree. Ids < 0 (padding) are ignored.
 
-Paths, per expert and call: an expert with fewer than `prefill_threshold` tokens (default per
-method, DEFAULT_PREFILL_THRESHOLD) runs in the fused GEMV kernel (kernels.py: vector row dots straight
+Each layer keeps its own storage formats (quant.py: INT4/INT8/BF16 quantized by ktlite, or FP8 / GGUF
+blocks as a checkpoint ships them; gate_up and down may differ, e.g. GGUF Q4_K and Q6_K); the kernels
+dispatch on the stored dtype. Paths, per expert and call: an expert with fewer than `prefill_threshold`
+tokens (default per method, DEFAULT_PREFILL_THRESHOLD) runs in the fused GEMV kernel (kernels.py: vector row dots straight
 from the stored bytes, fp32 math on the exact dequantized weights; decode is always this path); one
 with more is dequantized once (into per-thread buffers reused across experts and calls) and runs
 torch.matmul in `prefill_dtype` (gemm.py; bf16 is the fast choice, fp32 the exact one); those experts
@@ -40,7 +46,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -51,6 +57,7 @@ import torch
 from ktlite.errors import KtliteError
 from ktlite.kernels.cpu import gemm, kernels
 from ktlite.kernels.cpu.quant import (
+    QUANTIZED_METHODS,
     QuantizedWeight,
     check_group_size,
     dequantize,
@@ -65,9 +72,12 @@ logger = logging.getLogger(__name__)
 # tokens per expert from which dequantize + oneDNN beats the GEMV kernel (one V2-Lite expert, 2 cores:
 # INT4 4 tokens 1.7 ms GEMV vs 1.9 ms, 6 tokens 2.6 vs 2.1 ms; the vectorized dequantize costs about one
 # T=1 GEMV, while the kernel's per-token fp32 dots run ~10x fewer FLOP/s than oneDNN's bf16 GEMM)
-DEFAULT_PREFILL_THRESHOLD = {"INT4": 5, "INT8": 5, "BF16": 4}
+DEFAULT_PREFILL_THRESHOLD = {"INT4": 5, "INT8": 5, "BF16": 4, "FP8": 5, "RAWINT4": 5, "LLAMAFILE": 4}
 # (token, expert) pairs per batch of the matmul path: bounds its buffers (V3: 4096 x 7168 bf16 = 58 MB)
 PAIR_BATCH = 4096
+Format = tuple[str, int]  # (storage format, group size) of a stored matrix, as quant.empty_quantized takes them
+# fills a slot with an expert in the checkpoint's own encoding: (layer, expert, gate_up view, down view)
+NativeFill = Callable[[int, int, QuantizedWeight, QuantizedWeight], None]
 
 
 @dataclass
@@ -82,9 +92,6 @@ class ExpertLayer:
     pool_of: np.ndarray  # [S] pool that owns each slot
     gate_up: QuantizedWeight  # [S, 2I, H]: gate rows then up rows
     down: QuantizedWeight  # [S, H, I]
-
-    def kp(self, qw: QuantizedWeight) -> int:
-        return qw.scales.shape[-1] * qw.group_size if qw.method != "BF16" else qw.k
 
     def nbytes(self) -> int:
         return self.gate_up.nbytes() + self.down.nbytes()
@@ -156,7 +163,9 @@ class CPUMoE:
     ):
         self.method = normalize_kt_method(method)
         self.group_size = check_group_size(self.method, group_size)
-        self._group_shift = group_size.bit_length() - 1
+        # methods that keep a checkpoint's own encoding are filled through slot_views by an expert source,
+        # which also sets native_fill so dynamic placement refills a slot the same way
+        self.native_fill: NativeFill | None = None
         if prefill_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"prefill_dtype must be torch.bfloat16 or torch.float32, got {prefill_dtype}")
         self.prefill_threshold = DEFAULT_PREFILL_THRESHOLD[self.method] if prefill_threshold is None else prefill_threshold
@@ -168,23 +177,31 @@ class CPUMoE:
 
     # ---- storing experts ----
     def reserve_layer(
-        self, layer_idx: int, n_experts: int, hidden: int, inter: int, cpu_experts: Sequence[int] | None = None
+        self, layer_idx: int, n_experts: int, hidden: int, inter: int, cpu_experts: Sequence[int] | None = None,
+        formats: tuple[Format, Format] | None = None,
     ) -> ExpertLayer:
-        """Allocate (zeroed) storage for the CPU experts of a layer, to be filled by set_expert."""
-        self.layers[layer_idx] = self._new_layer(n_experts, hidden, inter, cpu_experts)
+        """Allocate (zeroed) storage for the CPU experts of a layer, to be filled by set_expert, or, with
+        `formats` ((format, group) of gate_up and of down), through slot_views."""
+        self.layers[layer_idx] = self._new_layer(n_experts, hidden, inter, cpu_experts, formats)
         return self.layers[layer_idx]
 
-    def _new_layer(self, n_experts: int, hidden: int, inter: int, cpu_experts: Sequence[int] | None) -> ExpertLayer:
+    def _new_layer(self, n_experts: int, hidden: int, inter: int, cpu_experts: Sequence[int] | None,
+                   formats: tuple[Format, Format] | None = None) -> ExpertLayer:
         experts = np.arange(n_experts) if cpu_experts is None else np.unique(np.asarray(cpu_experts, np.int64))
         if experts.size and (experts[0] < 0 or experts[-1] >= n_experts):
             raise ValueError(f"cpu_experts must lie in [0, {n_experts}), got {experts.tolist()}")
+        if formats is None:
+            if self.method not in QUANTIZED_METHODS:
+                raise KtliteError(f"--kt-method {self.method} keeps the checkpoint's encoding: reserve_layer needs "
+                                  "its formats (see ktlite/runtime/expert_sources.py)")
+            formats = ((self.method, self.group_size),) * 2
         slot_of = np.full(n_experts, -1, np.int64)
         slot_of[experts] = np.arange(experts.size)
         s = experts.size
         return ExpertLayer(
             n_experts, hidden, inter, experts, slot_of, np.arange(s) % self.pools.count,
-            empty_quantized(self.method, self.group_size, (s,), 2 * inter, hidden),
-            empty_quantized(self.method, self.group_size, (s,), hidden, inter),
+            empty_quantized(*formats[0], (s,), 2 * inter, hidden),
+            empty_quantized(*formats[1], (s,), hidden, inter),
         )
 
     def set_expert(self, layer_idx: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
@@ -194,9 +211,16 @@ class CPUMoE:
     @staticmethod
     def _fill(layer: ExpertLayer, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         slot = int(layer.slot_of[expert])
-        if slot >= 0:
-            quantize_into(layer.gate_up, (slot,), torch.cat([gate, up], dim=0))
+        if slot >= 0:  # gate and up straight into their halves of the stack: no concatenated copy
+            quantize_into(layer.gate_up, (slot, slice(0, layer.inter)), gate)
+            quantize_into(layer.gate_up, (slot, slice(layer.inter, 2 * layer.inter)), up)
             quantize_into(layer.down, (slot,), down)
+
+    def slot_views(self, layer_idx: int, expert: int) -> tuple[QuantizedWeight, QuantizedWeight] | None:
+        """(gate_up [2I, H], down [H, I]) storage of an expert's slot, to fill in place; None if not on CPU."""
+        layer = self._layer(layer_idx)
+        slot = int(layer.slot_of[expert])
+        return None if slot < 0 else (layer.gate_up[slot], layer.down[slot])
 
     def add_layer(
         self,
@@ -224,7 +248,10 @@ class CPUMoE:
             raise KtliteError(f"layer {layer_idx}: expert {old} is already on CPU")
         layer.slot_of[new], layer.slot_of[old] = -1, slot
         layer.experts[slot] = old
-        self._fill(layer, old, gate, up, down)
+        if self.native_fill is not None:  # the checkpoint's own encoding, not a re-quantization
+            self.native_fill(layer_idx, old, layer.gate_up[slot], layer.down[slot])
+        else:
+            self._fill(layer, old, gate, up, down)
 
     def dequantized_expert(self, layer_idx: int, expert: int,
                            dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,9 +261,7 @@ class CPUMoE:
         slot = int(layer.slot_of[expert])
         if slot < 0:
             raise KtliteError(f"layer {layer_idx}: expert {expert} is not on CPU")
-        gu, dn = layer.gate_up, layer.down
-        sub = lambda qw: QuantizedWeight(qw.method, qw.group_size, qw.k, qw.qweight[slot], qw.scales[slot])
-        return dequantize(sub(gu)).to(dtype), dequantize(sub(dn)).to(dtype)
+        return dequantize(layer.gate_up[slot]).to(dtype), dequantize(layer.down[slot]).to(dtype)
 
     def _layer(self, layer_idx: int) -> ExpertLayer:
         if layer_idx not in self.layers:
@@ -289,11 +314,12 @@ class CPUMoE:
         if light.slots.size:
             gu, dn = layer.gate_up, layer.down
             # the row kernels read whole padded rows: x and act get zero columns up to Kp
-            xp = np.zeros((x.shape[0], layer.kp(gu)), np.float32)
+            xp = np.zeros((x.shape[0], gu.kp), np.float32)
             xp[:, :layer.hidden] = x.float().numpy()
-            act = np.zeros((light.tok_idx.size, layer.kp(dn)), np.float32)
+            act = np.zeros((light.tok_idx.size, dn.kp), np.float32)
             kernels.moe_rows(xp, light.slots, light.tok_ptr, light.tok_idx, light.tok_w, gu.qweight, gu.scales,
-                             dn.qweight, dn.scales, self._group_shift, self._scratch(layer), act, out.numpy())
+                             dn.qweight, dn.scales, gu.group_shift, dn.group_shift, self._scratch(layer), act,
+                             out.numpy())
         if heavy.any():
             self._run_matmul(layer, work.select(heavy), x.to(self.prefill_dtype), out)
         return out
@@ -306,7 +332,7 @@ class CPUMoE:
         gu, dn = layer.gate_up, layer.down
         inter, hidden, dtype = layer.inter, layer.hidden, self.prefill_dtype
         scratch = self._scratch(layer)
-        weight = None if self.method == "BF16" else self._buffer("weight", 2 * inter * hidden)
+        weight = None if gu.method == "BF16" else self._buffer("weight", 2 * inter * hidden)
         for batch in w.batches(PAIR_BATCH):
             idx = torch.from_numpy(batch.tok_idx)
             pairs = idx.numel()
@@ -327,12 +353,12 @@ class CPUMoE:
         """Each expert's rows of `res` = its rows of `inp` @ its stored matrix of `qw`, transposed."""
         for m, slot in enumerate(batch.slots.tolist()):
             lo, hi = batch.tok_ptr[m], batch.tok_ptr[m + 1]
-            gemm.stored_matmul(inp[lo:hi], qw.qweight[slot], qw.scales[slot], self._group_shift, layer.kp(qw), qw.k,
+            gemm.stored_matmul(inp[lo:hi], qw.qweight[slot], qw.scales[slot], qw.group_shift, qw.kp, qw.k,
                                scratch, weight, res[lo:hi])
 
     def _scratch(self, layer: ExpertLayer) -> np.ndarray:
         # one pair of fp32 row buffers per numba thread, per calling (pool) thread, reused across calls
-        size = max(layer.kp(layer.gate_up), layer.kp(layer.down))
+        size = max(layer.gate_up.kp, layer.down.kp)
         key = threading.get_ident()
         buf = self._scratch_bufs.get(key)
         if buf is None or buf.shape[2] < size:
@@ -349,22 +375,24 @@ class CPUMoE:
         return buf[:size]
 
     def warmup(self) -> None:
-        """Compile (or load from numba's cache) and run both paths once in every pool."""
-        h = i = 2 * self.group_size
-        g = torch.Generator().manual_seed(0)
-        layer = self._new_layer(2, h, i, None)
-        for e in range(2):
-            self._fill(layer, e, torch.randn(i, h, generator=g), torch.randn(i, h, generator=g),
-                       torch.randn(h, i, generator=g))
+        """Compile (or load from numba's cache) and run both paths once in every pool, for every pair of
+        storage formats the layers hold (the kernels specialise on them)."""
+        formats = {((l.gate_up.method, l.gate_up.group_size), (l.down.method, l.down.group_size))
+                   for l in self.layers.values()}
+        if not formats and self.method in QUANTIZED_METHODS:
+            formats = {((self.method, self.group_size),) * 2}
+        size = 256  # a whole GGUF block and two groups of any group size
         t = max(self.prefill_threshold, 1)
-        x = torch.randn(t, h, generator=g)
+        x = torch.randn(t, size, generator=torch.Generator().manual_seed(0))
         ids = torch.zeros(t, 2, dtype=torch.int64)
         ids[0, 1] = 1  # expert 0 gets every token (matmul path), expert 1 one token (GEMV kernel)
-        work = self._route(layer, ids, torch.ones(t, 2), None)
-        for p in range(self.pools.count):
-            for w in work:
-                if w.slots.size:
-                    self.pools.submit(p, self._run_pool, layer, w, x).result()
+        for pair in sorted(formats):
+            layer = self._new_layer(2, size, size, None, pair)  # zero weights: compiling is the point
+            work = self._route(layer, ids, torch.ones(t, 2), None)
+            for p in range(self.pools.count):
+                for w in work:
+                    if w.slots.size:
+                        self.pools.submit(p, self._run_pool, layer, w, x).result()
 
     def close(self) -> None:
         self.pools.close()

@@ -1,21 +1,25 @@
-"""Weight formats of the CPU experts: method names, group-wise INT8/INT4 quantization, BF16.
+"""Weight formats of the CPU experts, `--kt-method` names, group-wise INT8/INT4 quantization.
 
 Weights are torch-Linear shaped `[..., N_out, K_in]` (leading dims stack experts). Every format is
-row-major along K so a kernel streams one output row front to back:
+row-major along K so a kernel streams one output row front to back; `QuantizedWeight.method` names
+the format:
 
 - INT8: `qweight` int8 `[..., N, Kp]`, `scales` fp32 `[..., N, Kp / G]`; w = q * s, q in [-127, 127].
 - INT4: `qweight` uint8 `[..., N, Kp / 2]`, `scales` as INT8; w = (nibble - 8) * s. Inside each chunk
   of 128 weights (64 bytes), byte j holds k = j (low nibble) and k = j + 64 (high nibble), so both
   halves decode into contiguous runs (2-3x faster than adjacent nibbles, see MEASURED.md) and the
   layout does not depend on G.
-- BF16: `qweight` uint16 (bf16 bit patterns) `[..., N, Kp]`, no scales.
+- BF16: `qweight` uint16 (bf16 bit patterns) `[..., N, K]`, no scales.
+- FP8: e4m3 bytes with fp32 scales per row and group (fp8.py), as block- or channel-scaled FP8
+  checkpoints ship them.
+- Q4_K, Q5_K, Q6_K, Q8_0: GGUF blocks as llama.cpp stores them (gguf_quants.py).
 
-Kp is K rounded up to a multiple of max(G, 64) (INT8) or max(G, 128) (INT4), zero padded (the
-kernels decode fixed 64-byte chunks), so any K works.
+Kp is K rounded up to a multiple of max(G, 64) (INT8, FP8) or max(G, 128) (INT4), zero padded (the
+kernels decode fixed 64-byte chunks), so any K works; GGUF rows are whole blocks.
 
 INT4 scales are chosen per group to minimise the squared error over a few candidates around the
-"largest |w| maps to -8" scale: on gaussian weights that is ~9.0 % relative error at G=64 (8.1 % at
-G=32) against 15 % for one scale per output row.
+"largest |w| maps to -8" scale (quantizer.py): on gaussian weights that is ~9.0 % relative error at
+G=64 (8.1 % at G=32) against 15 % for one scale per output row.
 """
 
 from __future__ import annotations
@@ -24,26 +28,31 @@ import functools
 import logging
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 
-from ktlite.errors import ConfigError
+from ktlite.errors import ConfigError, KtliteError
+from ktlite.kernels.cpu.fp8 import E4M3
+from ktlite.kernels.cpu.gguf_quants import BLOCKS, block_weights, is_gguf_format
+from ktlite.kernels.cpu.quantizer import quantize_rows
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("INT4", "INT8", "BF16")
-# KTransformers' --kt-method names and the ktlite format that serves each of them
+# --kt-method values, KTransformers' names: what ktlite stores for each (README "--kt-method")
+METHODS = ("INT4", "INT8", "BF16", "FP8", "RAWINT4", "LLAMAFILE")
+# methods whose weights ktlite quantizes (or widens) from float tensors; the others keep a checkpoint's
+# own encoding and are filled by ktlite/runtime/expert_sources.py
+QUANTIZED_METHODS = ("INT4", "INT8", "BF16")
 METHOD_ALIASES = {
     "AMXINT4": "INT4",
     "MOE_INT4": "INT4",
-    "RAWINT4": "INT4",
-    "LLAMAFILE": "INT4",
     "AMXINT8": "INT8",
     "MOE_INT8": "INT8",
-    "FP8": "INT8",  # group-wise INT8 is at least as accurate as FP8 e4m3 at the same byte per weight
+    "FP8_PERCHANNEL": "FP8",  # the checkpoint's scale tensors say whether they are per block or channel
 }
 GROUP_SIZES = (32, 64, 128)
-_INT4_DIVISORS = (7.0, 7.5, 8.0, 8.5, 9.0, 9.5, 10.0)  # candidate scales: max|w| / d
+RAWINT4_GROUP = 32  # the group of the compressed-tensors INT4 checkpoints RAWINT4 reads
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,7 +62,7 @@ def _log_alias(name: str, method: str) -> None:
 
 
 def normalize_kt_method(name: str) -> str:
-    """A `--kt-method` value (ktlite or KTransformers spelling, any case) -> "INT4" | "INT8" | "BF16"."""
+    """A `--kt-method` value (ktlite or KTransformers spelling, any case) -> one of METHODS."""
     key = str(name).strip().upper()
     if key in METHODS:
         return key
@@ -65,7 +74,7 @@ def normalize_kt_method(name: str) -> str:
 
 
 def check_group_size(method: str, group_size: int) -> int:
-    if method != "BF16" and group_size not in GROUP_SIZES:
+    if method in ("INT4", "INT8") and group_size not in GROUP_SIZES:
         raise ConfigError(f"group size {group_size} is not supported; use one of {GROUP_SIZES}")
     return group_size
 
@@ -75,101 +84,122 @@ INT8_CHUNK = 64
 
 
 def padded_k(k: int, method: str, group_size: int) -> int:
-    if method == "BF16":
+    """Stored row length (in weights) of a K-wide row in format `method`."""
+    if method == "BF16" or is_gguf_format(method):
         return k
     step = max(group_size, INT4_CHUNK if method == "INT4" else INT8_CHUNK)
     return -(-k // step) * step
+
+
+def matrix_bytes(method: str, group_size: int, n: int, k: int) -> int:
+    """RAM of one [n, k] matrix in storage format `method` (a GGUF type, or INT4/INT8/BF16/FP8)."""
+    if is_gguf_format(method):
+        dtype, qk = BLOCKS[method]
+        return n * (k // qk) * dtype.itemsize
+    kp = padded_k(k, method, group_size)
+    if method == "BF16":
+        return n * k * 2
+    return n * (kp // 2 if method == "INT4" else kp) + n * (kp // group_size) * 4
 
 
 @dataclass
 class QuantizedWeight:
     """One matrix `[N, K]` or a stack of them `[..., N, K]` in one of the formats above."""
 
-    method: str
-    group_size: int
-    k: int  # logical input size (qweight may be padded to a multiple of group_size)
+    method: str  # the storage format: INT4, INT8, BF16, FP8 or a GGUF type
+    group_size: int  # weights per scale (GGUF: per block)
+    k: int  # logical input size (qweight may be padded to kp)
     qweight: np.ndarray
-    scales: np.ndarray  # fp32 [..., N, Kp / G]; shape [..., N, 0] for BF16
+    scales: np.ndarray  # fp32 [..., N, Kp / G]; [..., N, 0] for BF16 and GGUF (scales inside the blocks)
 
     @property
     def shape(self) -> tuple[int, ...]:
         return (*self.qweight.shape[:-1], self.k)
 
+    @property
+    def kp(self) -> int:
+        """Stored row length in weights (what a kernel's input vector must be padded to)."""
+        return padded_k(self.k, self.method, self.group_size)
+
+    @property
+    def group_shift(self) -> int:
+        """log2 of the group size, as the kernels take it (GGUF blocks carry their own scales: 0)."""
+        return 0 if is_gguf_format(self.method) or self.method == "BF16" else self.group_size.bit_length() - 1
+
     def nbytes(self) -> int:
         return self.qweight.nbytes + self.scales.nbytes
 
+    def __getitem__(self, index) -> QuantizedWeight:
+        """The matrices at `index` of the leading (stacking) dims, as views."""
+        return QuantizedWeight(self.method, self.group_size, self.k, self.qweight[index], self.scales[index])
+
 
 def empty_quantized(method: str, group_size: int, lead: tuple[int, ...], n: int, k: int) -> QuantizedWeight:
-    """Zero-filled storage for `lead` stacked `[n, k]` matrices, to be filled by `quantize_into`."""
+    """Zero-filled storage for `lead` stacked `[n, k]` matrices in storage format `method`."""
     kp = padded_k(k, method, group_size)
+    ngroups = kp // group_size
     if method == "INT8":
         q = np.zeros((*lead, n, kp), np.int8)
     elif method == "INT4":
         q = np.full((*lead, n, kp // 2), 0x88, np.uint8)  # nibble 8 encodes zero
-    else:
+    elif method == "FP8":
+        q = np.zeros((*lead, n, kp), E4M3)
+    elif is_gguf_format(method):
+        if k % block_weights(method):
+            raise KtliteError(f"{method} rows hold whole {block_weights(method)}-weight blocks; K = {k} is not a multiple")
+        q = np.zeros((*lead, n, k // block_weights(method)), BLOCKS[method][0])
+        ngroups = 0
+    elif method == "BF16":
         q = np.zeros((*lead, n, kp), np.uint16)
-    ngroups = kp // group_size if method != "BF16" else 0
+        ngroups = 0
+    else:
+        raise KtliteError(f"unknown CPU expert storage format {method!r}")
     return QuantizedWeight(method, group_size, k, q, np.zeros((*lead, n, ngroups), np.float32))
 
 
-def _group_scales_int8(g: torch.Tensor) -> torch.Tensor:
-    return g.abs().amax(-1, keepdim=True) / 127.0
-
-
-def _group_scales_int4(g: torch.Tensor) -> torch.Tensor:
-    # signed value of largest magnitude; scale = it / -d so it lands on (or near) -8
-    peak = g.gather(-1, g.abs().argmax(-1, keepdim=True))
-    best_scale, best_err = None, None
-    for d in _INT4_DIVISORS:
-        s = peak / -d
-        safe = torch.where(s == 0, torch.ones_like(s), s)
-        err = ((g / safe).round().clamp(-8, 7) * s - g).square().sum(-1, keepdim=True)
-        if best_err is None:
-            best_scale, best_err = s, err
-        else:
-            better = err < best_err
-            best_scale, best_err = torch.where(better, s, best_scale), torch.where(better, err, best_err)
-    return best_scale
-
-
 def quantize(w: torch.Tensor, method: str, group_size: int = 64) -> QuantizedWeight:
-    """`w [..., N, K]` (any float dtype) -> QuantizedWeight."""
+    """`w [..., N, K]` (any float dtype) -> QuantizedWeight in INT4, INT8 or BF16."""
     out = empty_quantized(method, group_size, tuple(w.shape[:-2]), w.shape[-2], w.shape[-1])
     quantize_into(out, (), w)
     return out
 
 
+def _source_rows(w: torch.Tensor) -> np.ndarray:
+    """`w [..., N, K]` as numpy rows [R, K] the quantizer reads: bf16 as its bits (no fp32 copy), else fp32."""
+    w = w.detach().cpu().contiguous()
+    if w.dtype == torch.bfloat16:
+        return w.view(torch.int16).numpy().view(np.uint16).reshape(-1, w.shape[-1])
+    return w.to(torch.float32).numpy().reshape(-1, w.shape[-1])
+
+
 def quantize_into(dst: QuantizedWeight, index: tuple, w: torch.Tensor) -> None:
-    """Quantize `w [..., N, K]` into `dst.qweight[index]` / `dst.scales[index]` (in place)."""
-    method, gsz = dst.method, dst.group_size
-    if tuple(w.shape[-2:]) != (dst.qweight.shape[-2], dst.k):
-        raise ValueError(f"weight shape {tuple(w.shape)} does not match storage {dst.shape}")
-    w = w.detach().to(torch.float32)
-    if method == "BF16":
-        dst.qweight[index] = w.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    """Quantize `w [..., N, K]` into `dst.qweight[index]` / `dst.scales[index]` (in place); `index` may
+    select rows too, e.g. (slot, slice(0, I)) for the gate half of a gate_up stack."""
+    target = dst[index]
+    if tuple(w.shape[-2:]) != (target.qweight.shape[-2], dst.k):
+        raise ValueError(f"weight shape {tuple(w.shape)} does not match storage {target.shape}")
+    if dst.method == "BF16":
+        target.qweight[...] = w.detach().to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
         return
-    kp = dst.qweight.shape[-1] * (2 if method == "INT4" else 1)
-    if kp != w.shape[-1]:
-        w = torch.nn.functional.pad(w, (0, kp - w.shape[-1]))
-    g = w.reshape(*w.shape[:-1], kp // gsz, gsz)
-    if method == "INT8":
-        s = _group_scales_int8(g)
-        q = (g / torch.where(s == 0, torch.ones_like(s), s)).round().clamp(-127, 127).to(torch.int8)
-        dst.qweight[index] = q.reshape(w.shape).numpy()
-    else:
-        s = _group_scales_int4(g)
-        q = (g / torch.where(s == 0, torch.ones_like(s), s)).round().clamp(-8, 7).to(torch.int32) + 8
-        q = q.reshape(*w.shape[:-1], kp // INT4_CHUNK, 2, INT4_CHUNK // 2)
-        packed = (q[..., 0, :] | (q[..., 1, :] << 4)).to(torch.uint8)
-        dst.qweight[index] = packed.reshape(*w.shape[:-1], kp // 2).numpy()
-    dst.scales[index] = s.squeeze(-1).numpy()
+    if dst.method not in ("INT4", "INT8"):
+        raise KtliteError(f"{dst.method} experts keep the checkpoint's own encoding; they are not quantized by ktlite")
+    q, s = target.qweight, target.scales
+    contiguous = q.flags.c_contiguous and s.flags.c_contiguous
+    q_rows = q.reshape(-1, q.shape[-1]) if contiguous else np.empty((w[..., 0].numel(), q.shape[-1]), q.dtype)
+    s_rows = s.reshape(-1, s.shape[-1]) if contiguous else np.empty((q_rows.shape[0], s.shape[-1]), s.dtype)
+    quantize_rows(_source_rows(w), dst.method, dst.group_size, q_rows, s_rows)
+    if not contiguous:
+        q[...] = q_rows.reshape(q.shape)
+        s[...] = s_rows.reshape(s.shape)
 
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     """QuantizedWeight -> fp32 `[..., N, K]` (the exact values the kernels compute with)."""
-    q = torch.from_numpy(qw.qweight)
+    q = torch.from_numpy(qw.qweight) if qw.method in QUANTIZED_METHODS else None
     if qw.method == "BF16":
         return q.view(torch.bfloat16).float()
+    if q is None:  # FP8 and GGUF: the kernels' own decoder (bit-exact e4m3 * scale; ggml's block math)
+        return _dequantize_native(qw)
     lead_n = q.shape[:-1]
     gsz = qw.group_size
     if qw.method == "INT8":
@@ -179,6 +209,17 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
         vals = torch.cat([(nib & 15) - 8, (nib >> 4) - 8], dim=-1).to(torch.float32)
     g = vals.reshape(*lead_n, -1, gsz) * torch.from_numpy(qw.scales)[..., None]
     return g.reshape(*lead_n, -1)[..., : qw.k]
+
+
+def _dequantize_native(qw: QuantizedWeight) -> torch.Tensor:
+    from ktlite.kernels.cpu.kernels import dequant_rows_f32  # numba code: compiled on first use only
+
+    q = np.ascontiguousarray(qw.qweight).reshape(-1, qw.qweight.shape[-1])
+    s = np.ascontiguousarray(qw.scales).reshape(q.shape[0], qw.scales.shape[-1])
+    out = np.empty((q.shape[0], qw.k), np.float32)
+    scratch = np.empty((numba.config.NUMBA_NUM_THREADS, 2, qw.kp), np.float32)
+    dequant_rows_f32(q, s, qw.group_shift, qw.kp, scratch, out)
+    return torch.from_numpy(out).reshape(qw.shape)
 
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:

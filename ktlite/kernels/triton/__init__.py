@@ -25,7 +25,9 @@ from ktlite.kernels.triton.quant import QuantizedWeight, dequantize_expert, quan
 from ktlite.kernels.triton.reference import (
     fp8_dequantize,
     fp8_linear_torch,
+    causal_conv1d_batch_torch,
     fused_moe_torch,
+    gated_delta_rule_batch_torch,
     gqa_decode_torch,
     gqa_extend_torch,
     mla_decode_torch,
@@ -40,7 +42,9 @@ __all__ = [
     "dequantize_expert",
     "fp8_dequantize",
     "fp8_linear",
+    "causal_conv1d",
     "fused_moe",
+    "gated_delta_rule",
     "gqa_decode",
     "gqa_extend",
     "interpreted",
@@ -209,3 +213,25 @@ def sparse_mla(q: torch.Tensor, kv_buffer: torch.Tensor, topk_slots: torch.Tenso
     if use_triton(q):
         return _kernels("sparse_mla_attn").sparse_mla_triton(q, kv_buffer, topk_slots, sm_scale, kv_lora_rank)
     return sparse_mla_torch(q, kv_buffer, topk_slots, sm_scale, kv_lora_rank)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     states: torch.Tensor, rows: torch.Tensor, extend_lens: torch.Tensor, reset: torch.Tensor,
+                     chunk: int = 64) -> torch.Tensor:
+    """Gated delta rule (Gated DeltaNet) over a packed batch; see reference.gated_delta_rule_batch_torch.
+    q, k [N, H, dk], v [N, H, dv], g, beta [N, H]; states [R, H, dk, dv] fp32 updated in place at rows [B]
+    (zeroed first where reset [B]); extend_lens [B] -> [N, H, dv]. Chunked form (chunks of `chunk`) for
+    any length; one token is the recurrent step. `chunk` steers the twin only (the result does not depend on
+    it); the Triton path runs token by token for decode batches, else in chunks of 64."""
+    if use_triton(q):
+        return _kernels("gated_delta_attn").gated_delta_rule_triton(q, k, v, g, beta, states, rows, extend_lens, reset)
+    return gated_delta_rule_batch_torch(q, k, v, g, beta, states, rows, extend_lens, reset, chunk)
+
+
+def causal_conv1d(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor,
+                  extend_lens: torch.Tensor, reset: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv1d + SiLU over a packed batch, continuing each sequence's rolling state
+    conv_states [R, C, W-1] (updated in place at rows [B], zeroed first where reset). x [N, C], weight [C, W]."""
+    if use_triton(x):
+        return _kernels("causal_conv_attn").causal_conv1d_triton(x, conv_states, weight, rows, extend_lens, reset)
+    return causal_conv1d_batch_torch(x, conv_states, weight, rows, extend_lens, reset)

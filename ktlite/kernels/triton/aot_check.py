@@ -5,10 +5,11 @@ sm80, tl.dot shapes, shared memory beyond the SM's limit). Triton ships ptxas, s
 ttir -> ptx -> cubin pipeline runs on a CPU box; this is what the tests call in a subprocess
 (TRITON_INTERPRET must be unset there, or triton.jit hands out interpreted functions).
 
-    python -m ktlite.kernels.triton.aot_check [--only mla|sparse_mla|gqa|moe|fp8] [--arch 80 90]
+    python -m ktlite.kernels.triton.aot_check [--only mla|sparse_mla|gqa|moe|fp8|linear] [--arch 80 90]
 
 Configurations mirror the wrappers' GPU defaults at the largest MLA model's sizes (hidden 7168, 128 heads);
-GQA at head_dim 128 with groups of 8 to 16 query heads per kv head, bf16 and fp8 pools.
+GQA at head_dim 128 with groups of 8 to 16 query heads per kv head, bf16 and fp8 pools; the Gated
+DeltaNet kernels at Qwen3-Next's linear-attention sizes.
 """
 
 import argparse
@@ -22,6 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ktlite.kernels.triton import decode_attn, extend_attn, fp8, gqa_decode_attn, gqa_extend_attn, moe, sparse_mla_attn
+from ktlite.kernels.triton import causal_conv_attn, gated_delta_attn
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ def configs(dt: str = "bf16") -> list[KernelConfig]:
                                 sparse_mla_attn._sparse_mla_kernel, dict(mla, TopK="*i64", O=dst, Lse=dst),
                                 dict(dims, BLOCK_H=16, BLOCK_N=32, SPLIT=split), floats=("qk_scale",)))
     out += gqa_configs(dt)
+    out += linear_attn_configs(dt)
     for bits, w_ty, s_ty in ((16, dt, dt), (8, "i8", "fp16"), (4, "u8", "fp16")):
         for gated in (True, False):
             for block_m in (16, 64):
@@ -117,6 +120,27 @@ def gqa_configs(dt: str) -> list[KernelConfig]:
     return out
 
 
+def linear_attn_configs(dt: str) -> list[KernelConfig]:
+    """Gated DeltaNet layers (dk = dv = 128, conv width 4 over 8192 channels): the gated delta rule's
+    recurrent and chunked kernels and the causal conv1d, with int64 index tensors."""
+    ints = {name: "*i64" for name in ("Rows", "Starts", "Lens")}
+    ptrs = {"Q": f"*{dt}", "K": f"*{dt}", "V": f"*{dt}", "Gate": "*fp32", "Beta": f"*{dt}", "States": "*fp32",
+            "Reset": "*i32", "Out": f"*{dt}", "ChunkStart": "*i64", "ChunkLen": "*i32", "W": f"*{dt}", "U": f"*{dt}",
+            "Gcum": "*fp32", **ints}
+    dims = dict(DK=128, DV=128, BLOCK_K=128)
+    conv = {"X": f"*{dt}", "States": f"*{dt}", "Weight": f"*{dt}", "Reset": "*i32", "Out": f"*{dt}", **ints}
+    return [
+        KernelConfig("linear", "gated delta recurrent", gated_delta_attn._recurrent_kernel, ptrs,
+                     dict(dims, BLOCK_V=64), floats=("scale",)),
+        KernelConfig("linear", "gated delta chunk prep", gated_delta_attn._chunk_prep_kernel, ptrs,
+                     dict(dims, BLOCK_DV=128)),
+        KernelConfig("linear", "gated delta chunk state", gated_delta_attn._chunk_state_kernel, ptrs,
+                     dict(dims, BLOCK_V=64, BLOCK_C=gated_delta_attn.CHUNK), num_warps=8, floats=("scale",)),
+        KernelConfig("linear", "causal conv1d", causal_conv_attn._conv_kernel, conv,
+                     dict(C=8192, WIDTH=4, BLOCK_T=16, BLOCK_C=128, BLOCK_S=4)),
+    ]
+
+
 def compile_config(cfg: KernelConfig, arch: int) -> int:
     """Compile cfg for sm{arch}; returns shared memory bytes, raises if it does not fit."""
     if not isinstance(cfg.fn, triton.runtime.jit.JITFunction):
@@ -134,7 +158,7 @@ def compile_config(cfg: KernelConfig, arch: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("mla", "sparse_mla", "gqa", "moe", "fp8"))
+    parser.add_argument("--only", choices=("mla", "sparse_mla", "gqa", "moe", "fp8", "linear"))
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90])
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     args = parser.parse_args(argv)

@@ -212,3 +212,84 @@ def sparse_mla_torch(q: torch.Tensor, kv_buffer: torch.Tensor, topk_slots: torch
         probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1).nan_to_num(0.0)
         out[s0 : s0 + block] = torch.einsum("nhk,nkc->nhc", probs, kv[..., :kv_lora_rank]).to(q.dtype)
     return out
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def gated_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           state: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule over one sequence, in chunks (the linear-attention layers of Gated DeltaNet).
+
+    q, k [T, H, dk] (L2-normalised here, q also scaled by dk^-0.5), v [T, H, dv], g [T, H] log decay
+    (<= 0), beta [T, H], state [H, dk, dv] fp32 (the recurrent state before token 0) -> (out [T, H, dv] in
+    v's dtype, state after the last token). Token by token:
+        S <- exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T q_t.
+    Inside a chunk with G_t = g_1 + ... + g_t, the corrections u solve the unit lower-triangular system
+        u_t + beta_t sum_{i<t} e^{G_t - G_i} (k_t . k_i) u_i = beta_t (v_t - e^{G_t} S_0^T k_t),
+    then o_t = e^{G_t} S_0^T q_t + sum_{i<=t} e^{G_t - G_i} (q_t . k_i) u_i and
+    S_C = e^{G_C} S_0 + sum_i e^{G_C - G_i} k_i u_i^T. One token is the recurrent form."""
+    q = _l2norm(q.float()) * q.shape[-1] ** -0.5
+    k, v, g, beta = _l2norm(k.float()), v.float(), g.float(), beta.float()
+    s = state.float()
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for c0 in range(0, q.shape[0], chunk):
+        qc, kc, vc = (t[c0 : c0 + chunk].transpose(0, 1) for t in (q, k, v))  # [H, C, d]
+        gc, bc = g[c0 : c0 + chunk].t(), beta[c0 : c0 + chunk].t()  # [H, C]
+        cum = gc.cumsum(-1)
+        n = cum.shape[-1]
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~lower, float("-inf")).exp()  # e^{G_t - G_i}, i <= t
+        strictly_lower = (bc[:, :, None] * (kc @ kc.transpose(1, 2)) * decay).tril(-1)
+        system = strictly_lower + torch.eye(n, device=q.device)
+        rhs = bc[..., None] * (vc - cum.exp()[..., None] * (kc @ s))
+        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [H, C, dv]
+        out[c0 : c0 + chunk] = (cum.exp()[..., None] * (qc @ s) + ((qc @ kc.transpose(1, 2)) * decay) @ u).transpose(0, 1)
+        tail = (cum[:, -1:] - cum).exp()  # e^{G_C - G_i}
+        s = cum[:, -1].exp()[:, None, None] * s + (kc * tail[..., None]).transpose(1, 2) @ u
+    return out.to(v.dtype), s
+
+
+def causal_conv1d_torch(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU over one sequence continuing from its rolling state.
+    x [T, C], conv_state [C, W-1] (the previous W-1 inputs, oldest first), weight [C, W] ->
+    (silu(conv) [T, C] in x's dtype, the new state [C, W-1])."""
+    width = weight.shape[-1]
+    full = torch.cat((conv_state.to(x.dtype), x.t()), dim=-1)  # [C, W-1+T]
+    windows = full.unfold(-1, width, 1)  # [C, T, W]
+    y = (windows.float() * weight.float()[:, None, :]).sum(-1).t()
+    return F.silu(y).to(x.dtype), full[:, full.shape[-1] - (width - 1):].to(conv_state.dtype)
+
+
+def _sequences(rows: torch.Tensor, extend_lens: torch.Tensor, reset: torch.Tensor):
+    """(state row, first token, token count, start from zeros?) of each sequence of a packed batch."""
+    start = 0
+    for row, n, fresh in zip(rows.tolist(), extend_lens.tolist(), reset.tolist()):
+        if n:
+            yield row, start, n, fresh
+        start += n
+
+
+def gated_delta_rule_batch_torch(q, k, v, g, beta, states: torch.Tensor, rows: torch.Tensor, extend_lens: torch.Tensor,
+                                 reset: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """The gated delta rule over a packed batch: sequence b is tokens of extend_lens[b] in order,
+    its recurrent state is states[rows[b]] ([R, H, dk, dv] fp32, updated in place; zeros first when
+    reset[b]). q, k [N, H, dk], v [N, H, dv], g, beta [N, H] -> [N, H, dv]."""
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    for row, s0, n, fresh in _sequences(rows, extend_lens, reset):
+        state = torch.zeros_like(states[row]) if fresh else states[row]
+        sl = slice(s0, s0 + n)
+        out[sl], states[row] = gated_delta_rule_torch(q[sl], k[sl], v[sl], g[sl], beta[sl], state, chunk)
+    return out
+
+
+def causal_conv1d_batch_torch(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor,
+                              extend_lens: torch.Tensor, reset: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv + SiLU over a packed batch; conv_states [R, C, W-1] updated in place (zeros
+    first when reset). x [N, C] -> [N, C]."""
+    out = torch.empty_like(x)
+    for row, s0, n, fresh in _sequences(rows, extend_lens, reset):
+        state = torch.zeros_like(conv_states[row]) if fresh else conv_states[row]
+        out[s0 : s0 + n], conv_states[row] = causal_conv1d_torch(x[s0 : s0 + n], state, weight)
+    return out

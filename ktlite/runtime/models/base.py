@@ -20,10 +20,12 @@ from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.kv_cache import KVPool
 from ktlite.runtime.models.layers import RMSNorm
 from ktlite.runtime.models.rope import RotaryEmbedding
+from ktlite.runtime.state_cache import StatePool
 
 
 class ForwardContext(Protocol):
     kv_pool: KVPool
+    state_pool: StatePool  # per-request state of recurrent layers (empty for attention-only families)
     tp: object | None  # a tp_layers.TPContext under tensor parallelism
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor: ...
@@ -36,8 +38,8 @@ class LocalContext:
 
     tp = None
 
-    def __init__(self, kv_pool: KVPool):
-        self.kv_pool = kv_pool
+    def __init__(self, kv_pool: KVPool, state_pool: StatePool):
+        self.kv_pool, self.state_pool = kv_pool, state_pool
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return partial
@@ -51,6 +53,7 @@ class PoolCache:
 
     def __init__(self, model: "CausalLM", batch: int, max_len: int):
         self.pool = KVPool(model.config.token_cache_specs(), batch * max_len, batch, max_len, model.dtype, model.device)
+        self.states = StatePool(model.config.request_state_specs(), batch, model.device)
         self.rows = [self.pool.alloc_request() for _ in range(batch)]
         self.length = 0
 
@@ -114,6 +117,8 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
+    supports_prefix_cache = True  # False for families with per-request recurrent state
+
     def checkpoint_name(self, name: str) -> str:
         """The checkpoint's name of one of this model's tensors (families with other names override)."""
         return name
@@ -137,7 +142,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: PoolCache | None = None) -> torch.Tensor:
         b, t = input_ids.shape
         cache = cache or self.new_cache(b, t)
-        logits = self.forward_batch(cache.batch(input_ids), LocalContext(cache.pool))
+        logits = self.forward_batch(cache.batch(input_ids), LocalContext(cache.pool, cache.states))
         cache.length += t
         return logits.view(b, t, -1)
 

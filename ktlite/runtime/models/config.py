@@ -139,6 +139,9 @@ class ModelConfig(Protocol):
     def token_cache_specs(self, tp_size: int = 1) -> list[TokenCacheSpec]:
         """What one tensor-parallel rank caches per token (the KV pool's buffers)."""
 
+    def request_state_specs(self, tp_size: int = 1) -> list:
+        """What one running request keeps per layer beyond its tokens (recurrent layers' state)."""
+
     def attention_workspace(self, tp_size: int) -> int:
         """Activation values per token one attention layer holds at once on a rank (the plan's estimate)."""
 
@@ -191,6 +194,8 @@ def fp8_block_size(raw: dict[str, Any]) -> tuple[int, int] | None:
     if not quant:
         return None
     method = quant.get("quant_method")
+    if method == "compressed-tensors" and quant.get("format") == "pack-quantized":
+        return None  # INT4 routed experts (Kimi-K2-Thinking; --kt-method RAWINT4 reads them), the rest bf16
     if method != "fp8":
         raise ConfigError(
             f"config.json: quantization_config.quant_method {method!r} is not supported "

@@ -93,6 +93,9 @@ class DeepseekConfig:
         # the latent is shared by all heads, so every tensor-parallel rank keeps all of it
         return [TokenCacheSpec("latent", tuple(range(self.num_hidden_layers)), (self.kv_latent_dim,))]
 
+    def request_state_specs(self, tp_size: int = 1) -> list:
+        return []  # attention only: everything is cached per token
+
     def attention_workspace(self, tp_size: int) -> int:
         """q_a, q, new latent, absorbed q, latent output, W_UV output (values per token)."""
         heads = self.num_attention_heads // tp_size

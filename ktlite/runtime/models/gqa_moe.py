@@ -51,6 +51,9 @@ class GQAMoEConfig:
     def token_cache_specs(self, tp_size: int = 1) -> list[TokenCacheSpec]:
         return self.attention.cache_specs(tuple(range(self.num_hidden_layers)), tp_size)
 
+    def request_state_specs(self, tp_size: int = 1) -> list:
+        return []  # attention only: everything is cached per token
+
     def attention_workspace(self, tp_size: int) -> int:
         return self.attention.workspace(tp_size)
 

@@ -144,4 +144,7 @@ def shard_model(model: nn.Module, cfg, tp: TPContext) -> Shards:
             _shard_mlp(layer.mlp, p + "mlp.", tp, shards)
         elif isinstance(layer.mlp, MoE) and isinstance(layer.mlp.shared_experts, MLP):
             _shard_mlp(layer.mlp.shared_experts, p + "mlp.shared_experts.", tp, shards)
+        elif isinstance(layer.mlp, MoE) and isinstance(getattr(layer.mlp.shared_experts, "expert", None), MLP):
+            # a gated shared expert: its MLP split, the per-token gate (a scalar) replicated
+            _shard_mlp(layer.mlp.shared_experts.expert, p + "mlp.shared_experts.expert.", tp, shards)
     return shards

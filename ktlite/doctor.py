@@ -1,0 +1,303 @@
+"""`ktlite doctor`: what matters for this engine on this machine, one line per check: ok, warn or
+fail, with the fix.
+
+CPU (model, physical cores, NUMA nodes, the vector flags the expert kernels use and what Numba
+compiles for), memory (RAM, free RAM, huge pages), GPUs (name, memory, compute capability, driver,
+whether ktlite's Triton and FP8 kernels run there), versions, and the Numba threading layer the
+expert pools need. Nothing is compiled or allocated, and torch is imported only when an NVIDIA
+driver is present, so it runs in a few seconds without a GPU. The machine probes here (usable CPUs,
+physical cores, NUMA nodes, available RAM) are also what ktlite.runtime.knobs chooses knobs from.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+_GIB = 2**30
+THREADSAFE_LAYERS = ("omp", "tbb", "threadsafe", "safe")
+TRITON_MIN_CC = (8, 0)  # ktlite's Triton kernels are built for sm80+ (kernels/triton/aot_check.py)
+FP8_MMA_CC = (8, 9)  # FP8 tensor-core MMA from Ada / Hopper on (kernels/triton/fp8.py)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str  # ok | warn | fail
+    value: str
+    fix: str = ""
+
+
+def _read(path: str | Path) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def _cpuinfo(key: str) -> str | None:
+    for line in (_read("/proc/cpuinfo") or "").splitlines():
+        if line.startswith(key):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def cpu_flags() -> set[str]:
+    return set((_cpuinfo("flags") or "").split())
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or "unknown CPU"
+
+
+VECTOR_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+
+
+def cpu_features() -> str:
+    flags = cpu_flags()
+    return " ".join(f for f in VECTOR_FLAGS if f in flags) or "no AVX2/AVX-512/AMX flags found"
+
+
+def _version(dist: str) -> str | None:
+    """Installed version from the package metadata (importing torch alone takes seconds)."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# ---- the machine (also what ktlite.runtime.knobs chooses from) ----
+
+
+def _cpu_list(text: str) -> set[int]:
+    """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11}."""
+    out: set[int] = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def usable_cpus() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return set(range(os.cpu_count() or 1))
+
+
+def cgroup_cpu_limit() -> int | None:
+    """Whole CPUs a cgroup v2 quota allows (a container started with --cpus), None if unlimited."""
+    quota = (_read("/sys/fs/cgroup/cpu.max") or "max").split()
+    if quota[0] == "max" or len(quota) < 2:
+        return None
+    return max(1, math.ceil(int(quota[0]) / int(quota[1])))
+
+
+def physical_cores(cpus: set[int]) -> int:
+    """Distinct (package, core) pairs among `cpus`, capped by a cgroup CPU quota."""
+    cores = set()
+    for cpu in cpus:
+        topo = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        package, core = _read(f"{topo}/physical_package_id"), _read(f"{topo}/core_id")
+        cores.add((package, core) if package is not None and core is not None else ("cpu", cpu))
+    limit = cgroup_cpu_limit()
+    return max(1, min(len(cores), limit) if limit else len(cores))
+
+
+def numa_nodes(cpus: set[int]) -> int:
+    """NUMA nodes that hold at least one of `cpus` (1 when the kernel exposes no topology)."""
+    nodes = 0
+    for node in Path("/sys/devices/system/node").glob("node[0-9]*"):
+        if _cpu_list(_read(node / "cpulist") or "") & cpus:
+            nodes += 1
+    return max(nodes, 1)
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes (the HugePages_* counts stay counts)."""
+    out = {}
+    for line in (_read("/proc/meminfo") or "").splitlines():
+        match = re.fullmatch(r"(\S+):\s+(\d+)(\s+kB)?", line.strip())
+        if match:
+            out[match.group(1)] = int(match.group(2)) * (1024 if match.group(3) else 1)
+    return out
+
+
+def available_ram() -> int:
+    """Bytes this process can still allocate: MemAvailable, capped by a cgroup v2 memory limit."""
+    info = meminfo()
+    free = info.get("MemAvailable", info.get("MemFree", 0))
+    limit, used = _read("/sys/fs/cgroup/memory.max"), _read("/sys/fs/cgroup/memory.current")
+    if limit and limit.isdigit() and used and used.isdigit():
+        free = min(free, int(limit) - int(used))
+    return max(free, 0)
+
+
+# ---- checks --------------------------------------------------------------------------------
+
+
+def _cpu_checks() -> list[Check]:
+    cpus = usable_cpus()
+    cores, nodes, limit = physical_cores(cpus), numa_nodes(cpus), cgroup_cpu_limit()
+    quota = f", cgroup quota {limit} CPUs" if limit else ""
+    out = [
+        Check("cpu", OK, cpu_model()),
+        Check("cores", OK, f"{cores} physical, {len(cpus)} logical usable{quota}: --kt-cpuinfer {cores} is chosen "
+                           "when you do not set it"),
+        Check("numa", OK, f"{nodes} node{'s' if nodes > 1 else ''}: --kt-threadpool-count {nodes} is chosen when you "
+                          "do not set it (one expert pool per node)"),
+    ]
+    flags = cpu_flags()
+    if "avx512f" in flags:
+        extra = [name for flag, name in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16"), ("amx_tile", "AMX")) if flag in flags]
+        out.append(Check("cpu vector flags", OK, f"AVX-512{' + ' + ' + '.join(extra) if extra else ''} ({cpu_features()})"))
+    elif "avx2" in flags:
+        out.append(Check("cpu vector flags", WARN, f"AVX2 only ({cpu_features()})",
+                         "the CPU expert kernels use 256-bit vectors here; a CPU with AVX-512 decodes experts faster"))
+    else:
+        out.append(Check("cpu vector flags", FAIL, cpu_features(),
+                         "the CPU expert kernels expect at least AVX2; on this CPU they run as scalar code"))
+    out.append(_numba_target(flags))
+    return out
+
+
+def _numba_target(flags: set[str]) -> Check:
+    """What Numba's LLVM compiles the expert kernels for, against what the CPU has."""
+    try:
+        import llvmlite.binding as llvm
+        import numba
+    except Exception as exc:  # noqa: BLE001
+        return Check("numba target", FAIL, f"numba/llvmlite do not import: {exc}", "pip install numba")
+    name = numba.config.CPU_NAME or llvm.get_host_cpu_name()
+    features = numba.config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+    enabled = {f[1:] for f in features.split(",") if f.startswith("+")}
+    wanted = [("avx512f", "avx512f"), ("avx512_vnni", "avx512vnni"), ("avx512_bf16", "avx512bf16")]
+    has = [cpu for cpu, llvm_name in wanted if llvm_name in enabled]
+    missing = [cpu for cpu, llvm_name in wanted if cpu in flags and llvm_name not in enabled]
+    value = f"{name} ({', '.join(has) or 'no AVX-512'}); AMX is not used by Numba (torch's bf16 prefill matmuls use it)"
+    if missing:
+        return Check("numba target", WARN, value + f"; the CPU has {', '.join(missing)} that Numba does not target",
+                     "unset NUMBA_CPU_NAME / NUMBA_CPU_FEATURES so Numba targets this CPU")
+    return Check("numba target", OK, value)
+
+
+def _memory_checks() -> list[Check]:
+    info = meminfo()
+    total, free = info.get("MemTotal", 0), available_ram()
+    status = WARN if total and free < 0.1 * total else OK
+    out = [Check("ram", status, f"{total / _GIB:.1f} GiB total, {free / _GIB:.1f} GiB available",
+                 "free memory: the CPU experts must fit in the available RAM (ktlite plan says how much they need)"
+                 if status == WARN else "")]
+    thp = (Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+           if Path("/sys/kernel/mm/transparent_hugepage/enabled").is_file() else "")
+    mode = thp[thp.find("[") + 1:thp.find("]")] if "[" in thp else "unknown"
+    pages = info.get("HugePages_Total", 0)
+    value = f"transparent huge pages: {mode}; {pages} reserved huge pages"
+    if mode == "never":
+        out.append(Check("huge pages", WARN, value, "echo madvise | sudo tee /sys/kernel/mm/transparent_hugepage/enabled "
+                                                    "(fewer TLB misses while streaming expert weights)"))
+    else:
+        out.append(Check("huge pages", OK, value))
+    return out
+
+
+def _driver_version() -> str | None:
+    for word in (_read("/proc/driver/nvidia/version") or "").split():
+        if re.fullmatch(r"\d+(\.\d+)+", word):
+            return word
+    return None
+
+
+def _gpu_checks() -> list[Check]:
+    driver = _driver_version()
+    if driver is None and shutil.which("nvidia-smi") is None:  # no NVIDIA driver: skip importing torch (seconds)
+        return [Check("gpu", WARN, "no NVIDIA driver: attention and dense layers run on the CPU (torch twins)",
+                      "fine for trying ktlite; serve big models on a machine with an NVIDIA GPU")]
+    import torch
+
+    if not torch.cuda.is_available():
+        return [Check("gpu", FAIL, f"an NVIDIA driver ({driver or 'nvidia-smi found'}) but torch {torch.__version__} "
+                                   "sees no CUDA GPU",
+                      "install a CUDA build of torch (pip install torch) or check CUDA_VISIBLE_DEVICES")]
+    out = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        cc = (props.major, props.minor)
+        value = (f"{props.name}, {props.total_memory / _GIB:.1f} GiB, compute capability {props.major}.{props.minor}, "
+                 f"driver {driver or 'unknown'}, CUDA {torch.version.cuda}")
+        if cc < TRITON_MIN_CC:
+            out.append(Check(f"gpu {i}", WARN, value + "; ktlite's Triton kernels need 8.0+",
+                             "use an Ampere or newer GPU for the Triton kernels"))
+            continue
+        fp8 = "FP8 MMA" if cc >= FP8_MMA_CC else "FP8 weights decoded to bf16 in the kernel (no FP8 MMA before 8.9)"
+        out.append(Check(f"gpu {i}", OK, f"{value}; Triton kernels: yes; {fp8}"))
+    return out
+
+
+def _version_checks() -> list[Check]:
+    out = [Check("python", OK, platform.python_version())]
+    for dist, fix in (("torch", "pip install torch"), ("triton", "pip install triton"), ("numba", "pip install numba"),
+                      ("numpy", "pip install 'numpy<2.6'")):
+        version = _version(dist)
+        out.append(Check(dist, OK, version) if version else Check(dist, FAIL, "not installed", fix))
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        out.append(Check("TRITON_INTERPRET", WARN, "1: Triton kernels run in the interpreter (slow)",
+                         "unset TRITON_INTERPRET outside tests"))
+    return out
+
+
+def _threading_check() -> Check:
+    """The expert pools launch Numba parallel regions from several threads at once, which only a
+    thread-safe threading layer allows (workqueue aborts the process)."""
+    name = "numba threading layer"
+    forced = os.environ.get("NUMBA_THREADING_LAYER")
+    available = []
+    for layer, module in (("omp", "numba.np.ufunc.omppool"), ("tbb", "numba.np.ufunc.tbbpool")):
+        try:
+            importlib.import_module(module)
+            available.append(layer)
+        except Exception:  # noqa: BLE001 - a layer whose library is missing is what this reports
+            pass
+    if forced and forced not in THREADSAFE_LAYERS:
+        return Check(name, FAIL, f"NUMBA_THREADING_LAYER={forced}: not thread-safe; the expert pools run one at a time "
+                                 "(two at once would abort the process)",
+                     f"unset NUMBA_THREADING_LAYER (ktlite then picks {available[0] if available else 'omp or tbb'})")
+    if forced in ("omp", "tbb") and forced not in available:
+        return Check(name, FAIL, f"NUMBA_THREADING_LAYER={forced} but that layer does not load",
+                     "unset NUMBA_THREADING_LAYER, or install " + ("the OpenMP runtime (libgomp)" if forced == "omp" else "tbb (pip install tbb)"))
+    if not available:
+        return Check(name, FAIL, "neither omp nor tbb loads: the expert pools run one at a time",
+                     "install tbb (pip install tbb) or the OpenMP runtime (libgomp)")
+    threads = os.environ.get("NUMBA_NUM_THREADS")
+    value = f"{forced or available[0]} (thread-safe){'; NUMBA_NUM_THREADS=' + threads if threads else ''}"
+    return Check(name, OK, value)
+
+
+def run_checks() -> list[Check]:
+    return [*_cpu_checks(), *_memory_checks(), *_gpu_checks(), *_version_checks(), _threading_check()]
+
+
+def format_checks(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = []
+    for c in checks:
+        lines.append(f"{c.status:<4}  {c.name:<{width}}  {c.value}")
+        if c.fix:
+            lines.append(f"{'':<4}  {'':<{width}}  fix: {c.fix}")
+    fails = sum(c.status == FAIL for c in checks)
+    warns = sum(c.status == WARN for c in checks)
+    lines.append(f"{len(checks)} checks: {fails} fail, {warns} warn")
+    return "\n".join(lines)
+
+
+def to_json(checks: list[Check]) -> str:
+    return json.dumps([asdict(c) for c in checks], indent=2)

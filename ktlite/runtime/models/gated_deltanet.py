@@ -1,0 +1,117 @@
+"""Gated DeltaNet: the linear-attention layer of Qwen3-Next (transformers' `Qwen3NextGatedDeltaNet`).
+
+Per token: one projection gives q, k (per key head), v and the output gate z (per value head), another
+beta and the decay input a; q, k, v go through a causal depthwise conv (width
+`linear_conv_kernel_dim`, SiLU) that continues the request's rolling conv state; the gated delta rule
+(`kernels.triton.gated_delta_rule`) reads and updates the request's recurrent state
+[value heads, k_dim, v_dim]; a gated RMSNorm (norm, then times silu(z)) and `out_proj` follow. Both
+states live in the state pool at the request's row and start from zeros at position 0.
+
+Under tensor parallelism the layer is replicated (its weights are small next to the MoE); each rank
+returns its output divided by the rank count, so the runner's all-reduce of partial sums restores it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ktlite.kernels import triton as kernels
+from ktlite.runtime.forward_batch import ForwardBatch
+from ktlite.runtime.state_cache import RequestStateSpec
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    hidden: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_width: int
+    eps: float
+
+    @property
+    def conv_channels(self) -> int:  # q, k and v go through the conv together
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def state_specs(self, layers: tuple[int, ...]) -> list[RequestStateSpec]:
+        return [RequestStateSpec("conv", layers, (self.conv_channels, self.conv_width - 1)),
+                RequestStateSpec("recurrent", layers, (self.value_heads, self.key_dim, self.value_dim))]
+
+    def workspace(self) -> int:
+        """Values per token held at once: the projections, the conv output, the rule's output."""
+        kv = self.key_heads * self.key_dim
+        vv = self.value_heads * self.value_dim
+        return (2 * kv + 2 * vv + 2 * self.value_heads) + self.conv_channels + 2 * vv
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each value head, then times silu(gate)."""
+
+    plan_component = "norms_router"
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    plan_component = "attention"
+    # kept in the activation dtype even for block-FP8 checkpoints (the loader dequantizes FP8 ones): FP8
+    # releases differ in whether these are quantized, and they are ~3 % of the weights
+    fp8_linears = ()
+
+    def __init__(self, spec: LinearAttentionSpec):
+        super().__init__()
+        s = self.spec = spec
+        self.ranks = 1  # tensor-parallel ranks that compute this replicated layer
+        kv, vv = s.key_heads * s.key_dim, s.value_heads * s.value_dim
+        self.in_proj_qkvz = nn.Linear(s.hidden, 2 * kv + 2 * vv, bias=False)
+        self.in_proj_ba = nn.Linear(s.hidden, 2 * s.value_heads, bias=False)
+        self.conv1d = nn.Conv1d(s.conv_channels, s.conv_channels, s.conv_width, groups=s.conv_channels, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(s.value_heads))
+        self.A_log = nn.Parameter(torch.zeros(s.value_heads))
+        self.norm = GatedRMSNorm(s.value_dim, s.eps)
+        self.out_proj = nn.Linear(vv, s.hidden, bias=False)
+
+    def shard(self, prefix: str, tp, shards: dict) -> None:
+        self.ranks = tp.size
+
+    def _split(self, h: torch.Tensor):
+        """h [N, hidden] -> the conv input [N, channels], z [N, Hv, dv], b, a [N, Hv]. The projections are
+        grouped per key head: [q, k, v of its value heads, z of its value heads] and [b..., a...]."""
+        s, n = self.spec, h.shape[0]
+        per_key = s.value_heads // s.key_heads
+        qkvz = self.in_proj_qkvz(h).view(n, s.key_heads, -1)
+        q, k, v, z = qkvz.split([s.key_dim, s.key_dim, per_key * s.value_dim, per_key * s.value_dim], dim=-1)
+        b, a = self.in_proj_ba(h).view(n, s.key_heads, 2 * per_key).split([per_key, per_key], dim=-1)
+        mixed = torch.cat((q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)), dim=-1)
+        return mixed, z.reshape(n, s.value_heads, s.value_dim), b.reshape(n, -1), a.reshape(n, -1)
+
+    def forward_batch(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, ctx,
+                      layer_idx: int) -> torch.Tensor:
+        s, n, states = self.spec, h.shape[0], ctx.state_pool
+        rows, lens, reset = batch.req_pool_indices, batch.extend_lens, batch.prefix_lens == 0
+        mixed, z, b, a = self._split(h)
+        mixed = kernels.causal_conv1d(mixed, states.state("conv", layer_idx), self.conv1d.weight.squeeze(1), rows,
+                                      lens, reset)
+        kv = s.key_heads * s.key_dim
+        q, k, v = mixed.split([kv, kv, s.value_heads * s.value_dim], dim=-1)
+        per_key = s.value_heads // s.key_heads  # each key head serves this many value heads
+        q = q.reshape(n, s.key_heads, s.key_dim).repeat_interleave(per_key, dim=1)
+        k = k.reshape(n, s.key_heads, s.key_dim).repeat_interleave(per_key, dim=1)
+        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log decay <= 0
+        o = kernels.gated_delta_rule(q, k, v.reshape(n, s.value_heads, s.value_dim), decay, b.float().sigmoid(),
+                                     states.state("recurrent", layer_idx), rows, lens, reset)
+        out = self.out_proj(self.norm(o, z).reshape(n, -1))
+        return out / self.ranks if self.ranks > 1 else out

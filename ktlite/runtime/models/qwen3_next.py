@@ -1,0 +1,198 @@
+"""Qwen3-Next / Qwen3-Coder-Next (`Qwen3NextForCausalLM`): a hybrid of Gated DeltaNet linear attention
+(three of every four layers) and gated full attention (GQA whose q_proj also emits a per-head output
+gate, q/k norms and every layer norm in the (1 + w) form, partial rotary 0.25), with a MoE of many
+small experts (softmax top-k, `norm_topk_prob`) plus one shared expert scaled by
+sigmoid(shared_expert_gate(x)).
+
+Full-attention layers cache K and V per token in the KV pool; linear layers keep per-request conv and
+recurrent state in the state pool (`state_cache.py`). A token prefix cannot restore that state, so
+these models skip the prefix cache.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ktlite.errors import ConfigError
+from ktlite.runtime.kv_cache import TokenCacheSpec
+from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
+from ktlite.runtime.models.config import Fields, RopeConfig, RouterSpec, partial_rotary_factor, rope_config
+from ktlite.runtime.models.gated_deltanet import GatedDeltaNet, LinearAttentionSpec
+from ktlite.runtime.models.gqa import GQASpec, GQAttention
+from ktlite.runtime.models.layers import MLP, MoE
+from ktlite.runtime.models.rope import RotaryEmbedding
+from ktlite.runtime.state_cache import RequestStateSpec
+
+ARCHITECTURES = ("Qwen3NextForCausalLM",)
+MODEL_TYPES = ("qwen3_next",)
+
+
+@dataclass(frozen=True)
+class Qwen3NextConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    attention: GQASpec
+    linear: LinearAttentionSpec
+    full_attention_layers: tuple[int, ...]
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    shared_intermediate_size: int
+    moe_layer_ids: tuple[int, ...]
+    router: RouterSpec
+    tie_word_embeddings: bool
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+    fp8_block_size: tuple[int, int] | None
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return layer_idx in self.moe_layer_ids
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(self.moe_layer_ids)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if i not in self.full_attention_layers)
+
+    def token_cache_specs(self, tp_size: int = 1) -> list[TokenCacheSpec]:
+        return self.attention.cache_specs(self.full_attention_layers, tp_size)
+
+    def request_state_specs(self, tp_size: int = 1) -> list[RequestStateSpec]:
+        return self.linear.state_specs(self.linear_layers)  # replicated on every rank
+
+    def attention_workspace(self, tp_size: int) -> int:
+        return max(self.attention.workspace(tp_size), self.linear.workspace())
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        self.attention.check_tensor_parallel(tp_size)
+
+    def expert_weight_name(self, layer: int, expert: int, proj: str) -> str:
+        return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
+
+
+def _full_attention_layers(f: Fields, layers: int) -> tuple[int, ...]:
+    kinds = f.get("layer_types")
+    if kinds:
+        unknown = set(kinds) - {"linear_attention", "full_attention"}
+        if unknown:
+            raise ConfigError(f"config.json: layer_types {sorted(unknown)} are not supported")
+        return tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
+    interval = int(f.get("full_attention_interval", 4))
+    return tuple(i for i in range(layers) if (i + 1) % interval == 0)
+
+
+def parse_config(raw: dict[str, Any]) -> Qwen3NextConfig:
+    f = Fields(raw, {"rope_theta": 10000000.0, "max_position_embeddings": 262144, "decoder_sparse_step": 1,
+                     "mlp_only_layers": [], "norm_topk_prob": True, "attention_bias": False,
+                     "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4})
+    common = f.common()
+    heads, layers, hidden = common["num_attention_heads"], common["num_hidden_layers"], common["hidden_size"]
+    head_dim = int(f.get("head_dim") or hidden // heads)
+    experts, top_k = int(f.get("num_experts", 0)), int(f.need("num_experts_per_tok"))
+    step, dense_only = int(f.values["decoder_sparse_step"]), set(f.values["mlp_only_layers"])
+    linear = LinearAttentionSpec(hidden, int(f.need("linear_num_key_heads")), int(f.need("linear_num_value_heads")),
+                                 int(f.need("linear_key_head_dim")), int(f.need("linear_value_head_dim")),
+                                 int(f.values["linear_conv_kernel_dim"]), common["rms_norm_eps"])
+    if linear.value_heads % linear.key_heads:
+        raise ConfigError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
+    return Qwen3NextConfig(
+        architecture=ARCHITECTURES[0], **common,
+        intermediate_size=int(f.need("intermediate_size")),
+        attention=GQASpec(hidden, heads, int(f.get("num_key_value_heads", heads)), head_dim, common["rms_norm_eps"],
+                          bias=bool(f.values["attention_bias"]), qk_norm="per_head", output_gate=True,
+                          unit_offset_norms=True),
+        linear=linear,
+        full_attention_layers=_full_attention_layers(f, layers),
+        moe_intermediate_size=int(f.need("moe_intermediate_size")),
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        shared_intermediate_size=int(f.get("shared_expert_intermediate_size", 0)),
+        moe_layer_ids=tuple(i for i in range(layers) if experts and i not in dense_only and (i + 1) % step == 0),
+        router=RouterSpec(experts, top_k, "softmax", normalize=bool(f.values["norm_topk_prob"])),
+        max_position_embeddings=int(f.values["max_position_embeddings"]),
+        rope=rope_config(f.values, int(head_dim * partial_rotary_factor(f.values)), float(f.values["rope_theta"]),
+                         interleave_default=False),
+    )
+
+
+class GatedSharedExpert(nn.Module):
+    """The shared expert, scaled per token by sigmoid(gate(x))."""
+
+    plan_component = "shared_experts"
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.expert = MLP(hidden, intermediate)
+        self.gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.gate(x)) * self.expert(x)
+
+
+class Qwen3NextForCausalLM(CausalLM):
+    def __init__(self, cfg: Qwen3NextConfig, routed_experts: bool = True):
+        rotary = RotaryEmbedding(cfg.rope)
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            if i in cfg.full_attention_layers:
+                mixer: nn.Module = GQAttention(cfg.attention, rotary)
+            else:
+                mixer = GatedDeltaNet(cfg.linear)
+            if cfg.is_moe_layer(i):
+                mlp: nn.Module = MoE(cfg.router, cfg.hidden_size, cfg.moe_intermediate_size, 0, routed_experts)
+                if cfg.shared_intermediate_size:
+                    mlp.shared_experts = GatedSharedExpert(cfg.hidden_size, cfg.shared_intermediate_size)
+            else:
+                mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+            layers.append(DecoderLayer(i, cfg.hidden_size, cfg.rms_norm_eps, mixer, mlp, unit_offset_norms=True))
+        super().__init__(cfg, Backbone(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, rotary, layers,
+                                       unit_offset_norms=True))
+        self.supports_prefix_cache = False  # per-request recurrent state: a token prefix cannot restore it
+
+    def checkpoint_name(self, name: str) -> str:
+        m = re.match(r"model\.layers\.(\d+)\.self_attn\.", name)
+        if m and int(m.group(1)) not in self.config.full_attention_layers:
+            name = name.replace(".self_attn.", ".linear_attn.", 1)
+        return name.replace(".mlp.shared_experts.expert.", ".mlp.shared_expert.").replace(
+            ".mlp.shared_experts.gate.", ".mlp.shared_expert_gate.")
+
+
+Model = Qwen3NextForCausalLM
+
+# `ktlite tiny-model --arch qwen3_next`: 4 layers (3 linear + 1 full attention)
+TINY_CONFIGS = {"qwen3_next": {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "partial_rotary_factor": 0.25,
+    "full_attention_interval": 4,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}}

@@ -1,0 +1,186 @@
+"""A verified plan: before serving, run the two forwards that need the most activation memory and,
+on CUDA, compare their peak with what the plan left for activations.
+
+KTransformers' guide asks users to send, by hand, a prompt as long as `--chunked-prefill-size` to
+find out whether the prefill fits; `verify_plan(runtime)` does it at startup for every model
+family, through only the runner's `forward(ForwardBatch)` and the KV pool's request/slot API:
+
+1. prefill: one request with a full chunk plus one decode token for each other running request
+   (the plan budgets chunk + --max-running-requests tokens per forward: decodes ride in prefill
+   batches with --enable-mixed-chunk);
+2. decode: --max-running-requests requests of one new token each, their prefixes spread over the
+   whole KV pool (the prefix slots are allocated, not computed: their contents do not change the
+   memory a forward needs).
+
+On CUDA, peak allocated bytes above what was allocated before are the activations; more than the
+headroom the plan leaves for them ((1 - --mem-fraction-static) x GPU memory, minus the layerwise
+buffer) stops startup with PlanError naming the knob, instead of an OOM in the first long request.
+More than the plan's own workspace estimate but within the headroom is logged as a warning (the
+estimate is an upper bound by design, so that is a plan bug to report, not a reason to refuse).
+Everything allocated is freed; expert statistics observers are paused so the dummy tokens do not
+count as traffic.
+
+Call it on the finished runtime, before the scheduler starts: under tensor parallelism that is rank
+0's runtime after `parallel.launch` (its runner sends each forward to the other ranks; inside
+`assemble` a rank's forward would wait for ranks that are not running it). Only rank 0's peak is
+measured; the other ranks run the same shapes, and their tables point the allocated-but-uncomputed
+prefix positions at whatever slots they held, which changes values, not memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ktlite.errors import PlanError
+from ktlite.runtime.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+_GIB = 2**30
+
+
+@dataclass(frozen=True)
+class PassResult:
+    name: str  # "prefill" | "decode"
+    tokens: int  # new tokens in the forward
+    requests: int
+    seconds: float
+    peak_bytes: int | None  # activation peak on CUDA (None elsewhere: nothing to measure against)
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    passes: tuple[PassResult, ...]
+    planned_workspace: int  # the plan's estimate
+    allowed: int  # the headroom left for activations
+
+    def summary(self) -> str:
+        parts = []
+        for p in self.passes:
+            peak = f", peak {p.peak_bytes / _GIB:.2f} GiB" if p.peak_bytes is not None else ""
+            parts.append(f"{p.name} {p.tokens:,} tokens / {p.requests} requests in {p.seconds:.2f} s{peak}")
+        return (f"plan verified: {'; '.join(parts)} (workspace planned {self.planned_workspace / _GIB:.2f} GiB, "
+                f"headroom {self.allowed / _GIB:.2f} GiB)")
+
+
+@contextlib.contextmanager
+def _observers_paused(runtime) -> Iterator[None]:
+    saved = {layer: moe.observers for layer, moe in runtime.moe_layers.items()}
+    for moe in runtime.moe_layers.values():
+        moe.observers = []
+    try:
+        yield
+    finally:
+        for layer, moe in runtime.moe_layers.items():
+            moe.observers = saved[layer]
+
+
+def _dummy_ids(n: int, vocab: int, offset: int = 0) -> list[int]:
+    return [1 + (offset + 7919 * i) % (vocab - 1) for i in range(n)]
+
+
+class _Pass:
+    """Rows and slots of one dummy forward; everything goes back to the pool on exit."""
+
+    def __init__(self, pool):
+        self.pool, self.rows = pool, []
+
+    def __enter__(self) -> _Pass:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for row in self.rows:
+            self.pool.free_request(row)
+
+    def request(self, tokens: int) -> tuple[int, torch.Tensor]:
+        row = self.pool.alloc_request()
+        self.rows.append(row)
+        return row, self.pool.alloc_tokens(row, tokens)
+
+
+def _measure(runner, batch: ForwardBatch) -> tuple[float, int | None]:
+    device = runner.device
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    t0 = time.perf_counter()
+    runner.forward(batch)
+    if cuda:
+        torch.cuda.synchronize(device)
+        return time.perf_counter() - t0, torch.cuda.max_memory_allocated(device) - before
+    return time.perf_counter() - t0, None
+
+
+def _prefill(runtime, requests: int) -> PassResult:
+    runner, pool, plan = runtime.runner, runtime.runner.kv_pool, runtime.plan
+    chunk = max(1, min(plan.chunk_tokens, runtime.context_length, pool.free_tokens - (requests - 1)))
+    # one full chunk, then a decode token for each other running request riding in the same batch
+    lengths = [chunk] + [1] * (requests - 1)
+    with _Pass(pool) as p:
+        rows, slots = zip(*(p.request(n) for n in lengths))
+        chunks = [_dummy_ids(n, runtime.vocab_size, r) for r, n in enumerate(lengths)]
+        batch = ForwardBatch.build(chunks, [0] * requests, list(rows), list(slots), [True] * requests, runner.device)
+        seconds, peak = _measure(runner, batch)
+    return PassResult("prefill", chunk + requests - 1, requests, seconds, peak)
+
+
+def _decode(runtime, requests: int) -> PassResult:
+    runner, pool = runtime.runner, runtime.runner.kv_pool
+    prefix = max(0, min(pool.free_tokens // requests - 1, runtime.context_length - 1))
+    with _Pass(pool) as p:
+        rows, slots = zip(*(p.request(prefix + 1) for _ in range(requests)))  # the prefix's slots + the new token's
+        slots = [s[-1:] for s in slots]
+        chunks = [_dummy_ids(1, runtime.vocab_size, r) for r in range(requests)]
+        batch = ForwardBatch.build(chunks, [prefix] * requests, list(rows), slots, [True] * requests, runner.device)
+        seconds, peak = _measure(runner, batch)
+    return PassResult("decode", requests, requests, seconds, peak)
+
+
+def _overrun(result: PassResult, allowed: int, runtime) -> str:
+    plan = runtime.plan
+    frac = plan.inputs.mem_fraction_static
+    device = plan.ranks[0].device_bytes
+    lower_frac = int(100 * (1 - (result.peak_bytes + plan.bytes("layerwise_buffer")) / device)) / 100
+    if result.name == "prefill":
+        knob = f"--chunked-prefill-size <= about {max(1, plan.chunk_tokens * allowed // result.peak_bytes):,}"
+    else:
+        knob = f"--max-running-requests <= about {max(1, result.requests * allowed // result.peak_bytes)}"
+    fixes = [knob] + ([f"--mem-fraction-static <= {lower_frac:.2f} (a smaller KV pool)"] if 0 < lower_frac < frac else [])
+    return (f"The {result.name} check ({result.tokens:,} tokens, {result.requests} requests) peaked at "
+            f"{result.peak_bytes / _GIB:.2f} GiB of activations on GPU 0, more than the {allowed / _GIB:.2f} GiB the "
+            f"plan leaves for them ({1 - frac:.2f} x GPU memory, --mem-fraction-static {frac:.2f}, minus the "
+            f"layerwise buffer). The first request this large would run out of memory. To fit, change one of: "
+            f"{'; '.join(fixes)}.")
+
+
+def verify_plan(runtime) -> VerifyReport:
+    """Run the largest prefill and decode forwards the plan allows; raises PlanError on a CUDA overrun."""
+    pool, plan = runtime.runner.kv_pool, runtime.plan
+    requests = max(1, min(plan.inputs.max_running_requests, pool.free_rows, pool.free_tokens))
+    rank = plan.ranks[0]
+    allowed = rank.headroom_budget - plan.bytes("layerwise_buffer")
+    planned = plan.bytes("prefill_workspace")
+    results = []
+    with _observers_paused(runtime):
+        for run in (_prefill, _decode):
+            result = run(runtime, requests)
+            results.append(result)
+            if result.peak_bytes is None:
+                continue
+            if result.peak_bytes > allowed:
+                raise PlanError(_overrun(result, allowed, runtime))
+            if result.peak_bytes > planned:
+                logger.warning("%s check: activations peaked at %d bytes, above the plan's estimate of %d "
+                               "(still within the %d-byte headroom); please report this", result.name,
+                               result.peak_bytes, planned, allowed)
+    report = VerifyReport(tuple(results), planned, allowed)
+    logger.info("%s", report.summary())
+    return report

@@ -1,0 +1,143 @@
+"""Qwen3-Next (Gated DeltaNet + gated attention + MoE with a gated shared expert) against transformers
+on a tiny checkpoint transformers wrote, through the Engine, and its plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hf_checkpoints import hf_model
+from test_gqa_engine import EXACT, GREEDY, hf_greedy
+from test_tensor_parallel import logits_of
+
+from ktlite import Engine
+from ktlite.runtime import models
+from ktlite.runtime.memory import PlanInputs, make_plan
+from ktlite.runtime.models import load_config
+
+DATA = Path(__file__).parent / "data"
+TOL = 1e-4
+
+
+def ids_of(vocab: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("length", [21, 64, 70])  # below, at and past one 64-token chunk
+def test_prefill_logits_match_transformers(tiny_qwen3_next, length):
+    ours, ref = models.load(tiny_qwen3_next), hf_model(tiny_qwen3_next)
+    ids = ids_of(ours.config.vocab_size, 2, length)
+    with torch.no_grad():
+        expected = ref(ids).logits
+    assert (ours(ids) - expected).abs().max().item() <= TOL
+
+
+def test_step_by_step_decode_matches_transformers_decode(tiny_qwen3_next):
+    """Token-by-token decode (the recurrent form) against transformers' own cached decode within 1e-4.
+    Against transformers' one-shot prefill (the chunked form) both differ by ~3e-4 on these logits
+    (|logit| <= ~7): the two forms of the delta rule round differently in fp32 and the recurrent state
+    carries the difference forward, so that comparison uses 5e-4."""
+    ours, ref = models.load(tiny_qwen3_next), hf_model(tiny_qwen3_next)
+    ids = ids_of(ours.config.vocab_size, 2, 24, seed=1)
+    with torch.no_grad():
+        prefill = ref(ids).logits
+        out = ref(ids[:, :5], use_cache=True)
+        steps, cache = [out.logits], out.past_key_values
+        for i in range(5, 24):
+            out = ref(ids[:, i : i + 1], cache=cache, use_cache=True)
+            steps.append(out.logits)
+            cache = out.past_key_values
+    ref_steps = torch.cat(steps, dim=1)
+    ours_cache = ours.new_cache(2, 24)
+    got = torch.cat([ours(ids[:, :5], ours_cache)] + [ours(ids[:, i : i + 1], ours_cache) for i in range(5, 24)], 1)
+    assert (got - ref_steps).abs().max().item() <= TOL
+    assert (got - prefill).abs().max().item() <= 5e-4
+
+
+def test_greedy_tokens_equal_generate(tiny_qwen3_next):
+    ours, ref = models.load(tiny_qwen3_next), hf_model(tiny_qwen3_next)
+    ids = ids_of(ours.config.vocab_size, 2, 9, seed=3)
+    with torch.no_grad():
+        expected = ref.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[:, ids.shape[1]:]
+    assert torch.equal(ours.generate_greedy(ids, 32), expected)
+
+
+@pytest.fixture(scope="module")
+def twenty(tiny_qwen3_next):
+    """20 prompts of different lengths and transformers' greedy continuations."""
+    g = torch.Generator().manual_seed(12)
+    vocab = load_config(tiny_qwen3_next).vocab_size
+    batch = [torch.randint(4, vocab, (n,), generator=g).tolist() for n in range(3, 43, 2)]
+    return batch, hf_greedy(tiny_qwen3_next, batch, 6)
+
+
+def test_engine_20_requests_chunk_5_mixed_preemption_half_gpu_experts(tiny_qwen3_next, twenty):
+    batch, want = twenty
+    params = {**GREEDY, "max_tokens": 6}
+    flags = {**EXACT, "kt_num_gpu_experts": 8, "chunked_prefill_size": 5, "enable_mixed_chunk": True,
+             "max_total_tokens": 48}
+    with Engine(str(tiny_qwen3_next), **flags) as eng:
+        got = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=params)]
+        assert eng.scheduler.preemptions > 0
+        assert eng.runtime.runner.kv_pool.used_tokens == 0 and eng.runtime.runner.kv_pool.free_rows == EXACT["max_running_requests"]
+        plan = eng.runtime.plan
+        assert plan.allocated()["state_pool"] == plan.bytes("state_pool") > 0
+    assert got == want
+
+
+def test_engine_tp2_equals_tp1(tiny_qwen3_next, twenty):
+    batch, want = twenty[0][:4], twenty[1][:4]
+    params = {**GREEDY, "max_tokens": 6}
+    results = {}
+    for tp in (1, 2):
+        with Engine(str(tiny_qwen3_next), **EXACT, kt_num_gpu_experts=3, tensor_parallel_size=tp) as eng:
+            results[tp] = ([r.token_ids for r in eng.generate(input_ids=batch, sampling_params=params)],
+                           logits_of(eng, batch), getattr(eng.runtime, "allocated_per_rank", {}), eng.runtime.plan)
+    assert results[1][0] == results[2][0] == want
+    torch.testing.assert_close(results[2][1], results[1][1], atol=1e-4, rtol=1e-4)
+    plan = results[2][3]
+    for rank, used in results[2][2].items():
+        assert plan.mismatches(used, rank) == {}, rank
+
+
+def test_plan_counts_state_per_request_and_kv_of_the_attention_layers():
+    cfg = load_config(DATA / "qwen3-next-80b-a3b")
+    plan = make_plan(cfg, PlanInputs(gpu_memory="24GiB", max_total_tokens=256000, max_running_requests=4,
+                                     chunked_prefill_size=16384, dtype="bfloat16"))
+    assert plan.kv_bytes_per_token == 12 * 2 * 2 * 256 * 2 == 24_576  # 12 attention layers x K+V x 2 kv heads
+    conv = (2 * 16 * 128 + 32 * 128) * 3 * 4  # q, k, v channels x (width 4 - 1) x fp32
+    recurrent = 32 * 128 * 128 * 4  # value heads x k_dim x v_dim x fp32 = 2 MiB
+    assert plan.bytes("state_pool") == 4 * 36 * (conv + recurrent)
+
+
+# KTransformers' OOM guide's Qwen3-Coder-Next FP8 launch line, verbatim but for the command name and paths
+CODER_NEXT = ("--host 0.0.0.0 --port 30000 --model {M} --kt-weight-path {M} --kt-cpuinfer 96 --kt-threadpool-count 2 "
+              "--kt-num-gpu-experts 100 --kt-method FP8 --kt-gpu-prefill-token-threshold 2048 --attention-backend triton "
+              "--trust-remote-code --mem-fraction-static 0.80 --chunked-prefill-size 16384 --max-running-requests 4 "
+              "--max-total-tokens 256000 --served-model-name Qwen3-Coder-Next --enable-mixed-chunk "
+              "--tensor-parallel-size 1 --enable-p2p-check --disable-shared-experts-fusion --fp8-gemm-backend cutlass "
+              "--tool-call-parser qwen3_coder --kt-enable-dynamic-expert-update")
+
+
+def test_coder_next_fp8_launch_command_streams_a_reply(tmp_path):
+    """On a tiny FP8 Qwen3-Next: the same folder as --model and --kt-weight-path (native FP8 experts),
+    --kt-cpuinfer 96 on a 2-core machine and --kt-num-gpu-experts 100 of 16 experts are clamped with one
+    warning each."""
+    import openai
+    from test_cli import Server
+
+    from ktlite.runtime.tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "M", "qwen3_next", fp8=True, seed=10)
+    server = Server(CODER_NEXT.format(M=model).split(), tmp_path)
+    try:
+        client = openai.OpenAI(base_url="http://127.0.0.1:30000/v1", api_key="none", max_retries=0, timeout=120)
+        chunks = list(client.chat.completions.create(model="Qwen3-Coder-Next", max_tokens=8, temperature=0,
+                                                     messages=[{"role": "user", "content": "hi"}], stream=True))
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    finally:
+        assert server.stop() == 0
+    log = server.stderr_path.read_text()
+    assert log.count("--kt-cpuinfer 96") == 1 and log.count("--kt-num-gpu-experts 100") == 1, log[-3000:]
