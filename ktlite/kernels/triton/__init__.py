@@ -207,7 +207,7 @@ def gqa_extend(
 
 def sparse_mla(q: torch.Tensor, kv_buffer: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
                kv_lora_rank: int) -> torch.Tensor:
-    """Absorbed MLA over each query's selected pool slots (DeepSeek Sparse Attention, decode and extend
+    """Absorbed MLA over each query's selected pool slots (DSA sparse attention, decode and extend
     alike). q [N, H, kv_lora_rank + rope], kv_buffer [slots, kv_lora_rank + rope], topk_slots [N, K] int64
     (-1 = none; causality already applied) -> [N, H, kv_lora_rank] in q's dtype."""
     if use_triton(q):
