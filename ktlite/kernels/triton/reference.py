@@ -199,7 +199,7 @@ def gqa_decode_torch(
 
 def sparse_mla_torch(q: torch.Tensor, kv_buffer: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
                      kv_lora_rank: int, block: int = 64) -> torch.Tensor:
-    """Absorbed MLA over selected tokens (DSA, the sparse attention of the MLA models with a lightning indexer). q [N, H, kv_lora_rank + rope],
+    """Absorbed MLA over selected tokens (DSA sparse attention). q [N, H, kv_lora_rank + rope],
     kv_buffer [slots, kv_lora_rank + rope], topk_slots [N, K] pool slots each query attends to (-1 = none;
     the caller has applied causality) -> [N, H, kv_lora_rank] in q's dtype, fp32 softmax. A query with
     no slot gets zeros. Queries go in blocks of `block` so the gathered latents stay small."""

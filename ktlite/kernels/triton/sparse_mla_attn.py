@@ -1,5 +1,5 @@
 """Sparse MLA in absorbed form: each query token attends to its own list of selected pool slots
-(DSA, the sparse attention of the MLA models with a lightning indexer). Decode and extend are the same call, one row of slots per query token.
+(DSA sparse attention). Decode and extend are the same call, one row of slots per query token.
 
 A program owns one query token, one group of BLOCK_H heads and one chunk of the token's slot list.
 It gathers the selected latent rows BLOCK_N at a time (a row is shared by every head, so it is read
