@@ -62,7 +62,7 @@ _ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--served-model-name",), "served_model_name", dict(type=str, help="Name in /v1/models and responses (default: the folder name).")),
     (("--device",), "device", dict(type=str, help="Device for attention/dense: auto, cuda, cuda:N or cpu.")),
     (("--dtype",), "dtype", dict(type=click.Choice(["auto", "bfloat16", "float16", "float32"]), help="Activation/weight dtype on the device side.")),
-    (("--kv-cache-dtype",), "kv_cache_dtype", dict(type=str, help="KV cache dtype (auto: the activation dtype).")),
+    (("--kv-cache-dtype",), "kv_cache_dtype", dict(type=str, help="KV cache dtype: auto (the activation dtype), bfloat16, float16, float32, or fp8_e4m3 (1 byte per value; MLA latents and DSA index keys packed with fp32 scales).")),
     (("--weight-dtype",), "weight_dtype", dict(type=click.Choice(["auto", "fp8"]), help="Block-FP8 checkpoints: auto keeps FP8 on CUDA and dequantizes on CPU; fp8 keeps FP8 anywhere.")),
     (("--random-seed", "--seed"), "seed", dict(type=int, help="Engine seed (expert placement; requests bring their own).")),
     (("--gpu-memory",), "gpu_memory", dict(type=str, help="Plan against this much device memory (e.g. 24GiB) instead of what the device reports.")),

@@ -120,7 +120,10 @@ class EngineConfig:
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
-        return self.torch_dtype if self.kv_cache_dtype == "auto" else _dtype(self.kv_cache_dtype, "--kv-cache-dtype")
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype
+        # fp8_e4m3: 1 byte per value; MLA latents and index keys are packed with scales (kernels/triton/kv_fp8.py)
+        return _dtype(self.kv_cache_dtype, "--kv-cache-dtype", {"fp8_e4m3": torch.float8_e4m3fn})
 
     def keeps_fp8(self, checkpoint_is_fp8: bool) -> bool:
         """Whether FP8 projections stay FP8 on the device (see weight_dtype)."""
@@ -135,9 +138,11 @@ class EngineConfig:
         return self.kt_cpuinfer or os.cpu_count() or 1
 
 
-def _dtype(name: str, flag: str) -> torch.dtype:
+def _dtype(name: str, flag: str, extra: dict[str, torch.dtype] | None = None) -> torch.dtype:
     table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-             "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+             "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+             **(extra or {})}
     if name not in table:
-        raise ConfigError(f"{flag} must be one of auto, bfloat16, float16, float32; got {name!r}")
+        choices = ", ".join(["auto", "bfloat16", "float16", "float32", *(extra or {})])
+        raise ConfigError(f"{flag} must be one of {choices}; got {name!r}")
     return table[name]

@@ -3,6 +3,7 @@ transformers wrote, with index_topk (6) below the prompt lengths so the sparsity
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from test_gqa_engine import EXACT, GREEDY, hf_greedy, prompts
 from ktlite import Engine
 from ktlite.cli import main
 from ktlite.runtime import models
-from ktlite.runtime.memory import PlanInputs, make_plan
+from ktlite.runtime.memory import PlanDoesNotFit, PlanInputs, make_plan
 from ktlite.runtime.models import load_config
 
 TOL = 1e-4
@@ -63,24 +64,26 @@ def test_sparse_attention_equals_dense_mla_when_topk_covers_every_token(tiny_v32
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_v32):
-    batch = prompts(load_config(tiny_v32).vocab_size)
-    return batch, hf_greedy(tiny_v32, batch, GREEDY["max_tokens"])
+def expected(tiny_dsa):
+    """Prompts and transformers' greedy tokens for each sparse-attention family (V3.2, GLM-5)."""
+    batch = prompts(load_config(tiny_dsa).vocab_size)
+    return batch, hf_greedy(tiny_dsa, batch, GREEDY["max_tokens"])
 
 
-def test_engine_chunk_5_preemption_half_gpu_experts(tiny_v32, expected):
+def test_engine_chunk_5_preemption_half_gpu_experts(tiny_dsa, expected):
     batch, want = expected
-    flags = {**EXACT, "kt_num_gpu_experts": 8, "chunked_prefill_size": 5, "max_total_tokens": 48}
-    with Engine(str(tiny_v32), **flags) as eng:
+    half = load_config(tiny_dsa).n_routed_experts // 2
+    flags = {**EXACT, "kt_num_gpu_experts": half, "chunked_prefill_size": 5, "max_total_tokens": 48}
+    with Engine(str(tiny_dsa), **flags) as eng:
         got = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
         assert eng.scheduler.preemptions > 0
         assert eng.runtime.runner.kv_pool.used_tokens == 0
     assert got == want
 
 
-def test_engine_tp2_equals_transformers(tiny_v32, expected):
+def test_engine_tp2_equals_transformers(tiny_dsa, expected):
     batch, want = expected
-    with Engine(str(tiny_v32), **EXACT, kt_num_gpu_experts=3, tensor_parallel_size=2) as eng:
+    with Engine(str(tiny_dsa), **EXACT, kt_num_gpu_experts=3, tensor_parallel_size=2) as eng:
         got = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
         plan, allocated = eng.runtime.plan, eng.runtime.allocated_per_rank
     assert got == want
@@ -100,23 +103,46 @@ def test_plan_counts_indexer_weights_and_index_keys():
 
 
 def test_seed_users_plan_on_two_16gib_gpus():
-    """The flags of the user's launch line on 16 GiB GPUs: one GPU cannot hold the weights; on two,
-    the 0.98 static fraction leaves too little headroom for a 2048-token chunk, and each suggested
-    single change (a smaller chunk, or 0.96) makes the plan fit on the same two GPUs."""
+    """The flags of the user's launch line on two 16 GiB GPUs: one GPU cannot hold the weights, and
+    the fixes offered keep the user's two GPUs (TP=2 plus one flag) rather than asking for eight; on
+    two, the 0.98 static fraction leaves too little headroom for a 2048-token chunk, and each
+    suggested change (a smaller chunk, or 0.96) makes the plan fit on the same two GPUs."""
     flags = ["--kt-num-gpu-experts", "0", "--chunked-prefill-size", "2048", "--max-running-requests", "16",
              "--max-total-tokens", "20000", "--gpu-memory", "16GiB"]
 
-    def plan(*extra: str):
-        return CliRunner().invoke(main, ["plan", "--model", str(DATA / "deepseek-v3.2"), *flags, *extra])
+    def plan(*extra: str, gpus: str = "2"):
+        return CliRunner().invoke(main, ["plan", "--model", str(DATA / "deepseek-v3.2"), "--gpus", gpus, *flags, *extra])
 
     one = plan("--mem-fraction-static", "0.98", "--tensor-parallel-size", "1")
-    assert one.exit_code == 1 and "--tensor-parallel-size" in one.output, one.output
+    assert one.exit_code == 1, one.output
+    fixes = one.output.split("To fit, change one of: ")[1].split(".\n")[0].split("; ")
+    assert "--tensor-parallel-size 2 with --chunked-prefill-size <= 1280" in fixes
+    assert "--tensor-parallel-size 2 with --mem-fraction-static <= 0.96" in fixes
+    assert not any("--tensor-parallel-size 8" in fix for fix in fixes), fixes
+    lone = plan("--mem-fraction-static", "0.98", "--tensor-parallel-size", "1", gpus="1")
+    assert "--tensor-parallel-size 8 (8 GPUs like this one)" in lone.output, lone.output  # nothing smaller fits
     two = plan("--mem-fraction-static", "0.98", "--tensor-parallel-size", "2")
     assert two.exit_code == 1, two.output
     assert "--mem-fraction-static <= 0.96" in two.output and "--chunked-prefill-size <= 1280" in two.output
     for fix in (["--mem-fraction-static", "0.96"], ["--mem-fraction-static", "0.98", "--chunked-prefill-size", "1280"]):
         fixed = plan(*fix, "--tensor-parallel-size", "2")
         assert fixed.exit_code == 0 and "verdict: fits" in fixed.output, fixed.output
+
+
+def test_tensor_parallel_suggestions_replan_to_fit():
+    """Each "--tensor-parallel-size N with ..." suggestion carries every change it names, and the
+    plan with those changes fits on the machine's GPUs; the split alone does not."""
+    cfg = load_config(DATA / "deepseek-v3.2")
+    inputs = PlanInputs(gpu_memory="16GiB", kt_num_gpu_experts=0, mem_fraction_static=0.98, chunked_prefill_size=2048,
+                        max_running_requests=16, max_total_tokens=20_000)
+    with pytest.raises(PlanDoesNotFit) as err:
+        make_plan(cfg, inputs, machine_gpus=2)
+    combos = [s for s in err.value.suggestions if s.field == "tensor_parallel_size"]
+    assert combos and all(s.with_ and s.value == 2 for s in combos)
+    with pytest.raises(PlanDoesNotFit):
+        make_plan(cfg, dataclasses.replace(inputs, tensor_parallel_size=2))
+    for s in combos:
+        assert make_plan(cfg, dataclasses.replace(inputs, **s.changes)).fits, s.text
 
 
 def test_glm5_shared_layers_have_no_indexer_and_no_index_keys(hf_gqa_checkpoints):
@@ -126,6 +152,9 @@ def test_glm5_shared_layers_have_no_indexer_and_no_index_keys(hf_gqa_checkpoints
     assert model.model.layers[2].self_attn.indexer is None and model.model.layers[1].self_attn.indexer is not None
     index_spec = next(s for s in cfg.token_cache_specs() if s.name == "index_key")
     assert index_spec.layers == (0, 1)
+    # an FP8 pool packs them: 32 e4m3 values and one fp32 scale per token
+    packed = next(s for s in cfg.token_cache_specs(1, torch.float8_e4m3fn) if s.name == "index_key")
+    assert (packed.layers, packed.shape, packed.dtype) == ((0, 1), (36,), torch.uint8)
 
 
 # The launch line of the user ktlite was started for, verbatim but for the command name and paths

@@ -48,8 +48,9 @@ def test_deepseek_v3_latent_kv_bytes_per_token():
     assert plan.bytes("kv_pool") == plan.kv_pool_tokens * 70_272
     v2 = make_plan(load_config(DATA / "deepseek-v2-lite"), PlanInputs(gpu_memory="24GiB"))
     assert v2.kv_bytes_per_token == 27 * 576 * 2
+    # packed FP8 rows: 512 e4m3 values + 4 fp32 scales (one per 128) + 64 bf16 rope values
     fp8_kv = make_plan(V3, PlanInputs(gpu_memory="80GiB", kv_cache_dtype="fp8_e4m3"))
-    assert fp8_kv.kv_bytes_per_token == 61 * 576
+    assert fp8_kv.kv_bytes_per_token == 61 * (512 + 4 * 4 + 64 * 2) == 61 * 656
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

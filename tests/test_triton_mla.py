@@ -7,6 +7,10 @@ Tolerances (max abs error; outputs are averages of N(0,1) latents, |out| < ~2):
   (about 2 bf16 ulps at |out| ~ 2; measured max 0.0156 for extend, 0.004 for decode). The twin computes in fp32 from the stored
   values; Triton rounds the softmax probabilities to the pool dtype before the P @ V dot (as on
   a GPU), which is the error budget for fp16/bf16.
+Packed FP8 pools (kv_fp8.latent_rows; the references read the values the rows hold, so the FP8
+rounding itself is test_kv_fp8's): fp32 queries as the fp32 pool; bf16 queries as bf16 (Triton also
+rounds each dequantized latent to bf16 for tl.dot; measured max 0.008 decode, 0.031 extend, within
+atol + rtol * |twin| at |out| ~ 2).
 """
 
 import math
@@ -23,6 +27,7 @@ import ktlite.kernels.triton as kt
 with kt.interpreted():
     from ktlite.kernels.triton.decode_attn import mla_decode_triton
     from ktlite.kernels.triton.extend_attn import mla_extend_triton
+from ktlite.kernels.triton.kv_fp8 import latent_rows
 from ktlite.kernels.triton.reference import mla_decode_torch, mla_extend_torch
 
 
@@ -38,13 +43,21 @@ TOL = {torch.float32: (1e-4, 0.0), torch.float16: (2e-3, 2e-3), torch.bfloat16: 
 
 
 class Pool:
-    """A token pool with requests scattered over non-contiguous slots and req rows."""
+    """A token pool with requests scattered over non-contiguous slots and req rows; `packed`: FP8 rows
+    (uint8), whose values (what the references read) are `values`."""
 
-    def __init__(self, lens: list[int], dtype: torch.dtype, kv_lora: int = KV_LORA, rope: int = ROPE, seed: int = 0):
+    def __init__(self, lens: list[int], dtype: torch.dtype, kv_lora: int = KV_LORA, rope: int = ROPE, seed: int = 0,
+                 packed: bool = False):
         g = torch.Generator().manual_seed(seed)
         total = sum(lens)
         num_slots = total + 11
-        self.kv_buffer = torch.randn(num_slots, kv_lora + rope, generator=g).to(dtype)
+        values = torch.randn(num_slots, kv_lora + rope, generator=g)
+        if packed:
+            rows = latent_rows(kv_lora, rope)
+            self.kv_buffer = rows.pack(values)
+            self.values = rows.unpack(self.kv_buffer)
+        else:
+            self.kv_buffer = self.values = values.to(dtype)
         slots = torch.randperm(num_slots, generator=g)[:total]
         self.req_to_token = torch.zeros(len(lens) + 3, max(lens) + 5, dtype=torch.int32)
         # requests live in shuffled rows of req_to_token
@@ -72,7 +85,7 @@ def naive_attention(pool: Pool, q_nope, q_pe, w_uk, w_uv, prefix_lens, extend_le
     outs = []
     start = 0
     for row, prefix, n in zip(pool.req_pool_indices.tolist(), prefix_lens, extend_lens):
-        kv = pool.kv_buffer[pool.req_to_token[row, : prefix + n].long()].double()
+        kv = pool.values[pool.req_to_token[row, : prefix + n].long()].double()
         latent, k_pe = kv[:, : pool.kv_lora], kv[:, pool.kv_lora :]
         k_nope = torch.einsum("lc,hdc->lhd", latent, w_uk.double())
         v = torch.einsum("lc,hdc->lhd", latent, w_uv.double())
@@ -96,10 +109,14 @@ EXTEND_CASES = [  # (prefix_lens, extend_lens): prefix 0, chunk of 1, ragged, an
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_decode_matches_twin_and_naive(dtype: torch.dtype) -> None:
+LAYOUTS = [(torch.float32, False), (torch.float16, False), (torch.bfloat16, False), (torch.float32, True),
+           (torch.bfloat16, True)]  # (q dtype, packed FP8 pool)
+
+
+@pytest.mark.parametrize("dtype,packed", LAYOUTS)
+def test_decode_matches_twin_and_naive(dtype: torch.dtype, packed: bool) -> None:
     heads = 6  # not a multiple of block_h=4: masked head group
-    pool = Pool(DECODE_LENS, dtype)
+    pool = Pool(DECODE_LENS, dtype, packed=packed)
     q, q_nope, q_pe, w_uk, w_uv = absorbed_inputs(len(DECODE_LENS), heads, dtype)
     seq_lens = torch.tensor(DECODE_LENS, dtype=torch.int32)
     args = (q, pool.kv_buffer, pool.req_to_token, pool.req_pool_indices, seq_lens, yarn_scale(), KV_LORA)
@@ -124,11 +141,12 @@ def test_decode_single_split_and_odd_dims() -> None:
     torch.testing.assert_close(tri, mla_decode_torch(*args), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,packed", [layout for layout in LAYOUTS if layout[0] != torch.float16])
 @pytest.mark.parametrize("prefix_lens,extend_lens", EXTEND_CASES)
-def test_extend_matches_twin_and_naive(dtype: torch.dtype, prefix_lens: list[int], extend_lens: list[int]) -> None:
+def test_extend_matches_twin_and_naive(dtype: torch.dtype, packed: bool, prefix_lens: list[int],
+                                       extend_lens: list[int]) -> None:
     heads = 6
-    pool = Pool([p + e for p, e in zip(prefix_lens, extend_lens)], dtype)
+    pool = Pool([p + e for p, e in zip(prefix_lens, extend_lens)], dtype, packed=packed)
     q, q_nope, q_pe, w_uk, w_uv = absorbed_inputs(sum(extend_lens), heads, dtype)
     args = (
         q, pool.kv_buffer, pool.req_to_token, pool.req_pool_indices,
@@ -143,6 +161,26 @@ def test_extend_matches_twin_and_naive(dtype: torch.dtype, prefix_lens: list[int
         naive = naive_attention(pool, q_nope, q_pe, w_uk, w_uv, prefix_lens, extend_lens, yarn_scale())
         absorbed = torch.einsum("nhc,hdc->nhd", twin.double(), w_uv.double())
         torch.testing.assert_close(absorbed, naive, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kv_lora,rope", [(32, 16), (24, 8), (256, 16)])
+def test_packed_pool_fp8_bytes_path_and_partial_scale_groups(kv_lora: int, rope: int) -> None:
+    """The pre-sm89 path (fp8 bytes decoded with integer ops) gives the native fp8 path's result, and
+    both equal the twin, for a latent in one scale group narrower than 128 (24, 32) and in two groups.
+    The buffer is the second layer of a pool's [layers, slots, bytes] tensor, as the model passes it."""
+    pool = Pool([7, 40], torch.float32, kv_lora, rope, packed=True)
+    layers = torch.zeros(2, *pool.kv_buffer.shape, dtype=torch.uint8)
+    layers[1] = pool.kv_buffer
+    q = absorbed_inputs(2, 4, torch.float32, kv_lora, rope)[0]
+    common = (q, layers[1], pool.req_to_token, pool.req_pool_indices)
+    twin = mla_decode_torch(*common, torch.tensor([7, 40]), 0.3, kv_lora)
+    for bits in (False, True):
+        dec = mla_decode_triton(*common, torch.tensor([7, 40]), 0.3, kv_lora, num_kv_splits=2, block_h=4, block_n=16,
+                                e4m3_bits=bits)
+        ext = mla_extend_triton(*common, torch.tensor([6, 39]), torch.tensor([1, 1]), 0.3, kv_lora, block_t=4,
+                                block_h=4, block_n=16, e4m3_bits=bits)
+        torch.testing.assert_close(dec, twin, atol=1e-4, rtol=0)
+        torch.testing.assert_close(ext, twin, atol=1e-4, rtol=0)
 
 
 def test_decode_padding_row_of_length_zero_is_zero() -> None:
@@ -189,6 +227,6 @@ def test_kernels_compile_for_gpu() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "-m", "ktlite.kernels.triton.aot_check", "--only", "mla", "--arch", "90"],
-        env=env, capture_output=True, text=True, timeout=120,
+        env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

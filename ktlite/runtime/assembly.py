@@ -66,7 +66,8 @@ class Runtime:
             self.cpu_moe.close()
 
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                torch.float8_e4m3fn: "fp8_e4m3"}
 CPU_DEVICE_CONTEXTS = 4  # KV pool of a CPU-only run without --max-total-tokens: this many full contexts
 
 
@@ -167,9 +168,11 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
                                       remote_gpu_experts=others)
 
         context = plan.context_length
-        # what the family caches per token on this rank (a full MLA latent, or this rank's kv heads)
-        pool = KVPool(cfg.token_cache_specs(tp.size if tp is not None else 1), plan.kv_pool_tokens,
-                      config.max_running_requests, context, config.torch_kv_dtype, device, alloc=alloc)
+        # what the family caches per token on this rank (a full MLA latent, or this rank's kv heads), in the
+        # layout of the KV dtype (an FP8 pool packs MLA latents with their scales)
+        specs = cfg.token_cache_specs(tp.size if tp is not None else 1, config.torch_kv_dtype)
+        pool = KVPool(specs, plan.kv_pool_tokens, config.max_running_requests, context, config.torch_kv_dtype,
+                      device, alloc=alloc)
         # recurrent layers' per-request state, at the request's KV-pool row
         states = StatePool(cfg.request_state_specs(tp.size if tp is not None else 1), config.max_running_requests,
                            device, alloc=alloc)

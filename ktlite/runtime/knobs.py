@@ -340,7 +340,7 @@ def resolve(config: EngineConfig, cfg: ModelConfig, hardware: Hardware) -> KnobC
     final.validate()
     # the plan the runtime will make (a chosen KV pool on a GPU is "what is left", so an error names the user's knobs)
     checked = plan_inputs(dataclasses.replace(final, device=device, gpu_memory=budget), cfg)
-    plan = make_plan(cfg, checked)  # raises PlanDoesNotFit
+    plan = make_plan(cfg, checked, hardware.gpus or None)  # raises PlanDoesNotFit
     cpu = _cpu_fit(final, cfg, plan, hardware)
     return KnobChoice(final, _rows(final, given, why, plan, cpu, budget, budget_how, gpu), plan, cpu, hardware)
 

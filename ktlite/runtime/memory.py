@@ -9,8 +9,9 @@ its own shard:
   allocated bytes agree by construction; each module's `plan_component` tag names its component;
 - routers (fp32) are replicated; the GPU routed experts are expert-parallel (each rank holds 1/tp of
   each layer's GPU experts, the first `count % tp` ranks one more);
-- the KV pool holds what the family declares per token per rank (`cfg.token_cache_specs(tp)`: e.g.
-  a full MLA latent on every rank, or this rank's GQA kv heads).
+- the KV pool holds what the family declares per token per rank (`cfg.token_cache_specs(tp, kv_dtype)`:
+  e.g. a full MLA latent on every rank, or this rank's GQA kv heads; with --kv-cache-dtype fp8_e4m3
+  the MLA latent and index keys are packed rows with their scales).
 
 The budget rule (stated again in every verdict):
     static budget   = mem_fraction_static x device memory  >= weights + GPU experts + KV pool
@@ -332,11 +333,18 @@ class RankPlan:
 
 @dataclass(frozen=True)
 class Suggestion:
-    """One change that alone makes the plan fit; `field`/`value` re-plan it (None: not a flag)."""
+    """One change that makes the plan fit; `field`/`value` re-plan it (None: not a flag), together
+    with the further flag changes in `with_` when one flag alone is not enough."""
 
     text: str
     field: str | None = None
     value: object = None
+    with_: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def changes(self) -> dict[str, object]:
+        """Every PlanInputs field this suggestion changes, to re-plan with."""
+        return {self.field: self.value, **dict(self.with_)} if self.field else {}
 
 
 @dataclass
@@ -471,8 +479,9 @@ def _plan(cfg: ModelConfig, inputs: PlanInputs, device_bytes: tuple[int, ...]) -
     per_expert = expert_bytes(cfg, res.weight_dtype)
     moe_layers = len(cfg.moe_layers)
     experts_on = tuple(res.gpu_experts // tp + (r < res.gpu_experts % tp) for r in range(tp))
-    cache_specs = cfg.token_cache_specs(tp)
-    kv_per_token = kv_bytes_per_token(cache_specs, _TORCH_DTYPES[res.kv_dtype])
+    kv_dtype = _TORCH_DTYPES[res.kv_dtype]
+    cache_specs = cfg.token_cache_specs(tp, kv_dtype)
+    kv_per_token = kv_bytes_per_token(cache_specs, kv_dtype)
     request_table = inputs.max_running_requests * res.context_length * 4  # int32 token slots per request
     state_per_request = state_bytes_per_request(cfg.request_state_specs(tp))
     static_budget = [int(frac * d) for d in device_bytes]
@@ -505,7 +514,7 @@ def _plan(cfg: ModelConfig, inputs: PlanInputs, device_bytes: tuple[int, ...]) -
             "shared_experts": f"{moe_layers} layers, intermediate {cfg.shared_intermediate_size}" if cfg.shared_intermediate_size else "none",
             "norms_router": "norms (replicated), fp32 routers, rope table",
             "gpu_experts": f"{experts_on[r]} per layer x {moe_layers} layers x {per_expert:,} B",
-            "kv_pool": f"{kv_tokens:,} tokens x {kv_per_token:,} B ({_cache_note(cache_specs)} x {res.kv_dtype})",
+            "kv_pool": f"{kv_tokens:,} tokens x {kv_per_token:,} B ({_cache_note(cache_specs, res.kv_dtype)})",
             "request_table": f"{inputs.max_running_requests} requests x {res.context_length:,} token slots, int32",
             "state_pool": (f"{inputs.max_running_requests} requests x {state_per_request:,} B (recurrent layers' state)"
                            if state_per_request else "none (no recurrent layers)"),
@@ -537,14 +546,18 @@ def _plan(cfg: ModelConfig, inputs: PlanInputs, device_bytes: tuple[int, ...]) -
     )
 
 
-def _cache_note(specs) -> str:
-    """'61 layers x 576' (MLA latent) or '48 layers x (k 4x128 + v 4x128)' (GQA)."""
+def _cache_note(specs, kv_dtype: str) -> str:
+    """'61 layers x 576 x bfloat16' (MLA latent), '48 layers x (k 4x128 + v 4x128) x bfloat16' (GQA), or
+    with packed FP8 rows (uint8 specs) '61 layers x (latent 656 B + index_key 132 B), fp8_e4m3 rows
+    with fp32 scales'."""
+    packed = any(spec.dtype == torch.uint8 for spec in specs)
     groups: dict[int, list[str]] = defaultdict(list)
     for spec in specs:
-        groups[len(spec.layers)].append(f"{spec.name} {'x'.join(map(str, spec.shape))}")
+        unit = " B" if spec.dtype == torch.uint8 else ""
+        groups[len(spec.layers)].append(f"{spec.name} {'x'.join(map(str, spec.shape))}{unit}")
     parts = [f"{n} layers x " + (items[0].split(" ", 1)[1] if len(items) == 1 else f"({' + '.join(items)})")
              for n, items in groups.items()]
-    return " + ".join(parts)
+    return " + ".join(parts) + (f", {kv_dtype} rows with fp32 scales" if packed else f" x {kv_dtype}")
 
 
 def _device_bytes(inputs: PlanInputs) -> tuple[int, ...]:
@@ -585,17 +598,40 @@ def _experts_suggestion(cfg: ModelConfig, inputs: PlanInputs, count: int) -> Sug
     return Suggestion(f"--kt-gpu-experts-ratio <= {ratio:g} ({count} experts per layer)", "kt_gpu_experts_ratio", ratio)
 
 
-def _suggestions(cfg: ModelConfig, inputs: PlanInputs, devices: tuple[int, ...], plan: MemoryPlan) -> list[Suggestion]:
-    """Every single-flag change that makes the plan fit, each at the largest (or smallest) value that does."""
+def _suggestions(cfg: ModelConfig, inputs: PlanInputs, devices: tuple[int, ...], plan: MemoryPlan,
+                 machine_gpus: int) -> list[Suggestion]:
+    """Every single-flag change that makes the plan fit, each at the largest (or smallest) value that
+    does; else a combination. More GPUs are proposed as the GPUs the user has (plus one flag) first."""
 
     def replan(**changes: object) -> MemoryPlan:
         changed = dataclasses.replace(inputs, **changes)
         n = changed.tensor_parallel_size
         if "gpu_memory" in changes:
             sizes = (int(changed.gpu_memory),) * n
-        else:  # more GPUs than detected: assume they are like the smallest one
+        else:  # other GPUs than planned: assume they are like the smallest one
             sizes = devices if n == len(devices) else (min(devices),) * n
         return _plan(cfg, changed, sizes)
+
+    def fits(**changes: object) -> bool:
+        return replan(**changes).fits
+
+    out = _single_flag_fixes(cfg, plan, replan)
+    if not out:
+        out += _combined(cfg, inputs, replan)
+    weights_alone = any(sum(rp.bytes(c) for c in WEIGHT_COMPONENTS) > rp.static_budget for rp in plan.ranks)
+    if not out or weights_alone:
+        out += _more_gpus(cfg, inputs, machine_gpus, replan)
+        if cfg.fp8_block_size and plan.weight_dtype != "fp8" and fits(dtype="fp8"):
+            out.append(Suggestion("--dtype auto (keep the checkpoint's FP8 weights)", "dtype", "auto"))
+    need = _largest(lambda mib: not fits(gpu_memory=mib * _MIB), 1, 2**26)  # largest size in MiB that fails
+    if need is not None and need < 2**26:
+        out.append(Suggestion(f"a GPU with at least {_gib((need + 1) * _MIB)} free", "gpu_memory", (need + 1) * _MIB))
+    return out
+
+
+def _single_flag_fixes(cfg: ModelConfig, plan: MemoryPlan, replan: Callable[..., MemoryPlan]) -> list[Suggestion]:
+    """Each memory knob that alone makes `plan` fit (re-planned through `replan`), at its best value."""
+    inputs = plan.inputs
 
     def fits(**changes: object) -> bool:
         return replan(**changes).fits
@@ -612,6 +648,10 @@ def _suggestions(cfg: ModelConfig, inputs: PlanInputs, devices: tuple[int, ...],
     best = _largest(lambda v: fits(chunked_prefill_size=v), 1, plan.chunk_tokens - 1)
     if best is not None:
         out.append(Suggestion(f"--chunked-prefill-size <= {best}", "chunked_prefill_size", best))
+    if plan.kv_dtype != "fp8_e4m3" and fits(kv_cache_dtype="fp8_e4m3"):  # the KV pool is what does not fit
+        packed = replan(kv_cache_dtype="fp8_e4m3").kv_bytes_per_token
+        out.append(Suggestion(f"--kv-cache-dtype fp8_e4m3 ({packed:,} instead of {plan.kv_bytes_per_token:,} KV bytes "
+                              "per token)", "kv_cache_dtype", "fp8_e4m3"))
     if inputs.kt_gpu_prefill_token_threshold is not None and fits(kt_gpu_prefill_token_threshold=None):
         out.append(Suggestion("drop --kt-gpu-prefill-token-threshold (no layerwise-prefill buffer)",
                               "kt_gpu_prefill_token_threshold", None))
@@ -620,21 +660,27 @@ def _suggestions(cfg: ModelConfig, inputs: PlanInputs, devices: tuple[int, ...],
         out.append(Suggestion(f"--mem-fraction-static >= {fractions[0]:.2f}", "mem_fraction_static", fractions[0]))
     elif fractions and fractions[-1] < inputs.mem_fraction_static:
         out.append(Suggestion(f"--mem-fraction-static <= {fractions[-1]:.2f}", "mem_fraction_static", fractions[-1]))
-
-    if not out:
-        out += _combined(cfg, inputs, replan)
-    weights_alone = any(sum(rp.bytes(c) for c in WEIGHT_COMPONENTS) > rp.static_budget for rp in plan.ranks)
-    if not out or weights_alone:
-        for tp in TENSOR_PARALLEL_CHOICES:
-            if tp > inputs.tensor_parallel_size and _splits(cfg, tp) and fits(tensor_parallel_size=tp):
-                out.append(Suggestion(f"--tensor-parallel-size {tp} ({tp} GPUs like this one)", "tensor_parallel_size", tp))
-                break
-        if cfg.fp8_block_size and plan.weight_dtype != "fp8" and fits(dtype="fp8"):
-            out.append(Suggestion("--dtype auto (keep the checkpoint's FP8 weights)", "dtype", "auto"))
-    need = _largest(lambda mib: not fits(gpu_memory=mib * _MIB), 1, 2**26)  # largest size in MiB that fails
-    if need is not None and need < 2**26:
-        out.append(Suggestion(f"a GPU with at least {_gib((need + 1) * _MIB)} free", "gpu_memory", (need + 1) * _MIB))
     return out
+
+
+def _more_gpus(cfg: ModelConfig, inputs: PlanInputs, gpus_seen: int,
+               replan: Callable[..., MemoryPlan]) -> list[Suggestion]:
+    """A larger --tensor-parallel-size: the GPUs the machine has, with one more flag where the split
+    alone is not enough, before the smallest count of "GPUs like this one" that fits alone."""
+    for tp in TENSOR_PARALLEL_CHOICES:
+        if tp <= inputs.tensor_parallel_size or not _splits(cfg, tp):
+            continue
+        split = replan(tensor_parallel_size=tp)
+        if split.fits:
+            where = "the GPUs this machine has" if tp <= gpus_seen else f"{tp} GPUs like this one"
+            return [Suggestion(f"--tensor-parallel-size {tp} ({where})", "tensor_parallel_size", tp)]
+        if tp <= gpus_seen:
+            fixes = _single_flag_fixes(cfg, split, lambda **c: replan(tensor_parallel_size=tp, **c))
+            combos = [Suggestion(f"--tensor-parallel-size {tp} with {f.text}", "tensor_parallel_size", tp,
+                                 ((f.field, f.value),)) for f in fixes if f.field]
+            if combos:
+                return combos
+    return []
 
 
 def _combined(cfg: ModelConfig, inputs: PlanInputs, replan: Callable[..., MemoryPlan]) -> list[Suggestion]:
@@ -655,12 +701,17 @@ def _combined(cfg: ModelConfig, inputs: PlanInputs, replan: Callable[..., Memory
     return [Suggestion(" with ".join(parts))]
 
 
-def make_plan(cfg: ModelConfig, inputs: PlanInputs) -> MemoryPlan:
-    """The memory plan per GPU; raises PlanDoesNotFit (a PlanError) listing components and fixes."""
+def make_plan(cfg: ModelConfig, inputs: PlanInputs, machine_gpus: int | None = None) -> MemoryPlan:
+    """The memory plan per GPU; raises PlanDoesNotFit (a PlanError) listing components and fixes.
+    `machine_gpus`: GPUs the machine has, which a larger --tensor-parallel-size may use before more
+    GPUs are proposed (None: the visible CUDA devices, or the planned ones under --gpu-memory)."""
     devices = _device_bytes(inputs)
     plan = _plan(cfg, inputs, devices)
     if not plan.fits:
-        raise PlanDoesNotFit(plan, _suggestions(cfg, inputs, devices, plan))
+        if machine_gpus is None:
+            visible = torch.cuda.device_count() if inputs.gpu_memory is None and torch.cuda.is_available() else 0
+            machine_gpus = max(visible, len(devices))
+        raise PlanDoesNotFit(plan, _suggestions(cfg, inputs, devices, plan, machine_gpus))
     logger.info("memory plan: KV pool %d tokens, %d GPU experts per MoE layer, %s static on GPU 0",
                 plan.kv_pool_tokens, plan.gpu_experts_total, _gib(plan.ranks[0].static_bytes))
     return plan

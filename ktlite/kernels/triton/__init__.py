@@ -92,7 +92,8 @@ def mla_decode(
     sm_scale: float,
     kv_lora_rank: int,
 ) -> torch.Tensor:
-    """Absorbed-MLA decode. q [B, H, kv_lora_rank + rope], kv_buffer [slots, kv_lora_rank + rope],
+    """Absorbed-MLA decode. q [B, H, kv_lora_rank + rope], kv_buffer [slots, kv_lora_rank + rope] or packed
+    FP8 rows [slots, bytes] uint8 (kv_fp8.latent_rows, read in place; the same for mla_extend and sparse_mla),
     req_to_token [max_reqs, max_context] int32, req_pool_indices [B], seq_lens [B] (incl. the
     current token, already in the pool) -> [B, H, kv_lora_rank] in q's dtype."""
     if use_triton(q):

@@ -7,9 +7,9 @@ ttir -> ptx -> cubin pipeline runs on a CPU box; this is what the tests call in 
 
     python -m ktlite.kernels.triton.aot_check [--only mla|sparse_mla|gqa|moe|fp8|linear] [--arch 80 90]
 
-Configurations mirror the wrappers' GPU defaults at the largest MLA model's sizes (hidden 7168, 128 heads);
-GQA at head_dim 128 with groups of 8 to 16 query heads per kv head, bf16 and fp8 pools; the Gated
-DeltaNet kernels at Qwen3-Next's linear-attention sizes.
+Configurations mirror the wrappers' GPU defaults at the largest MLA model's sizes (hidden 7168, 128 heads)
+with plain and packed-FP8 latent pools; GQA at head_dim 128 with groups of 8 to 16 query heads per kv head,
+bf16 and fp8 pools.
 """
 
 import argparse
@@ -60,20 +60,28 @@ def configs(dt: str = "bf16") -> list[KernelConfig]:
     mla = {"Q": f"*{dt}", "KV": f"*{dt}", "ReqToToken": "*i32", "ReqPoolIdx": "*i32", "SeqLens": "*i32",
            "MidO": "*fp32", "MidLse": "*fp32", "Out": f"*{dt}", "PrefixLens": "*i32", "ExtendLens": "*i32",
            "ExtendStart": "*i64"}
-    dims = dict(KV_LORA=512, ROPE=64, BLOCK_C=512, BLOCK_R=64)
-    out = [
-        KernelConfig("mla", "decode stage1", decode_attn._decode_stage1, mla,
-                     dict(dims, BLOCK_H=16, BLOCK_N=32), floats=("qk_scale",)),
-        KernelConfig("mla", "decode stage2", decode_attn._decode_stage2, mla,
-                     dict(KV_LORA=512, BLOCK_C=512, BLOCK_S=8)),
-        KernelConfig("mla", "extend", extend_attn._extend_kernel, mla,
-                     dict(dims, BLOCK_T=2, BLOCK_H=16, BLOCK_N=32), num_warps=8, num_stages=1, floats=("qk_scale",)),
-    ]
-    for split in (False, True):  # direct output (prefill) or partials for decode_attn's stage 2
-        dst = "*fp32" if split else f"*{dt}"
-        out.append(KernelConfig("sparse_mla", f"sparse mla {'split' if split else 'direct'}",
-                                sparse_mla_attn._sparse_mla_kernel, dict(mla, TopK="*i64", O=dst, Lse=dst),
-                                dict(dims, BLOCK_H=16, BLOCK_N=32, SPLIT=split), floats=("qk_scale",)))
+    out = [KernelConfig("mla", "decode stage2", decode_attn._decode_stage2, mla,
+                        dict(KV_LORA=512, BLOCK_C=512, BLOCK_S=8))]
+    # latent pools (latent_tile): plain dt, packed FP8 (sm89+), packed FP8 decoded with integer ops
+    pools = ((dt, {"KV": f"*{dt}", "KVScale": f"*{dt}", "KVRope": f"*{dt}"}, dict(GROUP=1, PACKED=False), False, 80),
+             ("fp8", {"KV": "*fp8e4nv", "KVScale": "*fp32", "KVRope": "*bf16"}, dict(GROUP=128, PACKED=True), False, 89),
+             ("fp8 bytes", {"KV": "*u8", "KVScale": "*fp32", "KVRope": "*bf16"}, dict(GROUP=128, PACKED=True), True, 80))
+    for pool, latent, layout, bits, min_arch in pools:
+        ptrs = {**mla, **latent}
+        dims = dict(KV_LORA=512, ROPE=64, BLOCK_C=512, BLOCK_R=64, **layout, E4M3_BITS=bits)
+        out += [
+            KernelConfig("mla", f"decode stage1 {pool} pool", decode_attn._decode_stage1, ptrs,
+                         dict(dims, BLOCK_H=16, BLOCK_N=32), min_arch=min_arch, floats=("qk_scale",)),
+            KernelConfig("mla", f"extend {pool} pool", extend_attn._extend_kernel, ptrs,
+                         dict(dims, BLOCK_T=2, BLOCK_H=16, BLOCK_N=32), num_warps=8, num_stages=1, min_arch=min_arch,
+                         floats=("qk_scale",)),
+        ]
+        for split in (False, True):  # direct output (prefill) or partials for decode_attn's stage 2
+            dst = "*fp32" if split else f"*{dt}"
+            out.append(KernelConfig("sparse_mla", f"sparse mla {'split' if split else 'direct'} {pool} pool",
+                                    sparse_mla_attn._sparse_mla_kernel, dict(ptrs, TopK="*i64", O=dst, Lse=dst),
+                                    dict(dims, BLOCK_H=16, BLOCK_N=32, SPLIT=split), min_arch=min_arch,
+                                    floats=("qk_scale",)))
     out += gqa_configs(dt)
     out += linear_attn_configs(dt)
     for bits, w_ty, s_ty in ((16, dt, dt), (8, "i8", "fp16"), (4, "u8", "fp16")):

@@ -5,7 +5,8 @@ batch size costs no recompiles; stage 2 compiles once per power of two). A stage
 handles one request, one group of BLOCK_H heads and one chunk: a token's latent vector (shared
 by every head in MLA) is loaded once for all BLOCK_H heads, so decode is bound by reading the
 pool once per head group rather than once per head. Stage 2 merges the chunks' partial softmaxes with their
-log-sum-exp. Scores use exp2 with log2(e) folded into the scale.
+log-sum-exp. Scores use exp2 with log2(e) folded into the scale. The pool is plain or packed FP8
+(latent_tile: dequantized in registers).
 """
 
 import logging
@@ -15,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ktlite.kernels.triton.common import dot
+from ktlite.kernels.triton.latent_tile import latent_operands, load_latent
 
 logger = logging.getLogger(__name__)
 
@@ -23,13 +25,14 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_stage1(
-    Q, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
+    Q, KV, KVScale, KVRope, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
     qk_scale, num_heads, num_splits,
-    stride_qb, stride_qh, stride_kv, stride_rt,
+    stride_qb, stride_qh, stride_kv, stride_ks, stride_kr, stride_rt,
     stride_mob, stride_moh, stride_mos, stride_lb, stride_lh,
     KV_LORA: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, PACKED: tl.constexpr, E4M3_BITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     head_group = tl.program_id(1)
@@ -60,9 +63,8 @@ def _decode_stage1(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
-        kv_row = KV + slot[None, :] * stride_kv
-        k_c = tl.load(kv_row + offs_c[:, None], mask=mask_c[:, None] & mask_n[None, :], other=0.0)  # [BC, BN]
-        k_r = tl.load(kv_row + KV_LORA + offs_r[:, None], mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+        k_c, k_r = load_latent(KV, KVScale, KVRope, slot, mask_n, q_c, stride_kv, stride_ks, stride_kr,
+                               KV_LORA, ROPE, BLOCK_C, BLOCK_R, GROUP, PACKED, E4M3_BITS)  # [BC, BN], [BR, BN]
         s = dot(q_c, k_c, tl.zeros([BLOCK_H, BLOCK_N], tl.float32))
         s = dot(q_r, k_r, s) * qk_scale
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -129,15 +131,17 @@ def mla_decode_triton(
     block_n: int = 32,
     num_warps: int = 4,
     num_stages: int = 2,
+    e4m3_bits: bool | None = None,
 ) -> torch.Tensor:
     """Triton twin of reference.mla_decode_torch (see there for shapes); returns [B, H, kv_lora_rank].
 
     num_kv_splits defaults to default_num_kv_splits(); block_h is heads per program (>= 16 for
-    tl.dot on a GPU), block_n tokens per KV tile.
+    tl.dot on a GPU), block_n tokens per KV tile; e4m3_bits is latent_operands'.
     """
     batch, num_heads, dk = q.shape
     rope = dk - kv_lora_rank
-    assert kv_buffer.shape[1] == dk and q.stride(2) == 1 and kv_buffer.stride(1) == 1
+    assert q.stride(2) == 1
+    kv = latent_operands(kv_buffer, kv_lora_rank, dk, e4m3_bits)
     splits = num_kv_splits or default_num_kv_splits(batch, num_heads, q.device, block_h)
     mid_o = torch.empty(batch, num_heads, splits, kv_lora_rank, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
@@ -146,12 +150,12 @@ def mla_decode_triton(
         return out
     block_c = triton.next_power_of_2(kv_lora_rank)
     _decode_stage1[(batch, triton.cdiv(num_heads, block_h), splits)](
-        q, kv_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        q, *kv.pointers, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         sm_scale * _LOG2E, num_heads, splits,
-        q.stride(0), q.stride(1), kv_buffer.stride(0), req_to_token.stride(0),
+        q.stride(0), q.stride(1), *kv.strides, req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         KV_LORA=kv_lora_rank, ROPE=rope, BLOCK_C=block_c, BLOCK_R=triton.next_power_of_2(max(rope, 1)),
-        BLOCK_H=block_h, BLOCK_N=block_n,
+        BLOCK_H=block_h, BLOCK_N=block_n, **kv.constexprs,
         num_warps=num_warps, num_stages=num_stages,
     )
     _decode_stage2[(batch, num_heads)](

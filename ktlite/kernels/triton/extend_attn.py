@@ -4,7 +4,8 @@ A program owns a tile of BLOCK_T new tokens x BLOCK_H heads of one request, flat
 BLOCK_T * BLOCK_H query rows (row r = token r // BLOCK_H, head r % BLOCK_H), and streams the
 request's latent KV (cached prefix and the chunk's own tokens, all addressed via req_to_token)
 in BLOCK_N tiles with an online softmax. Grouping heads lets one latent tile serve many heads
-and keeps the causal frontier tight when chunks are short (e.g. 2 tokens x 16 heads).
+and keeps the causal frontier tight when chunks are short (e.g. 2 tokens x 16 heads). The pool is plain
+or packed FP8 (latent_tile: dequantized in registers).
 """
 
 import logging
@@ -14,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ktlite.kernels.triton.common import dot
+from ktlite.kernels.triton.latent_tile import latent_operands, load_latent
 
 logger = logging.getLogger(__name__)
 
@@ -22,12 +24,13 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _extend_kernel(
-    Q, KV, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart, Out,
+    Q, KV, KVScale, KVRope, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart, Out,
     qk_scale, num_heads,
-    stride_qn, stride_qh, stride_kv, stride_rt, stride_on, stride_oh,
+    stride_qn, stride_qh, stride_kv, stride_ks, stride_kr, stride_rt, stride_on, stride_oh,
     KV_LORA: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, PACKED: tl.constexpr, E4M3_BITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     t_block = tl.program_id(1)
@@ -64,9 +67,8 @@ def _extend_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
         slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
-        kv_row = KV + slot[None, :] * stride_kv
-        k_c = tl.load(kv_row + offs_c[:, None], mask=mask_c[:, None] & mask_n[None, :], other=0.0)  # [BC, BN]
-        k_r = tl.load(kv_row + KV_LORA + offs_r[:, None], mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+        k_c, k_r = load_latent(KV, KVScale, KVRope, slot, mask_n, q_c, stride_kv, stride_ks, stride_kr,
+                               KV_LORA, ROPE, BLOCK_C, BLOCK_R, GROUP, PACKED, E4M3_BITS)  # [BC, BN], [BR, BN]
         s = dot(q_c, k_c, tl.zeros([BLOCK_T * BLOCK_H, BLOCK_N], tl.float32))
         s = dot(q_r, k_r, s) * qk_scale
         s = tl.where(mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -99,16 +101,18 @@ def mla_extend_triton(
     block_n: int = 32,
     num_warps: int = 8,
     num_stages: int = 1,
+    e4m3_bits: bool | None = None,
 ) -> torch.Tensor:
     """Triton twin of reference.mla_extend_torch (see there for shapes); returns [N, H, kv_lora_rank].
 
     extend_start_loc [B] (exclusive cumsum of extend_lens) and max_extend_len are derived when
     not given; passing max_extend_len avoids a device->host sync. block_t * block_h query rows
-    per program (>= 16 for tl.dot on a GPU); default 16 heads x 2 tokens.
+    per program (>= 16 for tl.dot on a GPU); default 16 heads x 2 tokens. e4m3_bits is latent_operands'.
     """
     num_tokens, num_heads, dk = q.shape
     rope = dk - kv_lora_rank
-    assert kv_buffer.shape[1] == dk and q.stride(2) == 1 and kv_buffer.stride(1) == 1
+    assert q.stride(2) == 1
+    kv = latent_operands(kv_buffer, kv_lora_rank, dk, e4m3_bits)
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
@@ -120,12 +124,12 @@ def mla_extend_triton(
     block_t = block_t or max(1, 32 // block_h)
     grid = (extend_lens.shape[0], triton.cdiv(max_extend_len, block_t), triton.cdiv(num_heads, block_h))
     _extend_kernel[grid](
-        q, kv_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc, out,
+        q, *kv.pointers, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc, out,
         sm_scale * _LOG2E, num_heads,
-        q.stride(0), q.stride(1), kv_buffer.stride(0), req_to_token.stride(0), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), *kv.strides, req_to_token.stride(0), out.stride(0), out.stride(1),
         KV_LORA=kv_lora_rank, ROPE=rope,
         BLOCK_C=triton.next_power_of_2(kv_lora_rank), BLOCK_R=triton.next_power_of_2(max(rope, 1)),
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_N=block_n,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_N=block_n, **kv.constexprs,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -10,6 +10,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ktlite.kernels.triton.kv_fp8 import is_packed, latent_rows
 from ktlite.kernels.triton.quant import QuantizedWeight, dequantize_expert
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,13 @@ def causal_mask(prefix: int, n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(prefix + n, device=device)[None, :] <= pos_q[:, None]
 
 
+def gather_latents(kv_buffer: torch.Tensor, slots: torch.Tensor, kv_lora_rank: int, width: int) -> torch.Tensor:
+    """float32 latents [*slots.shape, width] of pool slots, from a plain [slots, width] buffer or a packed
+    FP8 one (uint8 rows, kv_fp8.latent_rows): the one place the twins read an MLA cache."""
+    rows = kv_buffer[slots]
+    return latent_rows(kv_lora_rank, width - kv_lora_rank).unpack(rows) if is_packed(kv_buffer) else rows.float()
+
+
 def mla_extend_torch(
     q: torch.Tensor,
     kv_buffer: torch.Tensor,
@@ -45,13 +53,14 @@ def mla_extend_torch(
     """Absorbed-MLA causal attention of new tokens over their request's prefix + themselves.
 
     q: [N, H, kv_lora_rank + rope] (N = sum(extend_lens), requests concatenated in order);
-    kv_buffer: [slots, kv_lora_rank + rope]; req_to_token: [max_reqs, max_context] int32;
-    req_pool_indices, prefix_lens, extend_lens: [B]. Returns [N, H, kv_lora_rank] in q's dtype.
-    Token i of request b sees positions 0..prefix_lens[b] + i (computed in fp32).
+    kv_buffer: [slots, kv_lora_rank + rope], or packed FP8 rows [slots, bytes] uint8 (kv_fp8.latent_rows);
+    req_to_token: [max_reqs, max_context] int32; req_pool_indices, prefix_lens, extend_lens: [B].
+    Returns [N, H, kv_lora_rank] in q's dtype. Token i of request b sees positions 0..prefix_lens[b] + i
+    (computed in fp32).
     """
     out = torch.empty(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)
     for row, prefix, n, start in request_spans(req_pool_indices, prefix_lens, extend_lens):
-        kv = kv_buffer[req_to_token[row, : prefix + n].long()].float()  # [total, Dk]
+        kv = gather_latents(kv_buffer, req_to_token[row, : prefix + n].long(), kv_lora_rank, q.shape[-1])  # [total, Dk]
         scores = torch.einsum("nhd,ld->nhl", q[start : start + n].float(), kv) * sm_scale
         scores.masked_fill_(~causal_mask(prefix, n, q.device)[:, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
@@ -200,14 +209,15 @@ def gqa_decode_torch(
 def sparse_mla_torch(q: torch.Tensor, kv_buffer: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
                      kv_lora_rank: int, block: int = 64) -> torch.Tensor:
     """Absorbed MLA over selected tokens (DSA sparse attention). q [N, H, kv_lora_rank + rope],
-    kv_buffer [slots, kv_lora_rank + rope], topk_slots [N, K] pool slots each query attends to (-1 = none;
-    the caller has applied causality) -> [N, H, kv_lora_rank] in q's dtype, fp32 softmax. A query with
-    no slot gets zeros. Queries go in blocks of `block` so the gathered latents stay small."""
+    kv_buffer [slots, kv_lora_rank + rope] (or packed FP8 rows, as in mla_extend_torch), topk_slots [N, K]
+    pool slots each query attends to (-1 = none; the caller has applied causality) -> [N, H, kv_lora_rank]
+    in q's dtype, fp32 softmax. A query with no slot gets zeros. Queries go in blocks of `block` so the
+    gathered latents stay small."""
     out = torch.zeros(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)
     for s0 in range(0, q.shape[0], block):
         sel = topk_slots[s0 : s0 + block]
         valid = sel >= 0  # [n, K]
-        kv = kv_buffer[sel.clamp(min=0)].float()  # [n, K, D]
+        kv = gather_latents(kv_buffer, sel.clamp(min=0), kv_lora_rank, q.shape[-1])  # [n, K, D]
         scores = torch.einsum("nhd,nkd->nhk", q[s0 : s0 + block].float(), kv) * sm_scale
         probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1).nan_to_num(0.0)
         out[s0 : s0 + block] = torch.einsum("nhk,nkc->nhc", probs, kv[..., :kv_lora_rank]).to(q.dtype)

@@ -15,6 +15,8 @@ Padding: the indexer puts -1 after the valid slots of a short context (fewer tok
 so each program first scans its chunk's slot ids (8 bytes each, cheap next to a 576-wide latent
 row) for the end of the valid ones and streams latents only up to there; -1s inside that range
 are masked. A query whose slots are all -1 gets zeros.
+
+The pool is plain or packed FP8 (latent_tile: dequantized in registers).
 """
 
 import logging
@@ -25,6 +27,7 @@ import triton.language as tl
 
 from ktlite.kernels.triton.common import dot
 from ktlite.kernels.triton.decode_attn import _decode_stage2, default_num_kv_splits
+from ktlite.kernels.triton.latent_tile import latent_operands, load_latent
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +36,14 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _sparse_mla_kernel(
-    Q, KV, TopK, O, Lse,
+    Q, KV, KVScale, KVRope, TopK, O, Lse,
     qk_scale, num_heads, topk, split_len,
-    stride_qn, stride_qh, stride_kv, stride_tn,
+    stride_qn, stride_qh, stride_kv, stride_ks, stride_kr, stride_tn,
     stride_on, stride_oh, stride_os, stride_ln, stride_lh,
     KV_LORA: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, GROUP: tl.constexpr, PACKED: tl.constexpr, E4M3_BITS: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)  # int64: n * stride_qn passes 2**31 for long prefills
     head_group = tl.program_id(1)
@@ -74,9 +77,8 @@ def _sparse_mla_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_N)
         slot = tl.load(slots_row + offs_k, mask=offs_k < end, other=-1)
         valid = slot >= 0
-        kv_row = KV + tl.where(valid, slot, 0)[None, :] * stride_kv
-        k_c = tl.load(kv_row + offs_c[:, None], mask=mask_c[:, None] & valid[None, :], other=0.0)  # [BC, BN]
-        k_r = tl.load(kv_row + KV_LORA + offs_r[:, None], mask=mask_r[:, None] & valid[None, :], other=0.0)
+        k_c, k_r = load_latent(KV, KVScale, KVRope, tl.where(valid, slot, 0), valid, q_c, stride_kv, stride_ks,
+                               stride_kr, KV_LORA, ROPE, BLOCK_C, BLOCK_R, GROUP, PACKED, E4M3_BITS)  # [BC|BR, BN]
         s = dot(q_c, k_c, tl.zeros([BLOCK_H, BLOCK_N], tl.float32))
         s = dot(q_r, k_r, s) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -110,19 +112,20 @@ def sparse_mla_triton(
     block_n: int = 32,
     num_warps: int = 4,
     num_stages: int = 2,
+    e4m3_bits: bool | None = None,
 ) -> torch.Tensor:
     """Triton twin of reference.sparse_mla_torch (see there for shapes); returns [N, H, kv_lora_rank].
 
     num_splits (chunks of each query's slot list) defaults to decode_attn's rule: about two programs
     per SM, so 1 for prefill-sized N, and never more chunks than BLOCK_N tiles. It depends on shapes
     only (no host sync: CUDA-graph friendly). block_h is heads per program (>= 16 for tl.dot on a GPU),
-    block_n slots per gathered tile.
+    block_n slots per gathered tile; e4m3_bits is latent_operands'.
     """
     num_tokens, num_heads, dk = q.shape
     topk = topk_slots.shape[1]
     rope = dk - kv_lora_rank
-    assert kv_buffer.shape[1] == dk and topk_slots.shape[0] == num_tokens
-    assert q.stride(2) == 1 and kv_buffer.stride(1) == 1 and topk_slots.stride(1) == 1
+    assert topk_slots.shape[0] == num_tokens and q.stride(2) == 1 and topk_slots.stride(1) == 1
+    kv = latent_operands(kv_buffer, kv_lora_rank, dk, e4m3_bits)
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
@@ -131,10 +134,10 @@ def sparse_mla_triton(
     split_len = triton.cdiv(triton.cdiv(topk, splits), block_n) * block_n  # whole tiles per chunk
     block_c = triton.next_power_of_2(kv_lora_rank)
     dims = dict(KV_LORA=kv_lora_rank, ROPE=rope, BLOCK_C=block_c, BLOCK_R=triton.next_power_of_2(max(rope, 1)),
-                BLOCK_H=block_h, BLOCK_N=block_n)
+                BLOCK_H=block_h, BLOCK_N=block_n, **kv.constexprs)
     grid = (num_tokens, triton.cdiv(num_heads, block_h), splits)
-    common = (q, kv_buffer, topk_slots)
-    scalars = (sm_scale * _LOG2E, num_heads, topk, split_len, q.stride(0), q.stride(1), kv_buffer.stride(0),
+    common = (q, *kv.pointers, topk_slots)
+    scalars = (sm_scale * _LOG2E, num_heads, topk, split_len, q.stride(0), q.stride(1), *kv.strides,
                topk_slots.stride(0))
     if splits == 1:
         # Lse is never touched without SPLIT; out stands in for it

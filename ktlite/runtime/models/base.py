@@ -52,7 +52,8 @@ class PoolCache:
     """B equal-length sequences in a private KV pool: the reference call's cache."""
 
     def __init__(self, model: "CausalLM", batch: int, max_len: int):
-        self.pool = KVPool(model.config.token_cache_specs(), batch * max_len, batch, max_len, model.dtype, model.device)
+        self.pool = KVPool(model.config.token_cache_specs(1, model.dtype), batch * max_len, batch, max_len,
+                           model.dtype, model.device)
         self.states = StatePool(model.config.request_state_specs(), batch, model.device)
         self.rows = [self.pool.alloc_request() for _ in range(batch)]
         self.length = 0
@@ -109,13 +110,14 @@ class CausalLM(nn.Module):
         self.model = backbone
         self.lm_head = LMHead(config.hidden_size, config.vocab_size, bias=False)
 
+    # from the embedding rows, which stay torch tensors when a CPU-only run quantizes the linear layers
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.embed_tokens.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device
 
     supports_prefix_cache = True  # False for families with per-request recurrent state
 

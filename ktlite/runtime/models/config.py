@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ktlite.errors import ConfigError
 
 if TYPE_CHECKING:
+    import torch
+
     from ktlite.runtime.kv_cache import TokenCacheSpec
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -136,8 +138,10 @@ class ModelConfig(Protocol):
     def shared_intermediate_size(self) -> int:
         """Intermediate size of a MoE layer's shared expert(s) together (0: none)."""
 
-    def token_cache_specs(self, tp_size: int = 1) -> list[TokenCacheSpec]:
-        """What one tensor-parallel rank caches per token (the KV pool's buffers)."""
+    def token_cache_specs(self, tp_size: int = 1, kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
+        """What one tensor-parallel rank caches per token (the KV pool's buffers) in a pool of kv_dtype
+        (--kv-cache-dtype; None: a 16/32-bit pool). The layout may depend on it: an FP8 pool holds MLA
+        latents and index keys as packed rows with their scales (uint8 specs)."""
 
     def request_state_specs(self, tp_size: int = 1) -> list:
         """What one running request keeps per layer beyond its tokens (recurrent layers' state)."""

@@ -10,6 +10,9 @@ must agree:
 - naive: decompress the cached latents with kv_b_proj into per-head K and V, then standard attention;
 - absorbed: fold W_UK (the key half of kv_b_proj) into the query, attend over the latents directly and
   apply W_UV (the value half) after. This is the form the KV pool and kernels use.
+With `--kv-cache-dtype fp8_e4m3` the pool stores each latent as a packed FP8 row (fp8 values with a
+scale per 128, the rope'd key in bf16; kernels/triton/kv_fp8.py): `store` quantizes on write and the
+kernels dequantize as they read.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from ktlite.kernels.triton import mla_decode, mla_extend
+from ktlite.kernels.triton.kv_fp8 import is_packed
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
 from ktlite.runtime.models.deepseek_config import ARCHITECTURES, MODEL_TYPES, TINY_CONFIGS, DeepseekConfig, parse_config
@@ -49,6 +53,7 @@ class LatentCache:
 
 class MLAttention(nn.Module):
     plan_component = "attention"
+    keep_linears = ("kv_b_proj",)  # read as the W_UK / W_UV matrices, not called: the CPU dense path keeps it
 
     def __init__(self, cfg: DeepseekConfig, rotary: RotaryEmbedding):
         super().__init__()
@@ -111,11 +116,18 @@ class MLAttention(nn.Module):
         v = torch.einsum("...hc,hvc->...hv", attn_latent, w_uv)
         return self.o_proj(v.flatten(-2))
 
+    def store(self, pool, name: str, layer_idx: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Write new tokens' entries [n, values] of cache kind `name`, packed (quantized) when the pool's
+        buffer holds FP8 rows."""
+        if is_packed(pool.buffer(name, layer_idx)):
+            values = self.cfg.fp8_rows(name).pack(values)
+        pool.write(name, layer_idx, slots, values)
+
     def forward_batch(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, ctx,
                       layer_idx: int) -> torch.Tensor:
         """Absorbed MLA over the KV pool's latents: h [N, hidden] -> this rank's partial output [N, hidden]."""
         c, pool = self.cfg, ctx.kv_pool
-        pool.write("latent", layer_idx, batch.out_cache_loc, self.latent(h, cos, sin))
+        self.store(pool, "latent", layer_idx, batch.out_cache_loc, self.latent(h, cos, sin))
         q = self.absorbed_query(self.query(h), cos, sin)  # [N, heads, kv_lora_rank + rope]
         latents = pool.buffer("latent", layer_idx)
         if batch.is_decode:

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ktlite.errors import ConfigError
+from ktlite.kernels.triton.kv_fp8 import Fp8Rows, latent_rows, packs_fp8
 from ktlite.runtime.kv_cache import TokenCacheSpec
 from ktlite.runtime.models.config import Fields, RopeConfig, RouterSpec, rope_config
 
@@ -89,9 +92,21 @@ class DeepseekConfig:
                           self.n_group, self.topk_group, normalize, scale,
                           correction_bias=self.topk_method == "noaux_tc")
 
-    def token_cache_specs(self, tp_size: int = 1) -> list[TokenCacheSpec]:
+    def fp8_rows(self, name: str) -> Fp8Rows:
+        """The packed layout of cache kind `name` in an FP8 pool (kv_fp8): the latent's fp8 values with a
+        scale per 128 and the rope'd key in bf16."""
+        return latent_rows(self.kv_lora_rank, self.qk_rope_head_dim)
+
+    def cache_spec(self, name: str, layers: tuple[int, ...], values: int,
+                   kv_dtype: torch.dtype | None) -> TokenCacheSpec:
+        """`values` per token in the pool's dtype, or in an FP8 pool one packed uint8 row with its scales."""
+        if packs_fp8(kv_dtype):
+            return TokenCacheSpec(name, layers, (self.fp8_rows(name).row_bytes,), torch.uint8)
+        return TokenCacheSpec(name, layers, (values,))
+
+    def token_cache_specs(self, tp_size: int = 1, kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
         # the latent is shared by all heads, so every tensor-parallel rank keeps all of it
-        return [TokenCacheSpec("latent", tuple(range(self.num_hidden_layers)), (self.kv_latent_dim,))]
+        return [self.cache_spec("latent", tuple(range(self.num_hidden_layers)), self.kv_latent_dim, kv_dtype)]
 
     def request_state_specs(self, tp_size: int = 1) -> list:
         return []  # attention only: everything is cached per token

@@ -5,8 +5,8 @@ A lightning indexer per layer scores every cached token for each query
 half-split rope on the first qk_rope_head_dim values of both), and the MLA attention then reads only
 each query's top `index_topk` tokens (causal). The indexer's per-token key (`index_head_dim` values
 per layer) is cached in the token pool beside the MLA latent ("index_key"), so it is planned,
-reference-counted and freed with it. Tensor parallelism replicates the indexer (its weights and
-keys are small next to the latent heads).
+reference-counted and freed with it; an FP8 pool stores it as fp8 values with one fp32 scale. Tensor
+parallelism replicates the indexer (its weights and keys are small next to the latent heads).
 
 The indexer hands the attention each new token's selected pool slots ([N, index_topk], -1 padded,
 causal), so decode and extend are one `sparse_mla` call; it equals dense MLA when top-k covers
@@ -23,6 +23,7 @@ from torch import nn
 
 from ktlite.errors import ConfigError
 from ktlite.kernels.triton import sparse_mla
+from ktlite.kernels.triton.kv_fp8 import Fp8Rows, is_packed
 from ktlite.kernels.triton.reference import causal_mask, request_spans
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.kv_cache import TokenCacheSpec
@@ -53,8 +54,13 @@ class DeepseekV32Config(DeepseekConfig):
     def is_v3(self) -> bool:  # V3's routing and defaults
         return True
 
-    def token_cache_specs(self, tp_size: int = 1) -> list[TokenCacheSpec]:
-        return super().token_cache_specs(tp_size) + [TokenCacheSpec("index_key", self.indexed_layers, (self.index_head_dim,))]
+    def fp8_rows(self, name: str) -> Fp8Rows:
+        """In an FP8 pool an index key is its fp8 values with one fp32 scale (132 bytes at dim 128)."""
+        return Fp8Rows(self.index_head_dim, self.index_head_dim) if name == "index_key" else super().fp8_rows(name)
+
+    def token_cache_specs(self, tp_size: int = 1, kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
+        return super().token_cache_specs(tp_size, kv_dtype) + [
+            self.cache_spec("index_key", self.indexed_layers, self.index_head_dim, kv_dtype)]
 
     def attention_workspace(self, tp_size: int) -> int:
         """MLA's, plus the indexer's q, k, head weights and one row of scores per head (over a chunk's
@@ -99,7 +105,8 @@ class Indexer(nn.Module):
         out = torch.full((h.shape[0], c.index_topk), -1, dtype=torch.int64, device=h.device)
         for row, prefix, n, start in request_spans(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens):
             slots = req_to_token[row, : prefix + n].long()
-            scores = torch.relu(torch.einsum("nhd,td->nht", q[start : start + n].float(), keys[slots].float())
+            k = c.fp8_rows("index_key").unpack(keys[slots]) if is_packed(keys) else keys[slots].float()
+            scores = torch.relu(torch.einsum("nhd,td->nht", q[start : start + n].float(), k)
                                 * c.index_head_dim**-0.5)
             index = torch.einsum("nh,nht->nt", w[start : start + n], scores)
             index.masked_fill_(~causal_mask(prefix, n, h.device), float("-inf"))
@@ -124,13 +131,13 @@ class SparseMLAttention(MLAttention):
     def forward_batch(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, ctx,
                       layer_idx: int) -> torch.Tensor:
         c, pool = self.cfg, ctx.kv_pool
-        pool.write("latent", layer_idx, batch.out_cache_loc, self.latent(h, cos, sin))
+        self.store(pool, "latent", layer_idx, batch.out_cache_loc, self.latent(h, cos, sin))
         q_resid = self.q_a_layernorm(self.q_a_proj(h))
         q = self.q_b_proj(q_resid).view(*h.shape[:-1], self.num_heads, c.qk_head_dim)
         if self.indexer is None:
             slots = self.reuses[0].last_slots
         else:
-            pool.write("index_key", layer_idx, batch.out_cache_loc, self.indexer.key(h, cos, sin))
+            self.store(pool, "index_key", layer_idx, batch.out_cache_loc, self.indexer.key(h, cos, sin))
             slots = self.last_slots = self.indexer.top_slots(h, q_resid, cos, sin, batch,
                                                              pool.buffer("index_key", layer_idx), pool.req_to_token)
         o = sparse_mla(self.absorbed_query(q, cos, sin), pool.buffer("latent", layer_idx), slots, c.softmax_scale,

@@ -54,6 +54,8 @@ class GQASpec:
         return self.kv_heads // tp if self.kv_heads >= tp else 1
 
     def cache_specs(self, layers: tuple[int, ...], tp: int) -> list[TokenCacheSpec]:
+        """K and V in the pool's dtype whatever it is: an fp8_e4m3 pool stores them plainly with a
+        per-tensor scale of 1.0 (no per-token scales yet, unlike the packed MLA rows of kv_fp8)."""
         shape = (self.local_kv_heads(tp), self.head_dim)
         return [TokenCacheSpec("k", layers, shape), TokenCacheSpec("v", layers, shape)]
 

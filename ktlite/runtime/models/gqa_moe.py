@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from ktlite.runtime.kv_cache import TokenCacheSpec
 from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
 from ktlite.runtime.models.config import RopeConfig, RouterSpec
@@ -48,8 +50,8 @@ class GQAMoEConfig:
     def moe_layers(self) -> list[int]:
         return list(self.moe_layer_ids)
 
-    def token_cache_specs(self, tp_size: int = 1) -> list[TokenCacheSpec]:
-        return self.attention.cache_specs(tuple(range(self.num_hidden_layers)), tp_size)
+    def token_cache_specs(self, tp_size: int = 1, kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
+        return self.attention.cache_specs(tuple(range(self.num_hidden_layers)), tp_size)  # any kv dtype: GQASpec
 
     def request_state_specs(self, tp_size: int = 1) -> list:
         return []  # attention only: everything is cached per token
