@@ -76,6 +76,10 @@ def test_planned_fp8_weights_equal_checkpoint(tiny_v3_fp8):
     for name, t in tensors.items():
         stored[owner[name]] = stored.get(owner[name], 0) + t.numel() * t.element_size()
     stored["norms_router"] += (cfg.qk_rope_head_dim // 2) * 4  # rope frequencies: derived, not stored
+    # the fused MoE has no FP8 path: GPU experts are held dense in bf16, twice their stored FP8 bytes
+    experts = stored.pop("gpu_experts")
+    assert plan.bytes("gpu_experts") == 2 * cfg.n_routed_experts * len(cfg.moe_layers) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    assert plan.bytes("gpu_experts") > 2 * experts * 0.99  # the FP8 bytes minus their block scales
     assert {c: plan.bytes(c) for c in stored} == stored
 
 

@@ -95,6 +95,8 @@ def test_rawint4_model_equals_transformers_on_the_decompressed_weights(kimi, gpu
     with Engine(str(packed), **EXACT, kt_method="RAWINT4", kt_num_gpu_experts=gpu_experts) as eng:
         layer = next(iter(eng.runtime.cpu_moe.layers.values()))
         assert (layer.gate_up.method, layer.gate_up.group_size) == ("INT4", 32)
+        if gpu_experts:  # the GPU experts hold the checkpoint's INT4 codes, planned at their size
+            check_gpu_int4_stacks(eng, packed)
         got = logits_of(eng, batch)
         tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
     with torch.no_grad():
@@ -103,6 +105,22 @@ def test_rawint4_model_equals_transformers_on_the_decompressed_weights(kimi, gpu
                                  eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist() for ids in batch]
     assert (got - want).abs().max().item() <= 1e-4
     assert tokens == expected
+
+
+def check_gpu_int4_stacks(eng: Engine, packed) -> None:
+    """Each MoE layer's GPU stacks are INT4 group 32 with the checkpoint's codes, and the plan counted
+    them at that size (half a byte per weight plus an fp32 scale per 32), as allocated."""
+    cfg = load_config(packed)
+    source = CompressedInt4Source(cfg, packed)
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    for l, moe in eng.runtime.moe_layers.items():
+        assert (moe.w13.bits, moe.w13.group_size, moe.w2.bits) == (4, 32, 4)
+        w13, w2 = source.gpu_weights(l, moe.gpu_experts)
+        assert torch.equal(moe.w13.qweight, w13.qweight) and torch.equal(moe.w2.scales, w2.scales)
+    plan = eng.runtime.plan
+    per_expert = 3 * h * i // 2 + 3 * h * i // 32 * 4
+    assert plan.bytes("gpu_experts") == plan.gpu_experts_total * len(cfg.moe_layers) * per_expert
+    assert plan.allocated()["gpu_experts"] == plan.bytes("gpu_experts")
 
 
 def test_cpu_store_holds_the_checkpoint_values_exactly(kimi):

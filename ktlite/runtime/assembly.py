@@ -18,9 +18,9 @@ import torch
 from ktlite.config import EngineConfig
 from ktlite.kernels.cpu.moe import CPUMoE
 from ktlite.runtime import models
-from ktlite.runtime.expert_sources import open_source
+from ktlite.runtime.expert_sources import gpu_experts_int4, open_source
 from ktlite.runtime.experts import DynamicPlacement, ExpertStats, initial_placement
-from ktlite.runtime.hybrid_moe import HybridMoE
+from ktlite.runtime.hybrid_moe import HybridMoE, alloc_gpu_experts
 from ktlite.runtime.knobs import choose_knobs
 from ktlite.runtime.kv_cache import KVPool
 from ktlite.runtime.loader import CheckpointReader, load_weights
@@ -101,6 +101,7 @@ def plan_inputs(config: EngineConfig, cfg: ModelConfig) -> PlanInputs:
         tensor_parallel_size=config.tensor_parallel_size,
         dtype="fp8" if config.keeps_fp8(cfg.fp8_block_size is not None) else _DTYPE_NAMES[config.torch_dtype],
         kv_cache_dtype=_DTYPE_NAMES[config.torch_kv_dtype],
+        gpu_expert_format="int4_g32" if gpu_experts_int4(config) else "dense",
     )
 
 
@@ -160,12 +161,11 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
             mine = placement[l] if tp is None else placement[l][rank::tp.size]
             others = [x for x in placement[l] if x not in mine]
             n = len(mine)
-            w13 = alloc("gpu_experts", (n, 2 * i, h), dtype, device)
-            w2 = alloc("gpu_experts", (n, h, i), dtype, device)
+            w13, w2 = alloc_gpu_experts(alloc, n, h, i, dtype, device, int4=experts.gpu_int4)
             mlp = model.model.layers[l].mlp
             moe_layers[l] = HybridMoE(l, mlp.gate, mlp.shared_experts, mine, w13, w2, cpu, source,
                                       config.kt_gpu_prefill_token_threshold, layerwise, observers,
-                                      remote_gpu_experts=others)
+                                      remote_gpu_experts=others, packed_source=experts.gpu_weights)
 
         context = plan.context_length
         # what the family caches per token on this rank (a full MLA latent, or this rank's kv heads), in the

@@ -130,7 +130,10 @@ class _Safetensors:
 class Source:
     """One place the experts come from. Sources that keep a checkpoint's encoding (`formats` not None)
     fill CPU slots in place (`fill_native`) and refill them on dynamic placement; the others hand
-    weights to CPUMoE.set_expert, which quantizes them into the method's format."""
+    weights to CPUMoE.set_expert, which quantizes them into the method's format. GPU experts are
+    `dense` weights, or (`gpu_int4`) the source's own INT4 codes from `gpu_weights`."""
+
+    gpu_int4 = False
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
@@ -148,6 +151,10 @@ class Source:
 
     def dense(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [I, H], up [I, H], down [H, I]) fp32 for the device side."""
+        raise NotImplementedError
+
+    def gpu_weights(self, layer: int, experts: Sequence[int]) -> tuple[GPUQuantizedWeight, GPUQuantizedWeight]:
+        """(w13 [E, 2I, H], w2 [E, H, I]) of `experts` in the GPU INT4 format (sources with gpu_int4)."""
         raise NotImplementedError
 
     def release(self) -> None:
@@ -274,7 +281,9 @@ class ConvertedSource(Source):
 
 class CompressedInt4Source(Source):
     """compressed-tensors pack-quantized INT4 experts into INT4 group 32 as they
-    are (kernels/cpu/compressed_int4.py)."""
+    are (kernels/cpu/compressed_int4.py), on the CPU and the GPU."""
+
+    gpu_int4 = True
 
     def __init__(self, cfg: ModelConfig, folder: Path):
         super().__init__(cfg)
@@ -423,6 +432,12 @@ def _dims(cfg: ModelConfig, proj: str) -> tuple[int, int]:
 
 def _is_gguf(path: Path) -> bool:
     return path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")))
+
+
+def gpu_experts_int4(config: EngineConfig) -> bool:
+    """Whether the GPU experts are INT4 stacks (RAWINT4: the checkpoint's codes), as open_source's
+    source will say; the memory plan needs this before the source is opened."""
+    return normalize_kt_method(config.kt_method) == "RAWINT4"
 
 
 def open_source(config: EngineConfig, cfg: ModelConfig) -> Source:

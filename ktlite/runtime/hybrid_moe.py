@@ -9,16 +9,40 @@ the device: for long chunks the copy costs less than CPU compute.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
-from ktlite.kernels.triton import fused_moe
+from ktlite.kernels.cpu.quant import RAWINT4_GROUP
+from ktlite.kernels.triton import QuantizedWeight, dequantize_expert, fused_moe
 from ktlite.runtime.models.layers import MLP, Router
 
 # (layer, expert) -> (gate [I, H], up [I, H], down [H, I]) in full precision
 ExpertSource = Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# (layer, experts) -> (w13 [E, 2I, H], w2 [E, H, I]) in a checkpoint's own INT4 codes (no re-quantization)
+PackedSource = Callable[[int, Sequence[int]], tuple[QuantizedWeight, QuantizedWeight]]
+# a stack of GPU experts [n, N, K]: dense in the activation dtype, or INT4 codes + scales
+ExpertStack = torch.Tensor | QuantizedWeight
+
+
+def alloc_gpu_experts(alloc: Callable[..., torch.Tensor], n: int, hidden: int, inter: int, dtype: torch.dtype,
+                      device: torch.device, int4: bool) -> tuple[ExpertStack, ExpertStack]:
+    """(w13 [n, 2I, H], w2 [n, H, I]) through the plan's `alloc`: dense, or INT4 group-32 stacks."""
+    if not int4:
+        return (alloc("gpu_experts", (n, 2 * inter, hidden), dtype, device),
+                alloc("gpu_experts", (n, hidden, inter), dtype, device))
+
+    def int4_stack(rows: int, cols: int) -> QuantizedWeight:
+        return QuantizedWeight(alloc("gpu_experts", (n, rows, cols // 2), torch.uint8, device),
+                               alloc("gpu_experts", (n, rows, cols // RAWINT4_GROUP), torch.float32, device), 4,
+                               RAWINT4_GROUP)
+
+    return int4_stack(2 * inter, hidden), int4_stack(hidden, inter)
+
+
+def _dense_slot(stack: ExpertStack, slot: int, dtype: torch.dtype) -> torch.Tensor:
+    return stack[slot] if isinstance(stack, torch.Tensor) else dequantize_expert(stack, slot, dtype)
 
 
 class CPUExperts(Protocol):
@@ -37,20 +61,21 @@ class HybridMoE:
         router: Router,
         shared_experts: MLP | None,
         gpu_experts: list[int],
-        w13: torch.Tensor,  # [n_gpu, 2I, H] device buffer from the plan
-        w2: torch.Tensor,  # [n_gpu, H, I]
+        w13: ExpertStack,  # [n_gpu, 2I, H] device buffer from the plan (alloc_gpu_experts)
+        w2: ExpertStack,  # [n_gpu, H, I]
         cpu: CPUExperts | None,  # None: the CPU experts are run by another tensor-parallel rank
         source: ExpertSource,
         layerwise_threshold: int | None = None,
         layerwise_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,  # [E, 2I, H], [E, H, I]
         observers: list[Callable[[int, torch.Tensor], None]] | None = None,
         remote_gpu_experts: list[int] = (),  # tensor parallel: GPU experts other ranks hold
+        packed_source: PackedSource | None = None,  # fills INT4 stacks
     ):
         self.layer_idx = layer_idx
         self.router, self.shared_experts = router, shared_experts
         self.num_experts = router.weight.shape[0]
         self.w13, self.w2 = w13, w2
-        self.cpu, self.source = cpu, source
+        self.cpu, self.source, self.packed_source = cpu, source, packed_source
         self.layerwise_threshold = layerwise_threshold
         self.layerwise_buffers = layerwise_buffers
         self.observers = observers or []
@@ -64,9 +89,13 @@ class HybridMoE:
             self.remote[torch.tensor(list(remote_gpu_experts), dtype=torch.int64)] = True
 
     def _install(self, slot: int, expert: int) -> None:
-        gate, up, down = self.source(self.layer_idx, expert)
-        self.w13[slot] = torch.cat((gate, up), dim=0).to(self.w13.dtype)
-        self.w2[slot] = down.to(self.w2.dtype)
+        if isinstance(self.w13, QuantizedWeight):  # the checkpoint's codes and scales, copied as they are
+            for stack, one in zip((self.w13, self.w2), self.packed_source(self.layer_idx, [expert])):
+                stack.qweight[slot], stack.scales[slot] = one.qweight[0], one.scales[0]
+        else:
+            gate, up, down = self.source(self.layer_idx, expert)
+            self.w13[slot] = torch.cat((gate, up), dim=0).to(self.w13.dtype)
+            self.w2[slot] = down.to(self.w2.dtype)
         self.slot_of[expert] = slot
         if slot < len(self.gpu_experts):
             self.gpu_experts[slot] = expert
@@ -143,7 +172,7 @@ class HybridMoE:
         for e in needed.nonzero().flatten().tolist():  # only experts some token chose are copied
             slot = int(self.slot_of[e])
             if slot >= 0:
-                w13_all[e], w2_all[e] = self.w13[slot], self.w2[slot]
+                w13_all[e], w2_all[e] = (_dense_slot(w, slot, w13_all.dtype) for w in (self.w13, self.w2))
             else:
                 # the CPU store's own (dequantized) weights, so results match the hybrid path
                 w13_all[e], w2_all[e] = self.cpu.dequantized_expert(self.layer_idx, e, w13_all.dtype)

@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from ktlite.errors import ConfigError, PlanError
+from ktlite.kernels.cpu.quant import RAWINT4_GROUP
 from ktlite.runtime.kv_cache import kv_bytes_per_token
 from ktlite.runtime.state_cache import state_bytes_per_request
 from ktlite.runtime.models.config import ModelConfig
@@ -70,6 +71,9 @@ HEADROOM_COMPONENTS = ("prefill_workspace", "layerwise_buffer")
 COMPONENTS = STATIC_COMPONENTS + HEADROOM_COMPONENTS
 
 WEIGHT_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32")
+# how the GPU experts are held: "dense" in the activation dtype (the fused MoE's dense path), or
+# "int4_g32", a checkpoint's INT4 codes with fp32 scales per group of 32 (RAWINT4, never re-quantized)
+GPU_EXPERT_FORMATS = ("dense", "int4_g32")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "bfloat16", "float16", "float32")
 _DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 TENSOR_PARALLEL_CHOICES = (2, 4, 8)  # what a "use more GPUs" suggestion may propose
@@ -118,6 +122,7 @@ class PlanInputs:
       buffer for one MoE layer's routed experts; None = no layerwise prefill.
     dtype: GPU weight format, see WEIGHT_DTYPES; kv_cache_dtype: see KV_CACHE_DTYPES ("auto" = the
       activation dtype: bf16, or fp16/fp32 when the weights run in that).
+    gpu_expert_format: see GPU_EXPERT_FORMATS (set by --kt-method, not a flag of its own).
     """
 
     gpu_memory: int | str | None = None
@@ -132,6 +137,7 @@ class PlanInputs:
     tensor_parallel_size: int = 1
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    gpu_expert_format: str = "dense"
 
     def __post_init__(self) -> None:
         if self.gpu_memory is not None:
@@ -152,6 +158,8 @@ class PlanInputs:
         _require(self.dtype in WEIGHT_DTYPES, "--dtype", self.dtype, f"must be one of {', '.join(WEIGHT_DTYPES)}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "--kv-cache-dtype", self.kv_cache_dtype,
                  f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.gpu_expert_format not in GPU_EXPERT_FORMATS:  # set by the runtime, not typed by a user
+            raise ValueError(f"gpu_expert_format {self.gpu_expert_format!r} not in {GPU_EXPERT_FORMATS}")
 
 
 def _require(ok: bool, flag: str, value: object, rule: str) -> None:
@@ -245,6 +253,8 @@ def _weight_bytes(cfg: ModelConfig, tp: int, weight: str, act: str) -> dict[str,
 
 def _linear_bytes(cfg: ModelConfig, out_features: int, in_features: int, weight: str) -> int:
     numel = out_features * in_features
+    if weight == "int4_g32":  # two codes per byte + one fp32 scale per group
+        return numel // 2 + out_features * _ceil_div(in_features, RAWINT4_GROUP) * 4
     if weight != "fp8":
         return numel * _DTYPE_BYTES[weight]
     bn, bk = cfg.fp8_block_size or (128, 128)
@@ -252,7 +262,7 @@ def _linear_bytes(cfg: ModelConfig, out_features: int, in_features: int, weight:
 
 
 def expert_bytes(cfg: ModelConfig, weight_dtype: str) -> int:
-    """Bytes of one routed expert (gate, up, down) in a GPU weight format."""
+    """Bytes of one routed expert (gate, up, down) in a GPU weight format (a dtype name or int4_g32)."""
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     return 2 * _linear_bytes(cfg, i, h, weight_dtype) + _linear_bytes(cfg, h, i, weight_dtype)
 
@@ -476,7 +486,10 @@ def _plan(cfg: ModelConfig, inputs: PlanInputs, device_bytes: tuple[int, ...]) -
     res = _resolve(cfg, inputs)
     tp, frac = inputs.tensor_parallel_size, inputs.mem_fraction_static
     weights = _weight_bytes(cfg, tp, res.weight_dtype, res.act_dtype)
-    per_expert = expert_bytes(cfg, res.weight_dtype)
+    # GPU experts are held dense in the activation dtype (FP8 checkpoints' experts too), or as INT4 codes
+    gpu_format = res.act_dtype if inputs.gpu_expert_format == "dense" else inputs.gpu_expert_format
+    per_expert = expert_bytes(cfg, gpu_format)
+    dense_expert = expert_bytes(cfg, res.act_dtype)  # the layerwise buffer holds any expert, dequantized
     moe_layers = len(cfg.moe_layers)
     experts_on = tuple(res.gpu_experts // tp + (r < res.gpu_experts % tp) for r in range(tp))
     kv_dtype = _TORCH_DTYPES[res.kv_dtype]
@@ -513,7 +526,7 @@ def _plan(cfg: ModelConfig, inputs: PlanInputs, device_bytes: tuple[int, ...]) -
             "dense_mlp": f"{cfg.num_hidden_layers - moe_layers} layers, intermediate {_ceil_div(cfg.intermediate_size, tp)}",
             "shared_experts": f"{moe_layers} layers, intermediate {cfg.shared_intermediate_size}" if cfg.shared_intermediate_size else "none",
             "norms_router": "norms (replicated), fp32 routers, rope table",
-            "gpu_experts": f"{experts_on[r]} per layer x {moe_layers} layers x {per_expert:,} B",
+            "gpu_experts": f"{experts_on[r]} per layer x {moe_layers} layers x {per_expert:,} B, {gpu_format}",
             "kv_pool": f"{kv_tokens:,} tokens x {kv_per_token:,} B ({_cache_note(cache_specs, res.kv_dtype)})",
             "request_table": f"{inputs.max_running_requests} requests x {res.context_length:,} token slots, int32",
             "state_pool": (f"{inputs.max_running_requests} requests x {state_per_request:,} B (recurrent layers' state)"
@@ -528,7 +541,7 @@ def _plan(cfg: ModelConfig, inputs: PlanInputs, device_bytes: tuple[int, ...]) -
             "request_table": request_table,
             "state_pool": state_pool,
             "prefill_workspace": workspace_bytes(cfg, forward_tokens, inputs.max_running_requests, tp, res.act_dtype, gpu_moe),
-            "layerwise_buffer": lw_experts * per_expert,
+            "layerwise_buffer": lw_experts * dense_expert,
         }
         rows = tuple(Row(c, sizes[c], notes[c]) for c in COMPONENTS)
         ranks.append(RankPlan(r, dev, static_budget[r], dev - static_budget[r], rows))
