@@ -86,19 +86,28 @@ def kimi(tiny_v3, tmp_path_factory):
     return packed_dir, plain_dir
 
 
-@pytest.mark.parametrize("gpu_experts", [0, 5])
-def test_rawint4_model_equals_transformers_on_the_decompressed_weights(kimi, gpu_experts):
+@pytest.mark.parametrize("flags", [
+    {"kt_num_gpu_experts": 0},
+    {"kt_num_gpu_experts": 5},
+    # experts move between the INT4 stacks and the CPU store mid-run; long chunks run layerwise on the device
+    {"kt_num_gpu_experts": 4, "kt_enable_dynamic_expert_update": True, "kt_expert_update_interval": 3,
+     "kt_gpu_prefill_token_threshold": 16},
+], ids=["cpu", "gpu5", "dynamic+layerwise"])
+def test_rawint4_model_equals_transformers_on_the_decompressed_weights(kimi, flags):
     packed, plain = kimi
     ref = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(3)
     batch = [torch.randint(4, ref.config.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 30)]
-    with Engine(str(packed), **EXACT, kt_method="RAWINT4", kt_num_gpu_experts=gpu_experts) as eng:
+    with Engine(str(packed), **EXACT, kt_method="RAWINT4", **flags) as eng:
         layer = next(iter(eng.runtime.cpu_moe.layers.values()))
         assert (layer.gate_up.method, layer.gate_up.group_size) == ("INT4", 32)
-        if gpu_experts:  # the GPU experts hold the checkpoint's INT4 codes, planned at their size
-            check_gpu_int4_stacks(eng, packed)
+        before = eng.runtime.placement()
         got = logits_of(eng, batch)
         tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+        if flags["kt_num_gpu_experts"]:  # the GPU experts hold the checkpoint's INT4 codes, planned at their size
+            check_gpu_int4_stacks(eng, packed)
+        if flags.get("kt_enable_dynamic_expert_update"):
+            assert eng.runtime.placement() != before  # experts really moved mid-run
     with torch.no_grad():
         want = torch.cat([ref(torch.tensor([ids])).logits[0, -1:] for ids in batch])
         expected = [ref.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
