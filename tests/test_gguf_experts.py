@@ -13,6 +13,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from safetensors.torch import load_file, save_file
+
+from ktlite import Engine
 from ktlite.config import EngineConfig
 from ktlite.errors import CheckpointError, ConfigError
 from ktlite.kernels.cpu.gguf_quants import BLOCKS
@@ -20,7 +23,7 @@ from ktlite.kernels.cpu.moe import CPUMoE
 from ktlite.kernels.triton.reference import fused_moe_torch
 from ktlite.runtime.expert_sources import GGUFSource, open_source
 from ktlite.runtime.models import load_config
-from ktlite.runtime.tiny_model import _COMMON, ARCH_CONFIGS
+from ktlite.runtime.tiny_model import _COMMON, ARCH_CONFIGS, write_tiny_model
 
 H = I = 256  # K-quants hold whole 256-weight blocks
 E, TOP_K = 8, 3
@@ -75,6 +78,58 @@ def model_dir(tmp_path_factory):
     (root / "config.json").write_text(json.dumps(raw))
     write_gguf(root / "experts.gguf", expert_tensors(LAYERS))
     return root
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(a tiny checkpoint with 256-wide experts, its GGUF experts, the checkpoint with those experts
+    replaced by gguf's dequantization of them: what transformers runs as the reference)."""
+    root = tmp_path_factory.mktemp("gguf_engine")
+    widths = {"hidden_size": H, "moe_intermediate_size": I, "n_routed_experts": E, "n_group": 4, "topk_group": 2,
+              "num_experts_per_tok": TOP_K}
+    model = write_tiny_model(root / "model", "deepseek_v3", overrides=widths)
+    write_gguf(root / "experts.gguf", expert_tensors(LAYERS, seed=1))
+    cfg = load_config(model)
+    tensors = load_file(str(model / "model.safetensors"))
+    for layer in LAYERS:
+        w13, w2 = reference(root / "experts.gguf", layer)
+        for e in range(E):
+            gate, up = w13[e].split(I)
+            for proj, w in zip(("gate", "up", "down"), (gate, up, w2[e])):
+                tensors[cfg.expert_weight_name(layer, e, proj)] = w.contiguous()
+    plain = root / "plain"
+    plain.mkdir()
+    save_file(tensors, str(plain / "model.safetensors"))
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (plain / f).write_bytes((model / f).read_bytes())
+    return model, root / "experts.gguf", plain
+
+
+@pytest.mark.parametrize("gpu_experts", [0, 3])
+def test_engine_serves_gguf_experts_like_transformers_on_their_dequantization(served, gpu_experts):
+    """The engine with --kt-method LLAMAFILE (experts from the GGUF, the rest from the checkpoint) equals
+    transformers on the dequantized experts: logits within 1e-4 in fp32 and the same greedy tokens,
+    with the CPU decoding the blocks and GPU experts taking the same values."""
+    import transformers
+    from test_tensor_parallel import logits_of
+
+    model, experts, plain = served
+    ref = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(5)
+    batch = [torch.randint(4, ref.config.vocab_size, (n,), generator=g).tolist() for n in (4, 19)]
+    flags = {"dtype": "float32", "max_total_tokens": 1024, "chunked_prefill_size": 256, "gpu_memory": "1GiB"}
+    greedy = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+    with Engine(str(model), **flags, kt_method="LLAMAFILE", kt_weight_path=str(experts),
+                kt_num_gpu_experts=gpu_experts) as eng:
+        assert {l: eng.runtime.cpu_moe.layers[l].down.method for l in LAYERS} == {l: k[2] for l, k in LAYERS.items()}
+        got = logits_of(eng, batch)
+        tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=greedy)]
+    with torch.no_grad():
+        want = torch.cat([ref(torch.tensor([ids])).logits[0, -1:] for ids in batch])
+        expected = [ref.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist() for ids in batch]
+    assert (got - want).abs().max().item() <= 1e-4
+    assert tokens == expected
 
 
 def reference(path, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

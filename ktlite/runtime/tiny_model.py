@@ -123,16 +123,18 @@ def _fp8_quantize(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor,
 
 
 def write_tiny_model(
-    path: str | Path, arch: str = "deepseek_v3", fp8: bool = False, seed: int = 0, dtype: torch.dtype = torch.bfloat16
+    path: str | Path, arch: str = "deepseek_v3", fp8: bool = False, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+    overrides: dict | None = None,
 ) -> Path:
-    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json into `path`."""
+    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json into `path`;
+    `overrides` replaces config.json fields (e.g. wider experts for formats with 256-wide blocks)."""
     if arch not in ARCH_CONFIGS:
         raise ValueError(f"--arch must be one of {sorted(ARCH_CONFIGS)}, got {arch!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
     raw = {**_COMMON, **ARCH_CONFIGS[arch], "vocab_size": tokenizer.get_vocab_size(),
-           "bos_token_id": tokenizer.token_to_id(BOS), "eos_token_id": tokenizer.token_to_id(EOS)}
+           "bos_token_id": tokenizer.token_to_id(BOS), "eos_token_id": tokenizer.token_to_id(EOS), **(overrides or {})}
     if fp8:
         raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                       "weight_block_size": [128, 128]}
