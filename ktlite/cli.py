@@ -530,6 +530,9 @@ def version() -> None:
     flags = cpu_flags()
     click.echo(f"cpu experts: AVX512 {'yes' if 'avx512f' in flags else 'no'}, "
                f"AMX {'yes' if {'amx_tile', 'amx_int8'} <= flags else 'no'}")
+    from ktlite.kernels.cpu.target import configure_numba
+
+    click.echo(f"numba compiles for: {configure_numba().describe()}")
     if torch.cuda.is_available():
         click.echo(f"cuda {torch.version.cuda}")
         for i in range(torch.cuda.device_count()):

@@ -173,17 +173,14 @@ def _cpu_checks() -> list[Check]:
 def _numba_target(flags: set[str]) -> Check:
     """What Numba's LLVM compiles the expert kernels for, against what the CPU has."""
     try:
-        import llvmlite.binding as llvm
-        import numba
+        from ktlite.kernels.cpu.target import CPUINFO_TO_LLVM, configure_numba
+
+        target = configure_numba()
     except Exception as exc:  # noqa: BLE001
         return Check("numba target", FAIL, f"numba/llvmlite do not import: {exc}", "pip install numba")
-    name = numba.config.CPU_NAME or llvm.get_host_cpu_name()
-    features = numba.config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
-    enabled = {f[1:] for f in features.split(",") if f.startswith("+")}
-    wanted = [("avx512f", "avx512f"), ("avx512_vnni", "avx512vnni"), ("avx512_bf16", "avx512bf16")]
-    has = [cpu for cpu, llvm_name in wanted if llvm_name in enabled]
-    missing = [cpu for cpu, llvm_name in wanted if cpu in flags and llvm_name not in enabled]
-    value = f"{name} ({', '.join(has) or 'no AVX-512'}); AMX is not used by Numba (torch's bf16 prefill matmuls use it)"
+    value = target.describe() + "; AMX is not used by Numba (torch's bf16 prefill matmuls use it)"
+    wanted = ("avx512f", "avx512_vnni", "avx512_bf16")
+    missing = [f for f in wanted if f in flags and not target.enabled(CPUINFO_TO_LLVM[f])]
     if missing:
         return Check("numba target", WARN, value + f"; the CPU has {', '.join(missing)} that Numba does not target",
                      "unset NUMBA_CPU_NAME / NUMBA_CPU_FEATURES so Numba targets this CPU")

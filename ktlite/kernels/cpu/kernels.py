@@ -51,6 +51,7 @@ from numba.extending import intrinsic, overload
 
 from ktlite.kernels.cpu.fp8 import E4M3
 from ktlite.kernels.cpu.gguf_quants import BLOCKS
+from ktlite.kernels.cpu.target import configure_numba
 from ktlite.kernels.cpu.threads import ensure_threadsafe_layer
 
 ensure_threadsafe_layer()  # before the first parallel region of the process
@@ -326,16 +327,7 @@ def _native_bf16() -> bool:
     """Whether the compile target converts to bf16 in hardware. Elsewhere LLVM lowers fptrunc to bfloat
     as a call to compiler-rt's __truncsfbf2, which the JIT cannot resolve (the process aborts), so the
     rounding is spelled out in integer ops instead."""
-    import os
-
-    from llvmlite import binding
-
-    forced = os.environ.get("NUMBA_CPU_FEATURES")
-    if forced is not None:
-        return "+avx512bf16" in forced.split(",")
-    if os.environ.get("NUMBA_CPU_NAME", "host") != "host":
-        return False
-    return bool(binding.get_host_cpu_features().get("avx512bf16", False))
+    return configure_numba().enabled("avx512bf16")
 
 
 def _round_bf16(builder, v):
