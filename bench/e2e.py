@@ -6,13 +6,17 @@ figure of shared/MEASURED.md; --layers 27 is the full 16B model, ~29 GB of bf16 
 `--arch qwen3-30b-a3b`: Qwen3-30B-A3B's shapes (hidden 2048, GQA 32 heads / 4 kv heads, 128 routed
 experts of 768, top-8, no shared expert), cut to --layers layers (1.2 GB of bf16 experts per layer).
 Weights are random.
-Routed experts run on the CPU as INT4 (Numba); the "GPU side" runs on the CPU in bf16 when no GPU
-is present. Printed next to each figure, measured in the same run:
+Routed experts run on the CPU as INT4 (Numba); the "GPU side" runs on the CPU when no GPU is
+present, its linear layers quantized per --cpu-dense-method (INT8 by default, `none` = torch bf16).
+Printed next to each figure, measured in the same run:
 - the decode bound: measured memory bandwidth / bytes read per token (active experts at their
-  quantized size + every non-expert weight once per step);
+  quantized size + every non-expert weight once per step, at its stored size);
+- the Python overhead of a decode step: the same layers at tiny widths (the compute is ~0, the
+  per-layer Python, routing, scheduling and sampling are all there) as a share of the real step;
 - transformers' `generate` on the same checkpoint (bf16, its eager MoE), batch 1.
 
-    python bench/e2e.py [--arch deepseek-v2-lite|qwen3-30b-a3b] [--layers 8] [--batches 1,4,16] [--write]
+    python bench/e2e.py [--arch deepseek-v2-lite|qwen3-30b-a3b] [--layers 8] [--batches 1,4,16]
+                        [--cpu-dense-method auto|INT8|INT4|none] [--write]
 """
 
 from __future__ import annotations
@@ -30,22 +34,31 @@ from tqdm import tqdm
 from cpu_moe import cpu_model, memory_bandwidth  # the same references as the CPU-expert bench
 
 from ktlite import Engine
+from ktlite.config import EngineConfig
+from ktlite.runtime.memory import allocated_by_component
 from ktlite.runtime.models import build
 from ktlite.runtime.models.config import parse_config
 from ktlite.runtime.tiny_model import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHS = {"deepseek-v2-lite": "DeepSeek-V2-Lite", "qwen3-30b-a3b": "Qwen3-30B-A3B"}
+# the same depth, experts and routing at tiny widths: a decode step's cost without the matmuls
+TINY_WIDTHS = {
+    "deepseek-v2-lite": {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "kv_lora_rank": 32,
+                         "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "vocab_size": 1024},
+    "qwen3-30b-a3b": {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "head_dim": 16,
+                      "vocab_size": 1024},
+}
 
 
-def write_checkpoint(path: Path, arch: str, layers: int) -> Path:
-    """Random bf16 weights with the published config's shapes, one safetensors shard per layer
-    (bounded RAM), under the checkpoint's own tensor names."""
+def write_checkpoint(path: Path, arch: str, layers: int, overrides: dict | None = None) -> Path:
+    """Random bf16 weights with the published config's shapes (and `overrides`), one safetensors shard
+    per layer (bounded RAM), under the checkpoint's own tensor names."""
     if (path / "config.json").is_file():
         return path
     path.mkdir(parents=True, exist_ok=True)
     raw = json.loads((ROOT / "tests" / "data" / arch / "config.json").read_text())
-    raw["num_hidden_layers"] = layers
+    raw.update(num_hidden_layers=layers, **(overrides or {}))
     raw.pop("mlp_only_layers", None)
     cfg = parse_config(raw)
     model = build(cfg, "meta", torch.bfloat16)
@@ -80,8 +93,8 @@ def write_checkpoint(path: Path, arch: str, layers: int) -> Path:
 def bytes_per_decode_token(engine: Engine) -> int:
     """Bytes one decode step of one token must read: non-expert weights + k active CPU experts."""
     cfg = engine.runtime.runner.config
-    dense = sum(t.numel() * t.element_size() for n, t in engine.runtime.runner.model.state_dict().items()
-                if "embed_tokens" not in n)  # an embedding lookup reads one row
+    held = allocated_by_component(engine.runtime.runner.model)  # quantized linears' buffers included
+    dense = sum(v for c, v in held.items() if c != "embeddings")  # an embedding lookup reads one row
     cpu = engine.runtime.cpu_moe
     per_expert = cpu.nbytes() / sum(len(l.experts) for l in cpu.layers.values())
     return int(dense + len(cfg.moe_layers) * cfg.num_experts_per_tok * per_expert)
@@ -139,6 +152,7 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--gen", type=int, default=24)
     ap.add_argument("--kt-method", default="INT4")
+    ap.add_argument("--cpu-dense-method", default="auto", help="the device side's linear layers on a CPU device")
     ap.add_argument("--dir", default="/tmp/ktlite-bench")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
@@ -148,8 +162,10 @@ def main() -> None:
     threads = torch.get_num_threads()
     bw = memory_bandwidth(threads)
     rows = []
-    with Engine(str(path), kt_method=args.kt_method, dtype="bfloat16", max_total_tokens=16384,
-                chunked_prefill_size=512, context_length=4096) as engine:
+    flags = {"kt_method": args.kt_method, "dtype": "bfloat16", "max_total_tokens": 16384, "chunked_prefill_size": 512,
+             "context_length": 4096, "cpu_dense_method": args.cpu_dense_method}
+    dense = EngineConfig.from_kwargs(str(path), **flags).cpu_dense_quantization or "in bf16 torch"
+    with Engine(str(path), **flags) as engine:
         per_token = bytes_per_decode_token(engine)
         bound = bw * 1e9 / per_token
         prefill = prefill_rate(engine, args.prefill_len)
@@ -158,13 +174,23 @@ def main() -> None:
             rate, ttft = asyncio.run(decode_rate(engine, b, args.prompt_len, args.gen))
             note = f"{rate / bound:.2f} of the bound ({bound:.1f} tok/s)" if b == 1 else f"{rate / b:.1f} tok/s per request"
             rows.append((f"decode batch {b}", f"prompt {args.prompt_len}, {args.gen} new", f"{rate:.1f} tok/s", note))
+    step = 1 / float(rows[1][2].split()[0])
+    tiny = write_checkpoint(Path(args.dir) / f"{args.arch}-{args.layers}layers-tiny", args.arch, args.layers,
+                            TINY_WIDTHS[args.arch])
+    with Engine(str(tiny), **flags) as engine:
+        asyncio.run(decode_rate(engine, 1, args.prompt_len, args.gen))  # warm
+        overhead = 1 / asyncio.run(decode_rate(engine, 1, args.prompt_len, args.gen))[0]
+    rows.append(("decode overhead", f"the same {args.layers} layers at tiny widths, batch 1", f"{overhead * 1e3:.1f} ms/step",
+                 f"{overhead / step:.1%} of the step above ({step * 1e3:.1f} ms)"))
     if not args.skip_transformers:
         hf = transformers_decode_rate(path, args.prompt_len, args.gen)
         ours = float(rows[1][2].split()[0])
         rows.append(("transformers generate", "batch 1, bf16", f"{hf:.2f} tok/s", f"ktlite is {ours / hf:.1f}x"))
 
     head = (f"## End to end (bench/e2e.py --arch {args.arch})\n{ARCHS[args.arch]} shapes cut to {args.layers} layers, random weights, "
-            f"CPU experts {args.kt_method}, device side bf16 on CPU ({cpu_model()}, torch threads {threads}).\n"
+            f"CPU experts {args.kt_method}, device side on CPU with its linear layers {dense} (--cpu-dense-method "
+            f"{args.cpu_dense_method}) "
+            f"({cpu_model()}, torch threads {threads}).\n"
             f"Measured in the same run: memory bandwidth {bw:.1f} GB/s (numpy read, {threads} threads); one decode token reads "
             f"{per_token / 1e6:.0f} MB, so the bandwidth bound for batch-1 decode is {bw * 1e9 / per_token:.1f} tok/s.\n")
     table = ["| what | shape | ktlite | note |", "|---|---|---|---|"] + [f"| {' | '.join(r)} |" for r in rows]

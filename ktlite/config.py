@@ -18,6 +18,7 @@ from ktlite.errors import ConfigError
 # (ktlite/runtime/knobs.py); the defaults below are only what a config built directly keeps.
 AUTO_KNOBS = frozenset({"tensor_parallel_size", "kt_num_gpu_experts", "max_total_tokens", "chunked_prefill_size",
                         "kt_cpuinfer", "kt_threadpool_count"})
+CPU_DENSE_METHODS = ("auto", "INT8", "INT4", "none")  # --cpu-dense-method values (any case)
 
 
 @dataclass
@@ -30,6 +31,10 @@ class EngineConfig:
     # projections of a block-FP8 checkpoint: "auto" keeps them FP8 on CUDA and dequantizes them on a
     # CPU device (where every matmul would dequantize again); "fp8" keeps them FP8 anywhere
     weight_dtype: str = "auto"
+    # the device-side linear layers on a CPU device (ktlite/runtime/cpu_dense.py): INT8 or INT4 quantize them
+    # at load for the CPU kernels; none keeps the torch layers (in --dtype); auto is INT8 unless --dtype
+    # float32 asks for exact fp32 math. No effect on CUDA (see cpu_dense_quantization)
+    cpu_dense_method: str = "auto"
     seed: int = 0
     # memory plan
     gpu_memory: str | int | None = None  # bytes or "16GiB"; default: what the device reports
@@ -96,6 +101,9 @@ class EngineConfig:
             raise ConfigError("--kt-expert-update-interval must be >= 1")
         if self.weight_dtype not in ("auto", "fp8"):
             raise ConfigError(f"--weight-dtype must be auto or fp8, got {self.weight_dtype!r}")
+        if str(self.cpu_dense_method).upper() not in {m.upper() for m in CPU_DENSE_METHODS}:
+            raise ConfigError(f"--cpu-dense-method must be one of {', '.join(CPU_DENSE_METHODS)} (any case), "
+                              f"got {self.cpu_dense_method!r}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.schedule_policy not in ("fcfs", "lpm"):
@@ -124,6 +132,16 @@ class EngineConfig:
             return self.torch_dtype
         # fp8_e4m3: 1 byte per value; MLA latents and index keys are packed with scales (kernels/triton/kv_fp8.py)
         return _dtype(self.kv_cache_dtype, "--kv-cache-dtype", {"fp8_e4m3": torch.float8_e4m3fn})
+
+    @property
+    def cpu_dense_quantization(self) -> str | None:
+        """INT8 / INT4 the device-side linear layers are quantized to on a CPU device, or None (kept)."""
+        method = str(self.cpu_dense_method).upper()
+        if self.torch_device.type != "cpu" or method == "NONE":
+            return None
+        if method == "AUTO":  # an explicit --dtype float32 is the exact reference setting: kept
+            return None if self.dtype == "float32" else "INT8"
+        return method
 
     def keeps_fp8(self, checkpoint_is_fp8: bool) -> bool:
         """Whether FP8 projections stay FP8 on the device (see weight_dtype)."""

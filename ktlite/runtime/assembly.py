@@ -18,6 +18,7 @@ import torch
 from ktlite.config import EngineConfig
 from ktlite.kernels.cpu.moe import CPUMoE
 from ktlite.runtime import models
+from ktlite.runtime.cpu_dense import apply_cpu_dense
 from ktlite.runtime.expert_sources import gpu_experts_int4, open_source
 from ktlite.runtime.experts import DynamicPlacement, ExpertStats, initial_placement
 from ktlite.runtime.hybrid_moe import HybridMoE, alloc_gpu_experts
@@ -102,6 +103,7 @@ def plan_inputs(config: EngineConfig, cfg: ModelConfig) -> PlanInputs:
         dtype="fp8" if config.keeps_fp8(cfg.fp8_block_size is not None) else _DTYPE_NAMES[config.torch_dtype],
         kv_cache_dtype=_DTYPE_NAMES[config.torch_kv_dtype],
         gpu_expert_format="int4_g32" if gpu_experts_int4(config) else "dense",
+        dense_quantization=config.cpu_dense_quantization,
     )
 
 
@@ -122,6 +124,7 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
     model = models.build(cfg, device, dtype, routed_experts=False,
                          fp8_weights=config.keeps_fp8(cfg.fp8_block_size is not None), tp=tp)
     load_weights(model, reader, progress=progress, shards=getattr(model, "tp_shards", None))
+    apply_cpu_dense(model, config)  # CPU device: quantize the linear layers per --cpu-dense-method
     experts = open_source(config, cfg)  # --kt-method and --kt-weight-path pick it (expert_sources.py)
     source = experts.dense
 

@@ -123,6 +123,8 @@ class PlanInputs:
     dtype: GPU weight format, see WEIGHT_DTYPES; kv_cache_dtype: see KV_CACHE_DTYPES ("auto" = the
       activation dtype: bf16, or fp16/fp32 when the weights run in that).
     gpu_expert_format: see GPU_EXPERT_FORMATS (set by --kt-method, not a flag of its own).
+    dense_quantization: INT8 / INT4 when a CPU device quantizes its linear layers (--cpu-dense-method,
+      runtime/cpu_dense.py), None when they keep the weight dtype.
     """
 
     gpu_memory: int | str | None = None
@@ -138,6 +140,7 @@ class PlanInputs:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     gpu_expert_format: str = "dense"
+    dense_quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.gpu_memory is not None:
@@ -160,6 +163,8 @@ class PlanInputs:
                  f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.gpu_expert_format not in GPU_EXPERT_FORMATS:  # set by the runtime, not typed by a user
             raise ValueError(f"gpu_expert_format {self.gpu_expert_format!r} not in {GPU_EXPERT_FORMATS}")
+        if self.dense_quantization not in (None, "INT8", "INT4"):
+            raise ValueError(f"dense_quantization {self.dense_quantization!r}: INT8, INT4 or None")
 
 
 def _require(ok: bool, flag: str, value: object, rule: str) -> None:
@@ -238,9 +243,10 @@ def allocated_by_component(model: nn.Module) -> dict[str, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _weight_bytes(cfg: ModelConfig, tp: int, weight: str, act: str) -> dict[str, int]:
+def _weight_bytes(cfg: ModelConfig, tp: int, weight: str, act: str, dense_quantization: str | None = None) -> dict[str, int]:
     """Bytes per component of one rank's non-expert weights: the rank's shard built on the meta
-    device (cached: knob searches re-plan often)."""
+    device (cached: knob searches re-plan often), its linear layers counted quantized when a CPU
+    device quantizes them."""
     from ktlite.runtime.models import build
     from ktlite.runtime.models.tp_layers import TPContext
 
@@ -248,7 +254,11 @@ def _weight_bytes(cfg: ModelConfig, tp: int, weight: str, act: str) -> dict[str,
                   tp=TPContext(0, tp) if tp > 1 else None)
     if weight != "fp8" and weight != act:
         raise ValueError(f"weights {weight} with activations {act}")
-    return {**dict.fromkeys(WEIGHT_COMPONENTS, 0), **allocated_by_component(model)}
+    if dense_quantization is None:
+        return {**dict.fromkeys(WEIGHT_COMPONENTS, 0), **allocated_by_component(model)}
+    from ktlite.runtime.cpu_dense import planned_weight_bytes  # it builds on this module
+
+    return {**dict.fromkeys(WEIGHT_COMPONENTS, 0), **planned_weight_bytes(model, dense_quantization)}
 
 
 def _linear_bytes(cfg: ModelConfig, out_features: int, in_features: int, weight: str) -> int:
@@ -413,6 +423,8 @@ class MemoryPlan:
     def _header(self) -> list[str]:
         c, i = self.cfg, self.inputs
         fmt = f"fp8 with fp32 scales per {c.fp8_block_size or (128, 128)} block" if self.weight_dtype == "fp8" else self.weight_dtype
+        if i.dense_quantization:  # a CPU device: its linear layers quantized at load
+            fmt += f", linear layers {i.dense_quantization} (--cpu-dense-method)"
         experts = f"{len(c.moe_layers)} MoE layers x {c.n_routed_experts} routed experts" if c.moe_layers else "no MoE layers"
         return [
             f"{c.architecture}: {c.num_hidden_layers} layers ({experts}), GPU weights {fmt}, KV cache {self.kv_dtype}",
@@ -485,7 +497,7 @@ def _plan(cfg: ModelConfig, inputs: PlanInputs, device_bytes: tuple[int, ...]) -
     """The plan for given device sizes, fitting or not (pure arithmetic, allocates nothing)."""
     res = _resolve(cfg, inputs)
     tp, frac = inputs.tensor_parallel_size, inputs.mem_fraction_static
-    weights = _weight_bytes(cfg, tp, res.weight_dtype, res.act_dtype)
+    weights = _weight_bytes(cfg, tp, res.weight_dtype, res.act_dtype, inputs.dense_quantization)
     # GPU experts are held dense in the activation dtype (FP8 checkpoints' experts too), or as INT4 codes
     gpu_format = res.act_dtype if inputs.gpu_expert_format == "dense" else inputs.gpu_expert_format
     per_expert = expert_bytes(cfg, gpu_format)

@@ -38,6 +38,9 @@ expert); an expert with DECODE_ONCE_TOKENS or more tokens decodes each row once 
 buffer and dots that with each token instead. Rows are split in chunks across threads; a thread
 owns whole rows of `act`/`out`, so there are no races. For many tokens gemm.py's dequantize + oneDNN path is the faster one;
 `scatter_add_bf16` adds its bf16 expert outputs, weighted, into the fp32 result.
+
+`linear_rows` is the same GEMV for one plain matrix: the device-side Linear layers of a CPU-only run
+(dense_linear.py).
 """
 
 from __future__ import annotations
@@ -653,6 +656,32 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, 
                     else:
                         v = row_dot(dq, dsc, act[p], acts[p], d_shift)
                     out[tok_idx[p], h] += tok_w[p] * v
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def linear_rows(x, xs, q, s, group_shift, scratch, out):
+    """out [T, N] fp32 = x @ W.T for one stored matrix W (q/s [N, ...], any storage format): the device-side
+    Linear layers of a CPU-only run (dense_linear.py). x [T, Kp] fp32, zero beyond K; xs [T, Kp / 32] fp32
+    scratch (x's block sums); scratch [threads, 2, >= Kp] fp32 row buffers. As moe_rows for one expert:
+    parallel over chunks of output rows, each row dotted from its stored bytes with every token, or, from
+    DECODE_ONCE_TOKENS tokens on, decoded once into fp32 and dotted from there."""
+    kp = x.shape[1]
+    tokens = x.shape[0]
+    rows = q.shape[0]
+    for t in range(tokens):
+        block_sums(x[t], xs[t])
+    once = tokens >= DECODE_ONCE_TOKENS
+    for c in prange((rows + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK):
+        buf = scratch[get_thread_id(), 0, :kp]
+        for n in range(c * ROWS_PER_CHUNK, min(rows, (c + 1) * ROWS_PER_CHUNK)):
+            qr, sr = q[n], s[n]
+            if once:
+                decode_row(qr, sr, buf, group_shift)
+                for t in range(tokens):
+                    out[t, n] = _f32_dot(buf, x[t])
+            else:
+                for t in range(tokens):
+                    out[t, n] = row_dot(qr, sr, x[t], xs[t], group_shift)
 
 
 @njit(parallel=True, nogil=True, cache=True)

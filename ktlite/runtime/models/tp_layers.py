@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ktlite.runtime.models.base import LMHead
 from ktlite.runtime.models.fp8 import FP8Linear
 from ktlite.runtime.models.layers import MLP, MoE
 
@@ -71,17 +72,27 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class VocabParallelLMHead(nn.Module):
-    plan_component = "lm_head"
-    """ceil(vocab/tp) rows of lm_head; the logits of all ranks are gathered (every rank gets all)."""
+@dataclass(frozen=True)
+class GatherVocab:
+    """Every rank's vocab shard of the logits, concatenated and cut to the vocab size."""
+
+    tp: TPContext
+    vocab: int
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_gather_last(logits)[..., : self.vocab]
+
+
+class VocabParallelLMHead(LMHead):
+    """ceil(vocab/tp) rows of lm_head; the logits of all ranks are gathered (every rank gets all). The
+    gather is `output_op`, which a CPU-only run's quantized replacement of the layer keeps."""
 
     def __init__(self, vocab: int, hidden: int, tp: TPContext):
-        super().__init__()
-        self.tp, self.vocab = tp, vocab
-        self.weight = nn.Parameter(torch.empty(_ceil_div(vocab, tp.size), hidden))
+        super().__init__(hidden, _ceil_div(vocab, tp.size), bias=False)
+        self.output_op = GatherVocab(tp, vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather_last(F.linear(x, self.weight))[..., : self.vocab]
+        return self.output_op(super().forward(x))
 
 
 def _resized(layer: nn.Module, in_features: int, out_features: int) -> nn.Module:

@@ -1,0 +1,155 @@
+"""QuantizedLinear: a Linear layer whose weight is stored group-wise INT8/INT4 (quant.py) and run by the CPU
+expert kernels; the device-side layers of a CPU-only run (ktlite/runtime/cpu_dense.py swaps them in).
+
+`y [..., N] = x [..., K] @ W.T (+ bias)` in x's dtype, W the stored (dequantized) values. Two paths, chosen
+by the token count T at the crossover of a CPU expert (moe.DEFAULT_PREFILL_THRESHOLD: the trade-off is the
+same, one matrix shared by T tokens):
+- few tokens (decode): kernels.linear_rows, vector row dots straight from the stored bytes, fp32 math,
+  each weight read from RAM once per call;
+- more tokens (prefill): gemm.stored_matmul dequantizes tiles of at most TILE_WEIGHTS weights into x's
+  dtype (fp32 for float16) and multiplies with torch (oneDNN), several times faster per token than the
+  kernel's fp32 row dots once the dequantization is shared by enough tokens.
+
+The scratch (padded fp32 input, block sums, row buffers, the output before a cast, the dequantized tile)
+lives in one DenseWorkspace per model that every QuantizedLinear shares, one set per calling thread,
+grown to the largest call and reused: a decode step allocates only the outputs.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+
+import numba
+import numpy as np
+import torch
+from torch import nn
+
+from ktlite.kernels.cpu import gemm, kernels
+from ktlite.kernels.cpu.moe import DEFAULT_PREFILL_THRESHOLD
+from ktlite.kernels.cpu.quant import QuantizedWeight, dequantize, quantize
+
+# weights per dequantized tile of the matmul path: bounds its buffer (16 MiB in fp32), where a whole
+# DeepSeek-V3 lm_head (129280 x 7168) would take 3.7 GB
+TILE_WEIGHTS = 1 << 22
+
+
+class _Scratch:
+    """One calling thread's reusable buffers, by name; each grows to the largest size asked for."""
+
+    def __init__(self):
+        self._arrays: dict[str, np.ndarray] = {}
+        self._tensors: dict[str, torch.Tensor] = {}
+        # the device side's threads: as many numba threads on this thread as torch's intra-op pool has
+        # (tensor-parallel ranks run torch with one thread each, so their kernels do not oversubscribe)
+        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+
+    def array(self, name: str, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+        size = math.prod(shape)
+        buf = self._arrays.get(name)
+        if buf is None or buf.size < size or buf.dtype != dtype:
+            buf = self._arrays[name] = np.empty(size, dtype)
+        return buf[:size].reshape(shape)
+
+    def tensor(self, name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._tensors.get(name)
+        if buf is None or buf.numel() < size or buf.dtype != dtype:
+            buf = self._tensors[name] = torch.empty(size, dtype=dtype)
+        return buf[:size]
+
+
+class DenseWorkspace:
+    """Scratch shared by the QuantizedLinear layers of one model, one set of buffers per calling thread."""
+
+    def __init__(self):
+        self._threads: dict[int, _Scratch] = {}
+
+    def scratch(self) -> _Scratch:
+        key = threading.get_ident()
+        found = self._threads.get(key)
+        if found is None:
+            found = self._threads[key] = _Scratch()
+        return found
+
+
+class QuantizedLinear(nn.Module):
+    """`nn.Linear` with its weight in a QuantizedWeight `[N, K]`; `output_op` (if any) is applied to the
+    output, as the replaced layer did after its matmul (the tensor-parallel lm_head's all-gather)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, workspace: DenseWorkspace | None = None,
+                 output_op: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        super().__init__()
+        if weight.qweight.ndim != 2:
+            raise ValueError(f"QuantizedLinear takes one [N, K] matrix, got shape {weight.shape}")
+        self.stored = weight
+        self.out_features, self.in_features = weight.shape
+        # buffers sharing the stored arrays' memory, so the memory plan's byte count sees them
+        self.register_buffer("qweight", torch.from_numpy(weight.qweight), persistent=False)
+        self.register_buffer("scales", torch.from_numpy(weight.scales), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.workspace = workspace or DenseWorkspace()
+        self.output_op = output_op
+        self.gemm_tokens = DEFAULT_PREFILL_THRESHOLD[weight.method]
+
+    @classmethod
+    def from_linear(cls, layer: nn.Linear, method: str, group_size: int,
+                    workspace: DenseWorkspace | None = None) -> QuantizedLinear:
+        """`layer`'s weight quantized to `method` (INT8/INT4); its bias, memory-plan component tag and
+        `output_op` carry over."""
+        out = cls(quantize(layer.weight.detach(), method, group_size),
+                  None if layer.bias is None else layer.bias.detach(), workspace, getattr(layer, "output_op", None))
+        component = getattr(layer, "plan_component", None)
+        if component is not None:  # a tagged Linear (lm_head) keeps its component; others inherit the parent's
+            out.plan_component = component
+        return out
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight `[N, K]` as the kernels compute with it."""
+        return dequantize(self.stored).to(dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, method={self.stored.method}, "
+                f"group_size={self.stored.group_size}, bias={self.bias is not None}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)  # [T, K]
+        y = self._rows(x2) if x2.shape[0] < self.gemm_tokens else self._matmul(x2)
+        if self.bias is not None:
+            y.add_(self.bias)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.output_op is None else self.output_op(y)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Few tokens: the row-dot kernel on x in fp32 (zero padded to the stored row length)."""
+        w, scratch = self.stored, self.workspace.scratch()
+        t, k, kp = x.shape[0], self.in_features, w.kp
+        xp = scratch.array("x", (t, kp), np.float32)
+        torch.from_numpy(xp)[:, :k].copy_(x)
+        if kp > k:
+            xp[:, k:] = 0.0
+        xs = scratch.array("block_sums", (t, kp // kernels.XS_BLOCK), np.float32)
+        rows = scratch.array("rows", (numba.config.NUMBA_NUM_THREADS, 2, kp), np.float32)
+        if x.dtype == torch.float32:
+            out = torch.empty(t, self.out_features)
+            kernels.linear_rows(xp, xs, w.qweight, w.scales, w.group_shift, rows, out.numpy())
+            return out
+        out32 = scratch.array("y", (t, self.out_features), np.float32)
+        kernels.linear_rows(xp, xs, w.qweight, w.scales, w.group_shift, rows, out32)
+        return torch.from_numpy(out32).to(x.dtype)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """More tokens: dequantize tile by tile into the compute dtype and let torch multiply."""
+        w, scratch = self.stored, self.workspace.scratch()
+        n, k = self.out_features, self.in_features
+        dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32  # what dequant writes
+        xc = x.to(dtype)
+        out = torch.empty(x.shape[0], n, dtype=dtype)
+        tile_rows = max(1, min(n, TILE_WEIGHTS // k))
+        tile = scratch.tensor("tile", tile_rows * k, dtype)
+        rows = scratch.array("rows", (numba.config.NUMBA_NUM_THREADS, 2, w.kp), np.float32)
+        for lo in range(0, n, tile_rows):
+            hi = min(n, lo + tile_rows)
+            gemm.stored_matmul(xc, w.qweight[lo:hi], w.scales[lo:hi], w.group_shift, w.kp, k, rows, tile,
+                               out[:, lo:hi])
+        return out if dtype == x.dtype else out.to(x.dtype)

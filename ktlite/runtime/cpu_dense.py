@@ -1,0 +1,78 @@
+"""CPU-only device path: the device side's Linear layers quantized at load and run by the CPU kernels.
+
+When the device is the CPU, the attention projections, dense MLPs, shared experts and lm_head are torch
+matmuls on the same cores and memory bus as the CPU experts; in fp32 (the CPU default dtype) they stream
+4 bytes per weight each decode step. `--cpu-dense-method` INT8 or INT4 swaps every eligible `nn.Linear`
+for a QuantizedLinear (kernels/cpu/dense_linear.py: group-wise weights as the CPU experts store them,
+the same quantizer and kernels) right after the weights are loaded; none keeps the torch layers as
+they are (in --dtype); auto (the default) is INT8 unless --dtype float32 asks for exact fp32 math
+(EngineConfig.cpu_dense_quantization). On CUDA nothing changes.
+
+Eligible: every `nn.Linear` (subclasses included, e.g. the lm_head) except those its parent module lists
+in `keep_linears` (layers whose weight a family reads as a matrix rather than calling the layer, like
+MLA's kv_b_proj, split into the absorbed W_UK / W_UV). Routers (`Router`, fp32), norms, embeddings (rows
+looked up, not multiplied) and FP8Linear layers (kept FP8 by --weight-dtype fp8) are not nn.Linear and
+stay as they are. Under tensor parallelism each rank quantizes its own shard after loading it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from torch import nn
+
+from ktlite.config import EngineConfig
+from ktlite.kernels.cpu.dense_linear import DenseWorkspace, QuantizedLinear
+from ktlite.kernels.cpu.quant import matrix_bytes
+from ktlite.runtime.memory import allocated_by_component, components_of
+
+logger = logging.getLogger(__name__)
+
+GROUP_SIZE = 64  # weights per scale, as the CPU experts' default (--kt-group-size)
+
+
+def eligible_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Linear]]:
+    """(qualified name, parent, attribute name, layer) of every Linear the CPU dense path quantizes. The
+    caller may replace each layer as it comes: only parents and names are held, so a replaced layer's
+    weight is freed at once."""
+    parents = [(prefix, m) for prefix, m in model.named_modules() if next(m.children(), None) is not None]
+    for prefix, parent in parents:
+        keep = getattr(parent, "keep_linears", ())
+        names = [name for name, child in parent.named_children() if isinstance(child, nn.Linear) and name not in keep]
+        for name in names:
+            yield f"{prefix}.{name}" if prefix else name, parent, name, getattr(parent, name)
+
+
+def quantize_dense(model: nn.Module, method: str, group_size: int = GROUP_SIZE) -> int:
+    """Swap every eligible Linear of `model` (weights loaded, on the CPU) for a QuantizedLinear in `method`
+    (INT8 or INT4), in place, one layer at a time (the full-precision weight is freed as its replacement
+    arrives); -> the number of layers swapped."""
+    workspace = DenseWorkspace()
+    count = 0
+    for _, parent, name, layer in eligible_linears(model):
+        setattr(parent, name, QuantizedLinear.from_linear(layer, method, group_size, workspace))
+        count += 1
+    return count
+
+
+def apply_cpu_dense(model: nn.Module, config: EngineConfig) -> None:
+    """The load-time hook: on a CPU device, quantize the device-side Linears per --cpu-dense-method."""
+    method = config.cpu_dense_quantization
+    if method is None:
+        return
+    count = quantize_dense(model, method)
+    logger.info("--cpu-dense-method %s: %d device-side linear layers quantized (group %d)", method, count, GROUP_SIZE)
+
+
+def planned_weight_bytes(model: nn.Module, method: str, group_size: int = GROUP_SIZE) -> dict[str, int]:
+    """Bytes per memory-plan component of `model`'s parameters and buffers once `quantize_dense(model,
+    method)` has run (what `allocated_by_component` then reports); works on a meta-device model, as the
+    memory plan builds it."""
+    out = allocated_by_component(model)
+    owner = components_of(model)
+    for qualified, _, _, layer in eligible_linears(model):
+        n, k = layer.weight.shape
+        before = layer.weight.numel() * layer.weight.element_size()
+        out[owner[f"{qualified}.weight"]] += matrix_bytes(method, group_size, n, k) - before
+    return out

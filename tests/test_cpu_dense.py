@@ -1,0 +1,257 @@
+"""CPU-only device path (--cpu-dense-method): the device-side Linear layers quantized at load and run by
+the CPU kernels (ktlite/kernels/cpu/dense_linear.py, ktlite/runtime/cpu_dense.py).
+
+Exactness is checked against the dequantized weights, not the original ones: quantization changes the
+logits of a random tiny model enough to flip greedy tokens, but an engine whose quantized layers are
+swapped back for nn.Linear layers holding their dequantized values computes the same function, so its
+logits must match to fp32 rounding and its greedy tokens exactly.
+"""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from test_tensor_parallel import logits_of
+from torch import nn
+
+from ktlite import Engine
+from ktlite.cli import main
+from ktlite.config import EngineConfig
+from ktlite.errors import ConfigError
+from ktlite.kernels.cpu import dense_linear
+from ktlite.kernels.cpu.dense_linear import QuantizedLinear
+from ktlite.kernels.cpu.quant import dequantize, quantize
+from ktlite.runtime.cpu_dense import GROUP_SIZE, apply_cpu_dense, eligible_linears, planned_weight_bytes, quantize_dense
+from ktlite.runtime.memory import WEIGHT_COMPONENTS, allocated_by_component
+from ktlite.runtime.models import build, load_config
+from ktlite.runtime.models.base import Embedding
+from ktlite.runtime.models.layers import Router
+from ktlite.runtime.models.tp_layers import TPContext, VocabParallelEmbedding
+from ktlite.runtime.tiny_model import write_tiny_model
+
+# no prefix cache: the second generate of a test must recompute its prompts, not reuse the first one's KV
+FLAGS = {"device": "cpu", "kt_method": "BF16", "dtype": "float32", "cpu_dense_method": "INT8",
+         "max_total_tokens": 512, "chunked_prefill_size": 128, "gpu_memory": "1GiB", "max_running_requests": 4, "disable_radix_cache": True}
+GREEDY = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+
+
+# ---- QuantizedLinear against float64 math on its dequantized weight ----------------------------------
+
+@pytest.mark.parametrize("method", ["INT8", "INT4"])
+@pytest.mark.parametrize("tokens", [1, 3, 37])  # row dots from the stored bytes, rows decoded once, matmul
+@pytest.mark.parametrize("bias", [False, True])
+def test_quantized_linear_equals_dequantized_matmul(method, tokens, bias):
+    g = torch.Generator().manual_seed(tokens)
+    layer = nn.Linear(100, 72, bias=bias)  # K = 100: rows zero padded to the stored length
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(72, 100, generator=g))
+        if bias:
+            layer.bias.copy_(torch.randn(72, generator=g))
+    q = QuantizedLinear.from_linear(layer, method, GROUP_SIZE)
+    x = torch.randn(tokens, 100, generator=g)
+    want = x.double() @ q.dequantized().double().T + (layer.bias.double() if bias else 0.0)
+    got = q(x)
+    assert got.dtype == torch.float32 and got.shape == (tokens, 72)
+    # fp32 sums of 100 products of O(1) values: rounding ~1e-6 relative to the terms
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    # the output is in the input's dtype. In bf16 (8-bit mantissa, relative rounding 2^-9) the matmul path
+    # also rounds the weights, each product then off by <= 2^-8 of |x w|, and the result by 2^-9 of itself
+    x16 = x.bfloat16()
+    got16 = q(x16)
+    assert got16.dtype == torch.bfloat16
+    w = q.dequantized().double()
+    want16 = x16.double() @ w.T + (layer.bias.bfloat16().double() if bias else 0.0)
+    bound = 2**-8 * (x16.double().abs() @ w.abs().T + want16.abs()) + 1e-6
+    assert bool(((got16.double() - want16).abs() <= bound).all())
+
+
+def test_quantized_linear_tiles_and_leading_dims(monkeypatch):
+    """The matmul path in several dequantized tiles, for x [B, S, K]."""
+    monkeypatch.setattr(dense_linear, "TILE_WEIGHTS", 3 * 64)  # 3 rows per tile: 7 tiles, the last partial
+    layer = nn.Linear(64, 20, bias=True)
+    q = QuantizedLinear.from_linear(layer, "INT8", GROUP_SIZE)
+    x = torch.randn(2, 5, 64)
+    want = x.double() @ q.dequantized().double().T + layer.bias.double()
+    torch.testing.assert_close(q(x).double(), want, rtol=1e-5, atol=1e-5)
+
+
+# ---- the engine on a CPU device ----------------------------------------------------------------------
+
+ARCHS = ("deepseek_v3", "deepseek_v2", "deepseek_v32", "glm_moe_dsa", "qwen3_moe", "qwen3_next", "minimax_m2",
+         "glm4_moe")
+
+
+@pytest.fixture(scope="module")
+def tiny_arch(tmp_path_factory, tiny_v3):
+    """arch -> a tiny random checkpoint of that family, written on first use."""
+    paths = {"deepseek_v3": tiny_v3}
+
+    def get(arch: str) -> Path:
+        if arch not in paths:
+            paths[arch] = write_tiny_model(tmp_path_factory.mktemp("tiny") / arch, arch, seed=4)
+        return paths[arch]
+
+    return get
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in (9, 14)]
+
+
+def dequantized_back(model: nn.Module) -> None:
+    """Swap every QuantizedLinear for an nn.Linear holding its dequantized weight (and bias)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, QuantizedLinear):
+                layer = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                with torch.no_grad():
+                    layer.weight.copy_(child.dequantized())
+                    if child.bias is not None:
+                        layer.bias.copy_(child.bias)
+                setattr(parent, name, layer)
+
+
+@pytest.mark.parametrize("case", [f"{arch}-INT8" for arch in ARCHS] + ["deepseek_v3-INT4", "qwen3_moe-INT4"])
+def test_engine_quantizes_the_device_side_and_equals_its_dequantized_weights(case, tiny_arch):
+    arch, method = case.split("-")
+    path = tiny_arch(arch)
+    flags = {**FLAGS, "cpu_dense_method": method.lower()}  # any case
+    with Engine(str(path), **flags) as eng:
+        model = eng.runtime.runner.model
+        assert {m.stored.method for m in model.modules() if isinstance(m, QuantizedLinear)} == {method}
+        # what stays torch: only the Linears a family lists in keep_linears (MLA's kv_b_proj)
+        kept = [f"{prefix}.{name}" for prefix, parent in model.named_modules()
+                for name, child in parent.named_children()
+                if isinstance(child, nn.Linear) and name in getattr(parent, "keep_linears", ())]
+        assert [name for name, m in model.named_modules() if isinstance(m, nn.Linear)] == kept
+        if arch.startswith("deepseek"):
+            assert kept == [f"model.layers.{i}.self_attn.kv_b_proj" for i in range(3)]
+        assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.plan_component == "lm_head"
+        assert type(model.model.embed_tokens) is Embedding
+        assert all(m.weight.dtype == torch.float32 for m in model.modules() if isinstance(m, Router))
+        for layer in model.model.layers:  # attention (or linear attention) projections, dense MLP, shared experts
+            assert any(isinstance(m, QuantizedLinear) for m in layer.self_attn.modules())
+            shared = getattr(layer.mlp, "shared_experts", layer.mlp)
+            if shared is not None:
+                assert not any(isinstance(m, nn.Linear) for m in shared.modules())
+                assert any(isinstance(m, QuantizedLinear) for m in shared.modules())
+        # the bytes the memory plan would count for this method, from the meta-built model
+        meta = build(load_config(path), "meta", torch.float32, routed_experts=False)
+        planned = planned_weight_bytes(meta, method)
+        allocated = allocated_by_component(model)
+        assert {c: allocated.get(c, 0) for c in WEIGHT_COMPONENTS} == {c: planned.get(c, 0) for c in WEIGHT_COMPONENTS}
+        assert eng.runtime.plan.mismatches({c: allocated.get(c, 0) for c in WEIGHT_COMPONENTS}) == {}  # the plan used
+
+        batch = prompts(eng.runtime.vocab_size)
+        got_tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+        got = logits_of(eng, batch)  # prefill: matmul path (lm_head: one row per prompt, row dots)
+        got_one = logits_of(eng, [[5]])  # one token: the row-dot kernel everywhere
+        dequantized_back(model)
+        assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+        want_tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+        want, want_one = logits_of(eng, batch), logits_of(eng, [[5]])
+    assert_same_function(got, want)
+    assert_same_function(got_one, want_one)
+    assert got_tokens == want_tokens
+
+
+def assert_same_function(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Logits of the same weights in fp32, summed in other orders (row kernel, oneDNN, all-reduce): equal to
+    1e-4 of the logits' scale through 3-4 layers (seen: up to 1.3e-5, Qwen3-Next's recurrent layers the
+    most). Quantizing the weights at all moves them by ~5e-2 of it."""
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+
+
+def as_rank_shards_dequantized(model: nn.Module, shards: list[dict], method: str) -> None:
+    """Give each eligible Linear of a TP=1 model the dequantized values the TP ranks compute with: a
+    row-parallel weight (split along K) quantized per rank's column range, every other one whole (groups
+    run along K, so a split into rows changes nothing)."""
+    for name, _, _, layer in eligible_linears(model):
+        w = layer.weight.detach()
+        cuts = sorted({rank[name + ".weight"][1:] for rank in shards
+                       if rank.get(name + ".weight", (0,))[0] == 1})
+        parts = [w[:, lo:hi] for lo, hi in cuts] or [w]
+        with torch.no_grad():
+            layer.weight.copy_(torch.cat([dequantize(quantize(p, method, GROUP_SIZE)) for p in parts], dim=1))
+
+
+def test_tensor_parallel_ranks_quantize_their_shards(tiny_v3):
+    """TP=2 on CPU: each rank quantizes its own shard after loading it. Its weight bytes are those of its
+    quantized meta shard, and the logits are those of one process holding the ranks' dequantized values
+    (not TP=1's quantization: o_proj's K = 64 splits into 32 columns per rank, zero padded to a group
+    of its own, where TP=1's groups span 64 columns)."""
+    cfg = load_config(tiny_v3)
+    batch = prompts(cfg.vocab_size)
+    with Engine(str(tiny_v3), **FLAGS, tensor_parallel_size=2) as eng:
+        got = logits_of(eng, batch)
+        allocated = eng.runtime.allocated_per_rank
+    shards = []
+    for rank in (0, 1):
+        meta = build(cfg, "meta", torch.float32, routed_experts=False, tp=TPContext(rank, 2))
+        assert isinstance(meta.lm_head, nn.Linear) and isinstance(meta.model.embed_tokens, VocabParallelEmbedding)
+        planned = planned_weight_bytes(meta, "INT8")
+        assert all(allocated[rank].get(c, 0) == planned.get(c, 0) for c in WEIGHT_COMPONENTS), rank
+        shards.append(meta.tp_shards)
+    with Engine(str(tiny_v3), **{**FLAGS, "cpu_dense_method": "none"}) as eng:
+        model = eng.runtime.runner.model
+        assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+        as_rank_shards_dequantized(model, shards, "INT8")
+        want = logits_of(eng, batch)
+    assert_same_function(got, want)
+
+
+def test_quantize_dense_frees_each_weight_as_it_goes(tiny_v3, monkeypatch):
+    """Peak RAM while quantizing: the full-precision model plus one layer's quantized copy, not two models."""
+    model = build(load_config(tiny_v3), "cpu", torch.float32, routed_experts=False)
+    old = [weakref.ref(layer.weight) for _, _, _, layer in eligible_linears(model)]
+    alive = []
+    from_linear = QuantizedLinear.from_linear
+
+    def counting(*args, **kwargs):
+        alive.append(sum(ref() is not None for ref in old))
+        return from_linear(*args, **kwargs)
+
+    monkeypatch.setattr(QuantizedLinear, "from_linear", counting)
+    assert quantize_dense(model, "INT8") == len(old)
+    assert alive == list(range(len(old), 0, -1))  # each replaced weight freed before the next is quantized
+    assert all(ref() is None for ref in old)
+
+
+# ---- switching it off, and the flag ------------------------------------------------------------------
+
+def test_none_fp32_and_cuda_keep_torch_layers(tiny_v3):
+    cfg = load_config(tiny_v3)
+    for flags in ({"device": "cpu", "cpu_dense_method": "none"}, {"device": "cpu", "dtype": "float32"},
+                  {"device": "cuda"}):
+        model = build(cfg, "cpu", torch.float32, routed_experts=False)
+        before = [name for name, _, _, _ in eligible_linears(model)]
+        apply_cpu_dense(model, EngineConfig.from_kwargs(str(tiny_v3), **flags))
+        assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+        assert [name for name, _, _, _ in eligible_linears(model)] == before
+
+
+def test_auto_is_int8_on_a_cpu_device_unless_fp32_is_asked_for(tiny_v3):
+    quantization = {(dtype, method): EngineConfig.from_kwargs(str(tiny_v3), device="cpu", dtype=dtype,
+                                                             cpu_dense_method=method).cpu_dense_quantization
+                    for dtype in ("auto", "bfloat16", "float32") for method in ("auto", "INT4", "none")}
+    assert quantization == {("auto", "auto"): "INT8", ("bfloat16", "auto"): "INT8", ("float32", "auto"): None,
+                            ("auto", "INT4"): "INT4", ("bfloat16", "INT4"): "INT4", ("float32", "INT4"): "INT4",
+                            ("auto", "none"): None, ("bfloat16", "none"): None, ("float32", "none"): None}
+
+
+@pytest.mark.parametrize("bad", ["INT3", "fp8", "BF16", ""])
+def test_bad_method_names_the_flag(tiny_v3, bad):
+    with pytest.raises(ConfigError, match="--cpu-dense-method"):
+        EngineConfig.from_kwargs(str(tiny_v3), cpu_dense_method=bad)
+
+
+def test_cli_flag_reaches_the_config(tiny_v3):
+    result = CliRunner().invoke(main, ["generate", "Hi", "--model-path", str(tiny_v3), "--cpu-dense-method", "INT3"])
+    assert result.exit_code == 1 and "--cpu-dense-method" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(main, ["generate", "--help"])
+    assert "--cpu-dense-method" in result.output
