@@ -35,6 +35,7 @@ from ktlite.kernels.cpu.gemm import expert_mlp_matmul
 from ktlite.kernels.cpu.moe import CPUMoE
 from ktlite.kernels.cpu.fp8 import fill_fp8_rows
 from ktlite.kernels.cpu.gguf_quants import BLOCKS
+from ktlite.kernels.cpu.target import configure_numba, native_bf16_matmul
 from ktlite.kernels.cpu.quant import RAWINT4_GROUP, dequantize, empty_quantized, quantize, quantize_into, relative_error
 
 RESULTS = Path(__file__).parent / "RESULTS.md"
@@ -357,7 +358,7 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> st
              f"**{hw['bw']:.1f} GB/s** with {hw['threads']} threads (the reference for \"% BW\").", "",
              "Times are per call (fastest of several), for one MoE layer: `ktlite` is CPUMoE.forward (the path it picks per expert by its token count); "
              "`numba FMA` forces the fused GEMV kernel (dequantize in-kernel + fp32 FMA), `deq+oneDNN` forces "
-             "dequantize-to-bf16 + torch.matmul; `torch bf16/fp32` is torch.matmul on resident dequantized "
+             f"dequantize-to-{hw['prefill']} + torch.matmul ({hw['prefill']}: {hw['prefill_why']}); `torch bf16/fp32` is torch.matmul on resident dequantized "
              "experts. All variants of one T are timed interleaved (a few calls of each per round). GB/s = bytes of the "
              "distinct experts a call touches / time.", "",
              "| shape | method | T | ktlite ms | path | weight GB/s | % BW | numba FMA ms | deq+oneDNN ms "
@@ -461,9 +462,11 @@ def main() -> None:
     tokens = [1, 16, 512] if args.quick else [1, 4, 16, 128, 512]
     budget = 0.3 if args.quick else 0.6
     threads = numba.config.NUMBA_NUM_THREADS
-    import llvmlite.binding as llvm
-
-    hw = {"cpu": cpu_model(), "host": llvm.get_host_cpu_name(), "cores": os.cpu_count(), "threads": threads,
+    native = native_bf16_matmul()
+    hw = {"prefill": "bf16" if native else "fp32",
+          "prefill_why": "this CPU multiplies bf16 in hardware" if native else "no AVX512-BF16/AMX here, where oneDNN's "
+                         "bf16 GEMM is ~3x its fp32",
+          "cpu": cpu_model(), "host": configure_numba().name, "cores": os.cpu_count(), "threads": threads,
           "load": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
           "bw1": memory_bandwidth(1), "bw": memory_bandwidth(threads)}
     rows, extra = [], {}

@@ -81,12 +81,20 @@ def test_mixed_paths_in_one_call(moe):
 
 def test_bf16_prefill_close(moe):
     x, ids, w = routing(40)
-    fast = CPUMoE(moe.method, 64, prefill_threshold=8)  # bf16 matmuls, the default
+    fast = CPUMoE(moe.method, 64, prefill_threshold=8, prefill_dtype=torch.bfloat16)  # bf16 matmuls
     fast.layers = moe.layers
     try:
         assert relative_error(fast.forward(0, x, ids, w), reference(*stored(moe), x, ids, w)) < 2e-2
     finally:
         fast.pools.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_default_prefill_dtype_follows_the_cpu(monkeypatch, native):
+    """bf16 GEMMs only where the CPU multiplies bf16 in hardware (elsewhere oneDNN's bf16 is ~3x its fp32)."""
+    monkeypatch.setattr(moe_module, "native_bf16_matmul", lambda: native)
+    with CPUMoE("INT8") as m:
+        assert m.prefill_dtype == (torch.bfloat16 if native else torch.float32)
 
 
 def bf16_reference(moe: CPUMoE, x, ids, w) -> torch.Tensor:
@@ -106,7 +114,7 @@ def bf16_reference(moe: CPUMoE, x, ids, w) -> torch.Tensor:
 def test_bf16_prefill_path_is_the_bf16_torch_computation(moe, pair_batch, monkeypatch):
     monkeypatch.setattr(moe_module, "PAIR_BATCH", pair_batch)
     x, ids, w = routing(60)
-    fast = CPUMoE(moe.method, 64, prefill_threshold=1)  # every expert through the bf16 matmul path
+    fast = CPUMoE(moe.method, 64, prefill_threshold=1, prefill_dtype=torch.bfloat16)  # all through bf16 matmuls
     fast.layers = moe.layers
     try:
         assert relative_error(fast.forward(0, x, ids, w), bf16_reference(moe, x, ids, w)) < 1e-5

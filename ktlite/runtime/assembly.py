@@ -133,8 +133,8 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
     placement = initial_placement(cfg.moe_layers, cfg.n_routed_experts, per_layer,
                                   config.kt_expert_placement_strategy, stats=stats, seed=config.seed)
 
-    # fp32 runs (the CPU reference setting) keep the CPU prefill path exact too
-    prefill_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    # fp32 runs (the CPU reference setting) keep the CPU prefill path exact too; else the CPU's fast dtype
+    prefill_dtype = torch.float32 if dtype == torch.float32 else None
     # one copy of the CPU experts in RAM: only rank 0 holds them (and computes them for all ranks)
     cpu = CPUMoE(config.kt_method, config.kt_group_size, config.cpu_threads, config.kt_threadpool_count,
                  prefill_dtype=prefill_dtype) if rank == 0 else None

@@ -3,7 +3,7 @@
 API (what the runtime calls):
 
     moe = CPUMoE(method="INT4", group_size=64, num_threads=None, threadpool_count=1,
-                 prefill_threshold=None, prefill_dtype=torch.bfloat16)
+                 prefill_threshold=None, prefill_dtype=None)  # None: bf16 where the CPU multiplies bf16
     moe.add_layer(layer_idx, gate[E, I, H], up[E, I, H], down[E, H, I], cpu_experts=None)
     # or, streaming tensor by tensor (the loader / converted weights):
     moe.reserve_layer(layer_idx, n_experts, hidden, inter, cpu_experts=None)
@@ -30,7 +30,9 @@ dispatch on the stored dtype. Paths, per expert and call: an expert with fewer t
 tokens (default per method, DEFAULT_PREFILL_THRESHOLD) runs in the fused GEMV kernel (kernels.py: vector row dots straight
 from the stored bytes, fp32 math on the exact dequantized weights; decode is always this path); one
 with more is dequantized once (into per-thread buffers reused across experts and calls) and runs
-torch.matmul in `prefill_dtype` (gemm.py; bf16 is the fast choice, fp32 the exact one); those experts
+torch.matmul in `prefill_dtype` (gemm.py; fp32 is the exact choice; bf16 halves the bytes and is the
+fast one where the CPU multiplies bf16 in hardware, AVX512-BF16 or AMX, and 3x slower than fp32 where
+oneDNN must convert: the default follows the CPU, target.native_bf16_matmul); those experts
 run in batches of at most PAIR_BATCH (token, expert) pairs, so the element-wise SiLU * mul and the
 weighted scatter-add are one call per batch, not one per expert. Choosing
 per expert rather than by T matters: at T=16, V2-Lite experts see ~1.5 tokens each, V3's ~16.
@@ -65,6 +67,7 @@ from ktlite.kernels.cpu.quant import (
     normalize_kt_method,
     quantize_into,
 )
+from ktlite.kernels.cpu.target import native_bf16_matmul
 from ktlite.kernels.cpu.threads import ExpertPools
 
 logger = logging.getLogger(__name__)
@@ -159,13 +162,15 @@ class CPUMoE:
         num_threads: int | None = None,
         threadpool_count: int = 1,
         prefill_threshold: int | None = None,
-        prefill_dtype: torch.dtype = torch.bfloat16,
+        prefill_dtype: torch.dtype | None = None,
     ):
         self.method = normalize_kt_method(method)
         self.group_size = check_group_size(self.method, group_size)
         # methods that keep a checkpoint's own encoding are filled through slot_views by an expert source,
         # which also sets native_fill so dynamic placement refills a slot the same way
         self.native_fill: NativeFill | None = None
+        if prefill_dtype is None:
+            prefill_dtype = torch.bfloat16 if native_bf16_matmul() else torch.float32
         if prefill_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"prefill_dtype must be torch.bfloat16 or torch.float32, got {prefill_dtype}")
         self.prefill_threshold = DEFAULT_PREFILL_THRESHOLD[self.method] if prefill_threshold is None else prefill_threshold
