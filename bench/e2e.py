@@ -7,7 +7,7 @@ figure of shared/MEASURED.md; --layers 27 is the full 16B model, ~29 GB of bf16 
 experts of 768, top-8, no shared expert), cut to --layers layers (1.2 GB of bf16 experts per layer).
 Weights are random.
 Routed experts run on the CPU as INT4 (Numba); the "GPU side" runs on the CPU when no GPU is
-present, its linear layers quantized per --cpu-dense-method (INT8 by default, `none` = torch bf16).
+present, its linear layers quantized per --cpu-dense-method (INT8 by default, `none` = torch in --dtype).
 Printed next to each figure, measured in the same run:
 - the decode bound: measured memory bandwidth / bytes read per token (active experts at their
   quantized size + every non-expert weight once per step, at its stored size);
@@ -120,10 +120,14 @@ async def decode_rate(engine: Engine, batch: int, prompt_len: int, gen: int) -> 
 
 
 def prefill_rate(engine: Engine, prompt_len: int) -> float:
-    ids = torch.randint(0, 1000, (prompt_len,), generator=torch.Generator().manual_seed(7)).tolist()
-    engine.generate(input_ids=ids, sampling_params={"max_tokens": 1})  # warm
+    """Prompt tokens per second of one whole prompt; the warm-up prompt differs from the timed one in
+    every token, so the prefix cache has nothing to reuse."""
+    g = torch.Generator().manual_seed(7)
+    warm, timed = (torch.randint(0, 1000, (prompt_len,), generator=g).tolist() for _ in range(2))
+    timed[0] = (warm[0] + 1) % 1000  # no shared prefix at all
+    engine.generate(input_ids=warm, sampling_params={"max_tokens": 1})
     t = time.perf_counter()
-    engine.generate(input_ids=ids, sampling_params={"max_tokens": 1, "ignore_eos": True})
+    engine.generate(input_ids=timed, sampling_params={"max_tokens": 1, "ignore_eos": True})
     return prompt_len / (time.perf_counter() - t)
 
 
@@ -162,9 +166,11 @@ def main() -> None:
     threads = torch.get_num_threads()
     bw = memory_bandwidth(threads)
     rows = []
-    flags = {"kt_method": args.kt_method, "dtype": "bfloat16", "max_total_tokens": 16384, "chunked_prefill_size": 512,
+    # dtype auto: bf16 on a GPU, fp32 on the CPU (whose bf16 GEMMs are slow without AVX512-BF16/AMX)
+    flags = {"kt_method": args.kt_method, "dtype": "auto", "max_total_tokens": 16384, "chunked_prefill_size": 512,
              "context_length": 4096, "cpu_dense_method": args.cpu_dense_method}
-    dense = EngineConfig.from_kwargs(str(path), **flags).cpu_dense_quantization or "in bf16 torch"
+    config = EngineConfig.from_kwargs(str(path), **flags)
+    dense = config.cpu_dense_quantization or f"in {str(config.torch_dtype).removeprefix('torch.')} torch"
     with Engine(str(path), **flags) as engine:
         per_token = bytes_per_decode_token(engine)
         bound = bw * 1e9 / per_token
