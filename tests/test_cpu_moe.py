@@ -95,6 +95,9 @@ def test_default_prefill_dtype_follows_the_cpu(monkeypatch, native):
     monkeypatch.setattr(moe_module, "native_bf16_matmul", lambda: native)
     with CPUMoE("INT8") as m:
         assert m.prefill_dtype == (torch.bfloat16 if native else torch.float32)
+        # fp32 GEMMs (twice the dequantized bytes, half the speed) win only from more tokens per expert
+        assert m.prefill_threshold == (moe_module.DEFAULT_PREFILL_THRESHOLD["INT8"] if native
+                                       else moe_module.FP32_PREFILL_THRESHOLD)
 
 
 def bf16_reference(moe: CPUMoE, x, ids, w) -> torch.Tensor:

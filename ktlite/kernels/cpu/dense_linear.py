@@ -2,13 +2,14 @@
 expert kernels; the device-side layers of a CPU-only run (ktlite/runtime/cpu_dense.py swaps them in).
 
 `y [..., N] = x [..., K] @ W.T (+ bias)` in x's dtype, W the stored (dequantized) values. Two paths, chosen
-by the token count T at the crossover of a CPU expert (moe.DEFAULT_PREFILL_THRESHOLD: the trade-off is the
+by the token count T at the crossover of a CPU expert (moe.default_prefill_threshold: the trade-off is the
 same, one matrix shared by T tokens):
 - few tokens (decode): kernels.linear_rows, vector row dots straight from the stored bytes, fp32 math,
   each weight read from RAM once per call;
-- more tokens (prefill): gemm.stored_matmul dequantizes tiles of at most TILE_WEIGHTS weights into x's
-  dtype (fp32 for float16) and multiplies with torch (oneDNN), several times faster per token than the
-  kernel's fp32 row dots once the dequantization is shared by enough tokens.
+- more tokens (prefill): gemm.stored_matmul dequantizes tiles of at most TILE_WEIGHTS weights (into bf16
+  for bf16 x on a CPU that multiplies bf16 in hardware, else fp32) and multiplies with torch (oneDNN),
+  several times faster per token than the kernel's fp32 row dots once the dequantization is shared by
+  enough tokens.
 
 The scratch (padded fp32 input, block sums, row buffers, the output before a cast, the dequantized tile)
 lives in one DenseWorkspace per model that every QuantizedLinear shares, one set per calling thread,
@@ -27,12 +28,19 @@ import torch
 from torch import nn
 
 from ktlite.kernels.cpu import gemm, kernels
-from ktlite.kernels.cpu.moe import DEFAULT_PREFILL_THRESHOLD
+from ktlite.kernels.cpu.moe import default_prefill_threshold
 from ktlite.kernels.cpu.quant import QuantizedWeight, dequantize, quantize
+from ktlite.kernels.cpu.target import native_bf16_matmul
 
 # weights per dequantized tile of the matmul path: bounds its buffer (16 MiB in fp32), where a whole
 # DeepSeek-V3 lm_head (129280 x 7168) would take 3.7 GB
 TILE_WEIGHTS = 1 << 22
+
+
+def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """What the matmul path dequantizes into: bf16 for bf16 input where the CPU multiplies bf16 in hardware,
+    else fp32 (oneDNN's bf16 GEMM without it is ~3x its fp32)."""
+    return torch.bfloat16 if x.dtype == torch.bfloat16 and native_bf16_matmul() else torch.float32
 
 
 class _Scratch:
@@ -90,7 +98,8 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.workspace = workspace or DenseWorkspace()
         self.output_op = output_op
-        self.gemm_tokens = DEFAULT_PREFILL_THRESHOLD[weight.method]
+        # tokens from which the matmul path wins, by the dtype it would run in
+        self.gemm_tokens = {dt: default_prefill_threshold(weight.method, dt) for dt in (torch.bfloat16, torch.float32)}
 
     @classmethod
     def from_linear(cls, layer: nn.Linear, method: str, group_size: int,
@@ -114,7 +123,8 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # [T, K]
-        y = self._rows(x2) if x2.shape[0] < self.gemm_tokens else self._matmul(x2)
+        dtype = _matmul_dtype(x2)
+        y = self._rows(x2) if x2.shape[0] < self.gemm_tokens[dtype] else self._matmul(x2, dtype)
         if self.bias is not None:
             y.add_(self.bias)
         y = y.view(*x.shape[:-1], self.out_features)
@@ -138,11 +148,10 @@ class QuantizedLinear(nn.Module):
         kernels.linear_rows(xp, xs, w.qweight, w.scales, w.group_shift, rows, out32)
         return torch.from_numpy(out32).to(x.dtype)
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """More tokens: dequantize tile by tile into the compute dtype and let torch multiply."""
+    def _matmul(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """More tokens: dequantize tile by tile into `dtype` and let torch multiply."""
         w, scratch = self.stored, self.workspace.scratch()
         n, k = self.out_features, self.in_features
-        dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32  # what dequant writes
         xc = x.to(dtype)
         out = torch.empty(x.shape[0], n, dtype=dtype)
         tile_rows = max(1, min(n, TILE_WEIGHTS // k))

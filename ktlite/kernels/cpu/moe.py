@@ -27,7 +27,7 @@ that means the placement and the mask disagree. Ids < 0 (padding) are ignored.
 Each layer keeps its own storage formats (quant.py: INT4/INT8/BF16 quantized by ktlite, or FP8 / GGUF
 blocks as a checkpoint ships them; gate_up and down may differ, e.g. GGUF Q4_K and Q6_K); the kernels
 dispatch on the stored dtype. Paths, per expert and call: an expert with fewer than `prefill_threshold`
-tokens (default per method, DEFAULT_PREFILL_THRESHOLD) runs in the fused GEMV kernel (kernels.py: vector row dots straight
+tokens (default_prefill_threshold: per method and prefill dtype) runs in the fused GEMV kernel (kernels.py: vector row dots straight
 from the stored bytes, fp32 math on the exact dequantized weights; decode is always this path); one
 with more is dequantized once (into per-thread buffers reused across experts and calls) and runs
 torch.matmul in `prefill_dtype` (gemm.py; fp32 is the exact choice; bf16 halves the bytes and is the
@@ -76,6 +76,14 @@ logger = logging.getLogger(__name__)
 # INT4 4 tokens 1.7 ms GEMV vs 1.9 ms, 6 tokens 2.6 vs 2.1 ms; the vectorized dequantize costs about one
 # T=1 GEMV, while the kernel's per-token fp32 dots run ~10x fewer FLOP/s than oneDNN's bf16 GEMM)
 DEFAULT_PREFILL_THRESHOLD = {"INT4": 5, "INT8": 5, "BF16": 4, "FP8": 5, "RAWINT4": 5, "LLAMAFILE": 4}
+# with fp32 GEMMs (a CPU without native bf16) the dequantized weights are twice the bytes and the GEMM
+# half the speed: on a Zen 3 the fused kernel stayed faster up to ~32 tokens per expert (bench/RESULTS.md)
+FP32_PREFILL_THRESHOLD = 32
+
+
+def default_prefill_threshold(method: str, prefill_dtype: torch.dtype) -> int:
+    """Tokens per expert (or per matrix) from which dequantize + torch.matmul beats the fused kernel."""
+    return DEFAULT_PREFILL_THRESHOLD[method] if prefill_dtype == torch.bfloat16 else FP32_PREFILL_THRESHOLD
 # (token, expert) pairs per batch of the matmul path: bounds its buffers (V3: 4096 x 7168 bf16 = 58 MB)
 PAIR_BATCH = 4096
 Format = tuple[str, int]  # (storage format, group size) of a stored matrix, as quant.empty_quantized takes them
@@ -173,8 +181,9 @@ class CPUMoE:
             prefill_dtype = torch.bfloat16 if native_bf16_matmul() else torch.float32
         if prefill_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"prefill_dtype must be torch.bfloat16 or torch.float32, got {prefill_dtype}")
-        self.prefill_threshold = DEFAULT_PREFILL_THRESHOLD[self.method] if prefill_threshold is None else prefill_threshold
         self.prefill_dtype = prefill_dtype
+        self.prefill_threshold = (default_prefill_threshold(self.method, prefill_dtype) if prefill_threshold is None
+                                  else prefill_threshold)
         self.pools = ExpertPools(num_threads, threadpool_count)
         self.layers: dict[int, ExpertLayer] = {}
         self._scratch_bufs: dict[int, np.ndarray] = {}

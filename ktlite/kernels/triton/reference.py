@@ -61,10 +61,11 @@ def mla_extend_torch(
     out = torch.empty(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)
     for row, prefix, n, start in request_spans(req_pool_indices, prefix_lens, extend_lens):
         kv = gather_latents(kv_buffer, req_to_token[row, : prefix + n].long(), kv_lora_rank, q.shape[-1])  # [total, Dk]
-        scores = torch.einsum("nhd,ld->nhl", q[start : start + n].float(), kv) * sm_scale
+        heads = q.shape[1]  # plain matmuls over (token, head) rows: einsum's parsing cost dominated decode on CPU
+        scores = (q[start : start + n].float().flatten(0, 1) @ kv.T).view(n, heads, -1) * sm_scale
         scores.masked_fill_(~causal_mask(prefix, n, q.device)[:, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
-        out[start : start + n] = torch.einsum("nhl,lc->nhc", probs, kv[:, :kv_lora_rank]).to(q.dtype)
+        out[start : start + n] = (probs.flatten(0, 1) @ kv[:, :kv_lora_rank]).view(n, heads, -1).to(q.dtype)
     return out
 
 

@@ -51,6 +51,14 @@ class LatentCache:
         return self.layers[layer][:, :end]
 
 
+def per_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., heads, a] times w [heads, a, b], head by head -> [..., heads, b], as one batched matmul
+    (torch.einsum spent ~0.1 ms a call parsing, the largest share of a CPU decode step's overhead)."""
+    *lead, heads, a = x.shape
+    y = torch.bmm(x.reshape(-1, heads, a).transpose(0, 1), w)  # [heads, M, b]
+    return y.transpose(0, 1).reshape(*lead, heads, w.shape[-1])
+
+
 class MLAttention(nn.Module):
     plan_component = "attention"
     keep_linears = ("kv_b_proj",)  # read as the W_UK / W_UV matrices, not called: the CPU dense path keeps it
@@ -107,13 +115,13 @@ class MLAttention(nn.Module):
         c = self.cfg
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         w_uk, _ = self.w_uk_uv()
-        q_latent = torch.einsum("...hd,hdc->...hc", q_nope, w_uk)
+        q_latent = per_head_matmul(q_nope, w_uk)
         return torch.cat((q_latent, self.rotary(q_pe, cos, sin)), dim=-1)
 
     def output(self, attn_latent: torch.Tensor) -> torch.Tensor:
         """attn_latent [..., heads, kv_lora_rank] -> [..., hidden] (W_UV then o_proj)."""
         _, w_uv = self.w_uk_uv()
-        v = torch.einsum("...hc,hvc->...hv", attn_latent, w_uv)
+        v = per_head_matmul(attn_latent, w_uv.transpose(1, 2))
         return self.o_proj(v.flatten(-2))
 
     def store(self, pool, name: str, layer_idx: int, slots: torch.Tensor, values: torch.Tensor) -> None:
