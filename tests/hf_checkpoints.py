@@ -88,3 +88,13 @@ def write_hf_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
 
 def hf_model(path) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_last_logits_and_greedy(ref: torch.nn.Module, batch: list[list[int]], n: int) -> tuple[torch.Tensor, list[list[int]]]:
+    """transformers' reference for prompts one at a time: last-token logits [B, vocab] and n greedy tokens each
+    (no EOS stop)."""
+    logits = torch.cat([ref(torch.tensor([ids])).logits[0, -1:] for ids in batch])
+    tokens = [ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist() for ids in batch]
+    return logits, tokens

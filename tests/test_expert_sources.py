@@ -10,7 +10,6 @@ import numba
 import numpy as np
 import pytest
 import torch
-import transformers
 from safetensors.torch import save_file
 
 from ktlite import Engine
@@ -22,6 +21,7 @@ from ktlite.runtime.expert_sources import HFSource, open_source
 from ktlite.runtime.loader import CheckpointReader
 from ktlite.runtime.models import load_config
 from ktlite.runtime.tiny_model import _COMMON, ARCH_CONFIGS, _fp8_quantize
+from hf_checkpoints import hf_last_logits_and_greedy, hf_model
 from test_tensor_parallel import logits_of
 
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
@@ -49,7 +49,7 @@ def dequantized_copy(tiny_v3_fp8, tmp_path_factory):
 
 @pytest.mark.parametrize("gpu_experts", [0, 5])
 def test_fp8_experts_served_as_fp8_equal_transformers_on_dequantized_weights(tiny_v3_fp8, dequantized_copy, gpu_experts):
-    ref = transformers.AutoModelForCausalLM.from_pretrained(dequantized_copy, dtype=torch.float32).eval()
+    ref = hf_model(dequantized_copy)
     batch = prompts(ref.config.vocab_size)
     with Engine(str(tiny_v3_fp8), **EXACT, kt_method="FP8", kt_weight_path=str(tiny_v3_fp8),
                 kt_num_gpu_experts=gpu_experts) as eng:
@@ -57,10 +57,7 @@ def test_fp8_experts_served_as_fp8_equal_transformers_on_dequantized_weights(tin
         assert all(l.gate_up.qweight.dtype == E4M3 and l.down.qweight.dtype == E4M3 for l in cpu.layers.values())
         got = logits_of(eng, batch)
         tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
-    with torch.no_grad():
-        want = torch.cat([ref(torch.tensor([ids])).logits[0, -1:] for ids in batch])
-        expected = [ref.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist() for ids in batch]
+    want, expected = hf_last_logits_and_greedy(ref, batch, 12)
     assert (got - want).abs().max().item() <= 1e-4
     assert tokens == expected
 

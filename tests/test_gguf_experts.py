@@ -110,11 +110,11 @@ def test_engine_serves_gguf_experts_like_transformers_on_their_dequantization(se
     """The engine with --kt-method LLAMAFILE (experts from the GGUF, the rest from the checkpoint) equals
     transformers on the dequantized experts: logits within 1e-4 in fp32 and the same greedy tokens,
     with the CPU decoding the blocks and GPU experts taking the same values."""
-    import transformers
+    from hf_checkpoints import hf_last_logits_and_greedy, hf_model
     from test_tensor_parallel import logits_of
 
     model, experts, plain = served
-    ref = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    ref = hf_model(plain)
     g = torch.Generator().manual_seed(5)
     batch = [torch.randint(4, ref.config.vocab_size, (n,), generator=g).tolist() for n in (4, 19)]
     flags = {"dtype": "float32", "max_total_tokens": 1024, "chunked_prefill_size": 256, "gpu_memory": "1GiB"}
@@ -124,10 +124,7 @@ def test_engine_serves_gguf_experts_like_transformers_on_their_dequantization(se
         assert {l: eng.runtime.cpu_moe.layers[l].down.method for l in LAYERS} == {l: k[2] for l, k in LAYERS.items()}
         got = logits_of(eng, batch)
         tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=greedy)]
-    with torch.no_grad():
-        want = torch.cat([ref(torch.tensor([ids])).logits[0, -1:] for ids in batch])
-        expected = [ref.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist() for ids in batch]
+    want, expected = hf_last_logits_and_greedy(ref, batch, 8)
     assert (got - want).abs().max().item() <= 1e-4
     assert tokens == expected
 

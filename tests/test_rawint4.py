@@ -15,7 +15,6 @@ import ktlite.kernels.triton as kt
 with kt.interpreted():  # before anything imports triton (compressed-tensors does): triton reads it at import
     from ktlite.kernels.triton.moe import fused_moe_triton
 
-import transformers  # noqa: E402
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.utils import calculate_qparams
@@ -29,6 +28,7 @@ from ktlite.kernels.triton.reference import fused_moe_torch
 from ktlite.runtime.expert_sources import CompressedInt4Source, open_source
 from ktlite.runtime.loader import CheckpointReader
 from ktlite.runtime.models import load_config
+from hf_checkpoints import hf_last_logits_and_greedy, hf_model
 from test_tensor_parallel import logits_of
 
 ARGS = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
@@ -95,7 +95,7 @@ def kimi(tiny_v3, tmp_path_factory):
 ], ids=["cpu", "gpu5", "dynamic+layerwise"])
 def test_rawint4_model_equals_transformers_on_the_decompressed_weights(kimi, flags):
     packed, plain = kimi
-    ref = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    ref = hf_model(plain)
     g = torch.Generator().manual_seed(3)
     batch = [torch.randint(4, ref.config.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 30)]
     with Engine(str(packed), **EXACT, kt_method="RAWINT4", **flags) as eng:
@@ -108,10 +108,7 @@ def test_rawint4_model_equals_transformers_on_the_decompressed_weights(kimi, fla
             check_gpu_int4_stacks(eng, packed)
         if flags.get("kt_enable_dynamic_expert_update"):
             assert eng.runtime.placement() != before  # experts really moved mid-run
-    with torch.no_grad():
-        want = torch.cat([ref(torch.tensor([ids])).logits[0, -1:] for ids in batch])
-        expected = [ref.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist() for ids in batch]
+    want, expected = hf_last_logits_and_greedy(ref, batch, 12)
     assert (got - want).abs().max().item() <= 1e-4
     assert tokens == expected
 

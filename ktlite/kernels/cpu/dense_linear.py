@@ -33,7 +33,7 @@ from ktlite.kernels.cpu.quant import QuantizedWeight, dequantize, quantize
 from ktlite.kernels.cpu.target import native_bf16_matmul
 
 # weights per dequantized tile of the matmul path: bounds its buffer (16 MiB in fp32), where a whole
-# DeepSeek-V3 lm_head (129280 x 7168) would take 3.7 GB
+# 129,280-row lm_head of hidden 7168 would take 3.7 GB
 TILE_WEIGHTS = 1 << 22
 
 
