@@ -131,9 +131,7 @@ class Source:
     """One place the experts come from. Sources that keep a checkpoint's encoding (`formats` not None)
     fill CPU slots in place (`fill_native`) and refill them on dynamic placement; the others hand
     weights to CPUMoE.set_expert, which quantizes them into the method's format. GPU experts are
-    `dense` weights, or (`gpu_int4`) the source's own INT4 codes from `gpu_weights`."""
-
-    gpu_int4 = False
+    `dense` weights, or (where gpu_experts_int4 says so) the source's own INT4 codes from `gpu_weights`."""
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
@@ -154,7 +152,7 @@ class Source:
         raise NotImplementedError
 
     def gpu_weights(self, layer: int, experts: Sequence[int]) -> tuple[GPUQuantizedWeight, GPUQuantizedWeight]:
-        """(w13 [E, 2I, H], w2 [E, H, I]) of `experts` in the GPU INT4 format (sources with gpu_int4)."""
+        """(w13 [E, 2I, H], w2 [E, H, I]) of `experts` in the GPU INT4 format (RAWINT4's source)."""
         raise NotImplementedError
 
     def release(self) -> None:
@@ -282,8 +280,6 @@ class ConvertedSource(Source):
 class CompressedInt4Source(Source):
     """compressed-tensors pack-quantized INT4 experts into INT4 group 32 as they
     are (kernels/cpu/compressed_int4.py), on the CPU and the GPU."""
-
-    gpu_int4 = True
 
     def __init__(self, cfg: ModelConfig, folder: Path):
         super().__init__(cfg)
@@ -435,8 +431,8 @@ def _is_gguf(path: Path) -> bool:
 
 
 def gpu_experts_int4(config: EngineConfig) -> bool:
-    """Whether the GPU experts are INT4 stacks (RAWINT4: the checkpoint's codes), as open_source's
-    source will say; the memory plan needs this before the source is opened."""
+    """Whether the GPU experts are INT4 stacks filled by the source's `gpu_weights` (RAWINT4: the
+    checkpoint's codes); the memory plan records it before any source is opened."""
     return normalize_kt_method(config.kt_method) == "RAWINT4"
 
 
