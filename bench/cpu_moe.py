@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ktlite.doctor import cpu_model
 from ktlite.kernels.cpu.gemm import expert_mlp_matmul
 from ktlite.kernels.cpu.moe import CPUMoE
 from ktlite.kernels.cpu.fp8 import fill_fp8_rows
@@ -54,13 +55,6 @@ class Shape:
 
 V2_LITE = Shape("V2-Lite", 2048, 1408, 64, 6)
 V3 = Shape("V3", 7168, 2048, 8, 8)
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def memory_bandwidth(threads: int) -> float:

@@ -55,6 +55,11 @@ def cpu_flags() -> set[str]:
     return set((_cpuinfo("flags") or "").split())
 
 
+def cpu_vendor() -> str:
+    """GenuineIntel, AuthenticAMD, ... ("" where /proc/cpuinfo does not say)."""
+    return _cpuinfo("vendor_id") or ""
+
+
 def cpu_model() -> str:
     return _cpuinfo("model name") or platform.processor() or "unknown CPU"
 

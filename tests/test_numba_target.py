@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-from ktlite.kernels.cpu.target import CPUINFO_TO_LLVM, _cpuinfo, choose_target, configure_numba
+from ktlite.doctor import cpu_flags
+from ktlite.kernels.cpu.target import CPUINFO_TO_LLVM, choose_target, configure_numba
 
 # flags as /proc/cpuinfo lists them (the relevant subset)
 SAPPHIRE_RAPIDS = {"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl",
@@ -52,7 +53,7 @@ def test_nothing_the_cpu_lacks_is_added():
 
 
 def test_this_machine_targets_every_feature_it_has():
-    flags, _ = _cpuinfo()
+    flags = cpu_flags()
     target = configure_numba()
     if target.user_set:
         assert "NUMBA_CPU" in " ".join(os.environ)

@@ -15,7 +15,8 @@ from typing import Protocol
 import torch
 
 from ktlite.kernels.cpu.quant import RAWINT4_GROUP
-from ktlite.kernels.triton import QuantizedWeight, dequantize_expert, fused_moe
+from ktlite.kernels.triton import QuantizedWeight, fused_moe
+from ktlite.kernels.triton.quant import expert_weight
 from ktlite.runtime.models.layers import MLP, Router
 
 # (layer, expert) -> (gate [I, H], up [I, H], down [H, I]) in full precision
@@ -39,10 +40,6 @@ def alloc_gpu_experts(alloc: Callable[..., torch.Tensor], n: int, hidden: int, i
                                RAWINT4_GROUP)
 
     return int4_stack(2 * inter, hidden), int4_stack(hidden, inter)
-
-
-def _dense_slot(stack: ExpertStack, slot: int, dtype: torch.dtype) -> torch.Tensor:
-    return stack[slot] if isinstance(stack, torch.Tensor) else dequantize_expert(stack, slot, dtype)
 
 
 class CPUExperts(Protocol):
@@ -172,7 +169,7 @@ class HybridMoE:
         for e in needed.nonzero().flatten().tolist():  # only experts some token chose are copied
             slot = int(self.slot_of[e])
             if slot >= 0:
-                w13_all[e], w2_all[e] = (_dense_slot(w, slot, w13_all.dtype) for w in (self.w13, self.w2))
+                w13_all[e], w2_all[e] = (expert_weight(w, slot, w13_all.dtype) for w in (self.w13, self.w2))
             else:
                 # the CPU store's own (dequantized) weights, so results match the hybrid path
                 w13_all[e], w2_all[e] = self.cpu.dequantized_expert(self.layer_idx, e, w13_all.dtype)

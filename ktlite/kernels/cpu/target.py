@@ -19,6 +19,8 @@ import functools
 import logging
 from dataclasses import dataclass
 
+from ktlite.doctor import cpu_flags, cpu_vendor  # the machine probes (stdlib only)
+
 logger = logging.getLogger(__name__)
 
 # /proc/cpuinfo flag -> LLVM feature, for the features the kernels (or LLVM's vectorizer) can use
@@ -88,29 +90,11 @@ def choose_target(flags: set[str], vendor: str, llvm_name: str, llvm_features: d
     return NumbaTarget(name, features, llvm_name, added, user_set=False)
 
 
-def _cpuinfo() -> tuple[set[str], str]:
-    flags: set[str] = set()
-    vendor = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "flags" and not flags:
-                    flags = set(value.split())
-                elif key == "vendor_id" and not vendor:
-                    vendor = value.strip()
-    except OSError:  # not Linux: LLVM's guess is all there is
-        pass
-    return flags, vendor
-
-
 @functools.cache
 def native_bf16_matmul() -> bool:
     """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16). Elsewhere oneDNN widens
     bf16 to fp32 as it goes: on a Zen 3 its bf16 GEMM took 3.6x its fp32 time (bench/RESULTS.md)."""
-    flags, _ = _cpuinfo()
-    return bool({"avx512_bf16", "amx_bf16"} & flags)
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 @functools.cache
@@ -123,8 +107,7 @@ def configure_numba() -> NumbaTarget:
         return NumbaTarget(numba.config.CPU_NAME or llvm.get_host_cpu_name(),
                            numba.config.CPU_FEATURES or llvm.get_host_cpu_features().flatten(),
                            llvm.get_host_cpu_name(), (), user_set=True)
-    flags, vendor = _cpuinfo()
-    target = choose_target(flags, vendor, llvm.get_host_cpu_name(), dict(llvm.get_host_cpu_features()))
+    target = choose_target(cpu_flags(), cpu_vendor(), llvm.get_host_cpu_name(), dict(llvm.get_host_cpu_features()))
     if target.corrected:
         logger.warning("Numba's LLVM took this CPU for %s; compiling the CPU kernels for %s", target.llvm_name,
                        target.describe())

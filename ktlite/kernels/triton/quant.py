@@ -70,3 +70,10 @@ def dequantize_expert(w: QuantizedWeight, e: int, dtype: torch.dtype) -> torch.T
         packed = w.qweight[e].reshape(n, groups, w.group_size // 2)
         q = torch.cat([packed & 0xF, packed >> 4], dim=-1).float() - 8
     return (q * w.scales[e].float()[..., None]).reshape(n, k).to(dtype)
+
+
+def expert_weight(w: torch.Tensor | QuantizedWeight, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert e of a stack, dense [N, K] in dtype: a slice of a dense stack, or dequantize_expert."""
+    if isinstance(w, QuantizedWeight):
+        return dequantize_expert(w, e, dtype)
+    return w[e].to(dtype)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ktlite.kernels.triton.kv_fp8 import is_packed, latent_rows
-from ktlite.kernels.triton.quant import QuantizedWeight, dequantize_expert
+from ktlite.kernels.triton.quant import QuantizedWeight, expert_weight
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +89,6 @@ def mla_decode_torch(
     )
 
 
-def _expert_weight(w: torch.Tensor | QuantizedWeight, e: int, dtype: torch.dtype) -> torch.Tensor:
-    if isinstance(w, QuantizedWeight):
-        return dequantize_expert(w, e, dtype)
-    return w[e].to(dtype)
-
-
 def local_pairs(
     topk_ids: torch.Tensor, expert_mask: torch.Tensor | None, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,10 +125,10 @@ def fused_moe_torch(
         pairs = torch.nonzero((flat_ids == e) & keep).squeeze(1)
         tokens = pairs // top_k
         x = hidden[tokens]
-        gate_up = x @ _expert_weight(w13, e, hidden.dtype).T  # [n, 2I]
+        gate_up = x @ expert_weight(w13, e, hidden.dtype).T  # [n, 2I]
         gate, up = gate_up.float().chunk(2, dim=-1)
         act = (F.silu(gate) * up).to(hidden.dtype)
-        y = (act @ _expert_weight(w2, e, hidden.dtype).T).float() * flat_w[pairs, None]
+        y = (act @ expert_weight(w2, e, hidden.dtype).T).float() * flat_w[pairs, None]
         out.index_add_(0, tokens, y)
     return out.to(hidden.dtype)
 
