@@ -257,3 +257,38 @@ def test_group_sizes_both_paths(method, group):
         for t in (1, 4, 40):  # GEMV kernel (one and several tokens per expert), dequantize + matmul
             x, ids, w = routing(t, seed=t)
             assert relative_error(m.forward(0, x, ids, w), reference(*stored(m), x, ids, w)) < 1e-5
+
+
+@pytest.mark.parametrize("pools", [1, 3])
+def test_pairs_grouped_by_pool_then_slot_then_token(pools):
+    """The compiled grouping against the obvious Python one: padding / out-of-range ids and skipped
+    experts dropped, each pool's slots ascending, each slot's tokens in order."""
+    g = torch.Generator().manual_seed(pools)
+    n_experts, stored_experts = 12, [0, 2, 3, 5, 7, 8, 11]
+    slot_of = torch.full((n_experts,), -1, dtype=torch.int64)
+    slot_of[stored_experts] = torch.arange(len(stored_experts))
+    pool_of = torch.arange(len(stored_experts)) % pools
+    ids = torch.tensor(stored_experts)[torch.randint(0, len(stored_experts), (9, 4), generator=g)]
+    ids[0, 1], ids[4, 2], ids[6, 0] = -1, n_experts, 4  # padding, out of range, skipped (not stored)
+    weights = torch.rand(9, 4, generator=g)
+    skip = torch.zeros(n_experts, dtype=torch.bool)
+    skip[[4, 8]] = True
+    slots, tok_ptr, tok_idx, tok_w, pool_ptr, missing = moe_module._group_pairs(
+        ids.numpy(), weights.numpy(), slot_of.numpy(), pool_of.numpy(), skip.numpy(), pools)
+    assert missing == -1
+    expected = {}  # slot -> [(token, weight)]
+    for t in range(9):
+        for j in range(4):
+            e = int(ids[t, j])
+            if 0 <= e < n_experts and not skip[e]:
+                expected.setdefault(int(slot_of[e]), []).append((t, float(weights[t, j])))
+    order = sorted(expected, key=lambda s: (int(pool_of[s]), s))
+    assert slots.tolist() == order
+    for p in range(pools):
+        assert all(int(pool_of[s]) == p for s in slots[pool_ptr[p]:pool_ptr[p + 1]])
+    got = {int(s): list(zip(tok_idx[tok_ptr[m]:tok_ptr[m + 1]].tolist(), tok_w[tok_ptr[m]:tok_ptr[m + 1]].tolist()))
+           for m, s in enumerate(slots)}
+    assert got == {s: [(t, pytest.approx(w)) for t, w in pairs] for s, pairs in expected.items()}
+    skip[4] = False  # expert 4 is selected, not stored, not skipped: reported
+    assert moe_module._group_pairs(ids.numpy(), weights.numpy(), slot_of.numpy(), pool_of.numpy(), skip.numpy(),
+                                   pools)[-1] == 4

@@ -285,7 +285,8 @@ async def test_graceful_shutdown_ends_streams(tiny_v3, tmp_path, sig):
             assert r.status == 503 and (await r.json())["error"]["code"] == "aborted"
         rc = await asyncio.to_thread(proc.wait, 30)
         assert rc == 0
-        with socket.socket() as sock:  # the port is released
+        with socket.socket() as sock:  # the port is released: nothing listens (as a restarted server binds it,
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the closed streams' TIME_WAIT)
             sock.bind(("127.0.0.1", port))
     finally:
         if proc.poll() is None:

@@ -27,6 +27,7 @@ import ktlite.kernels.triton as kt
 with kt.interpreted():
     from ktlite.kernels.triton.decode_attn import mla_decode_triton
     from ktlite.kernels.triton.extend_attn import mla_extend_triton
+from ktlite.kernels.cpu import attention as cpu_attention
 from ktlite.kernels.triton.kv_fp8 import latent_rows
 from ktlite.kernels.triton.reference import mla_decode_torch, mla_extend_torch
 
@@ -206,13 +207,14 @@ def test_extend_last_token_equals_decode() -> None:
     torch.testing.assert_close(ext, dec, atol=1e-5, rtol=0)
 
 
-def test_dispatch_picks_twin_on_cpu_without_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dispatch_on_cpu_without_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     pool = Pool([5], torch.float32)
     q = absorbed_inputs(1, 2, torch.float32)[0]
     args = (q, pool.kv_buffer, pool.req_to_token, pool.req_pool_indices, torch.tensor([5]), 0.3, KV_LORA)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not kt.use_triton(q)
+    assert not kt.use_triton(q) and cpu_attention.handles(q, pool.kv_buffer)  # fp32 on CPU: the compiled kernel
     torch.testing.assert_close(kt.mla_decode(*args), mla_decode_torch(*args))
+    assert not cpu_attention.handles(q.bfloat16(), pool.kv_buffer.bfloat16())  # bf16: the twin
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert kt.use_triton(q)
     torch.testing.assert_close(kt.mla_decode(*args), mla_decode_torch(*args), atol=1e-4, rtol=0)
@@ -230,3 +232,20 @@ def test_kernels_compile_for_gpu() -> None:
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])  # one run per request; runs merged; more runs than some requests' positions
+@pytest.mark.parametrize("heads", [4, 16])
+def test_compiled_cpu_decode(splits: int, heads: int) -> None:
+    """The compiled CPU decode kernel against the float64 naive attention (and the twin), over split
+    runs: lengths 1 (runs left empty), 37, 64, 300."""
+    lens = [1, 37, 64, 300]
+    pool = Pool(lens, torch.float32)
+    q, q_nope, q_pe, w_uk, w_uv = absorbed_inputs(len(lens), heads, torch.float32)
+    seq_lens = torch.tensor(lens)
+    args = (q, pool.kv_buffer, pool.req_to_token, pool.req_pool_indices, seq_lens, yarn_scale(), KV_LORA)
+    out = cpu_attention.mla_decode(*args, splits=splits)
+    ref = naive_attention(pool, q_nope, q_pe, w_uk, w_uv, [n - 1 for n in lens], [1] * len(lens), yarn_scale())
+    got = torch.einsum("nhc,hdc->nhd", out.double(), w_uv.double())
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(out, mla_decode_torch(*args), atol=1e-5, rtol=0)

@@ -147,20 +147,24 @@ class HybridMoE:
                 defer: int) -> tuple[torch.Tensor, object | None]:
         on_gpu = self.on_gpu
         now_ids, later_ids = (topk_ids, None) if defer <= 0 else self._split_deferred(topk_ids, topk_weights, defer)
-        handle = deferred = None
+        cpu_out = handle = deferred = None
         if self.cpu is not None and not bool(on_gpu[topk_ids].all()):
             x_cpu, w_cpu, mask_cpu = x.cpu(), topk_weights.cpu(), on_gpu.cpu()
-            handle = self.cpu.submit(self.layer_idx, x_cpu, now_ids.cpu(), w_cpu, mask_cpu)
+            if x.device.type == "cpu":  # nothing runs beside the CPU experts: no thread hand-off
+                cpu_out = self.cpu.forward(self.layer_idx, x_cpu, now_ids.cpu(), w_cpu, mask_cpu)
+            else:
+                handle = self.cpu.submit(self.layer_idx, x_cpu, now_ids.cpu(), w_cpu, mask_cpu)
             if later_ids is not None and bool((later_ids >= 0).any()):
                 deferred = self.cpu.submit(self.layer_idx, x_cpu, later_ids.cpu(), w_cpu, mask_cpu)
-        out = torch.zeros_like(x)
-        if self.gpu_experts:
-            # Slots index the compact GPU stack; experts held elsewhere are slot -1, which fused_moe
-            # skips (ids outside [0, E) are "not on this device").
-            out = fused_moe(x, self.w13, self.w2, self.slot_of[topk_ids], topk_weights)
+        # Slots index the compact GPU stack; experts held elsewhere are slot -1, which fused_moe
+        # skips (ids outside [0, E) are "not on this device").
+        out = fused_moe(x, self.w13, self.w2, self.slot_of[topk_ids], topk_weights) if self.gpu_experts else None
         if handle is not None:
-            out = out + handle.wait().to(x.device, x.dtype)
-        return out, deferred
+            cpu_out = handle.wait()
+        if cpu_out is not None:
+            cpu_out = cpu_out.to(x.device, x.dtype)
+            out = cpu_out if out is None else out + cpu_out
+        return (torch.zeros_like(x) if out is None else out), deferred
 
     def _all_on_device(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         w13_all, w2_all = self.layerwise_buffers

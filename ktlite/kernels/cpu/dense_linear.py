@@ -135,7 +135,7 @@ class QuantizedLinear(nn.Module):
         w, scratch = self.stored, self.workspace.scratch()
         t, k, kp = x.shape[0], self.in_features, w.kp
         xp = scratch.array("x", (t, kp), np.float32)
-        torch.from_numpy(xp)[:, :k].copy_(x)
+        xp[:, :k] = (x if x.dtype == torch.float32 else x.float()).numpy()  # numpy's copy: ~5x cheaper than torch's
         if kp > k:
             xp[:, k:] = 0.0
         xs = scratch.array("block_sums", (t, kp // kernels.XS_BLOCK), np.float32)

@@ -136,30 +136,76 @@ class _PoolWork:
                          self.tok_idx[pair], self.tok_w[pair])
 
 
-def _group(slots: np.ndarray, tok: np.ndarray, weights: np.ndarray) -> _PoolWork:
-    order = np.argsort(slots, kind="stable")
-    uniq, counts = np.unique(slots[order], return_counts=True)
-    return _PoolWork(uniq.astype(np.int64), np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-                     np.ascontiguousarray(tok[order], np.int64), np.ascontiguousarray(weights[order], np.float32))
+@numba.njit(nogil=True, cache=True)
+def _group_pairs(ids: np.ndarray, weights: np.ndarray, slot_of: np.ndarray, pool_of: np.ndarray,
+                 skip: np.ndarray, n_pools: int):
+    """The (token, weight) pairs of ids [T, k] / weights [T, k] grouped by slot, slots ascending within each
+    pool, pools in order, tokens ascending within a slot: (slots, tok_ptr, tok_idx, tok_w, pool_ptr), pool p's
+    slots being slots[pool_ptr[p]:pool_ptr[p + 1]]; or, if an expert is neither stored nor skipped, that
+    expert's id as the last value (else -1). Ids outside [0, E) and experts with skip[e] (when skip is
+    not empty) are left out. One compiled pass: the numpy version cost ~15 small array ops per layer."""
+    n_slots = pool_of.size
+    counts = np.zeros(n_slots, np.int64)
+    missing = -1
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            if e < 0 or e >= slot_of.size or (skip.size > 0 and skip[e]):
+                continue
+            if slot_of[e] < 0:
+                missing = e
+            else:
+                counts[slot_of[e]] += 1
+    order = np.empty(n_slots, np.int64)  # used slots, by pool then slot
+    pool_ptr = np.zeros(n_pools + 1, np.int64)
+    m = 0
+    for p in range(n_pools):
+        for slot in range(n_slots):
+            if pool_of[slot] == p and counts[slot] > 0:
+                order[m] = slot
+                m += 1
+        pool_ptr[p + 1] = m
+    slots = order[:m].copy()
+    tok_ptr = np.zeros(m + 1, np.int64)
+    start = np.full(n_slots, -1, np.int64)  # next free pair position of each used slot
+    for i in range(m):
+        tok_ptr[i + 1] = tok_ptr[i] + counts[slots[i]]
+        start[slots[i]] = tok_ptr[i]
+    tok_idx = np.empty(tok_ptr[m], np.int64)
+    tok_w = np.empty(tok_ptr[m], np.float32)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            if e < 0 or e >= slot_of.size or (skip.size > 0 and skip[e]) or slot_of[e] < 0:
+                continue
+            at = start[slot_of[e]]
+            tok_idx[at], tok_w[at] = t, weights[t, j]
+            start[slot_of[e]] = at + 1
+    return slots, tok_ptr, tok_idx, tok_w, pool_ptr, missing
+
+
+_NO_SKIP = np.zeros(0, np.bool_)
+
+
+def _summed(parts: list[torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+    """The pools' fp32 outputs summed, in hidden's dtype and device (zeros if no pool had work)."""
+    out = torch.zeros(hidden.shape[0], hidden.shape[1]) if not parts else parts[0]
+    for part in parts[1:]:
+        out.add_(part)
+    return out.to(device=hidden.device, dtype=hidden.dtype)
 
 
 class CPUMoEHandle:
     """A submitted call; `wait()` returns the summed output."""
 
-    def __init__(self, futures: list[Future], shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
-        self._futures, self._shape, self._dtype, self._device = futures, shape, dtype, device
+    def __init__(self, futures: list[Future], hidden: torch.Tensor):
+        self._futures, self._hidden = futures, hidden
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
 
     def wait(self) -> torch.Tensor:
-        out = None
-        for f in self._futures:
-            part = f.result()
-            out = part if out is None else out.add_(part)
-        if out is None:
-            out = torch.zeros(self._shape)
-        return out.to(device=self._device, dtype=self._dtype)
+        return _summed([f.result() for f in self._futures], self._hidden)
 
 
 class CPUMoE:
@@ -289,35 +335,44 @@ class CPUMoE:
     # ---- running ----
     def forward(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 skip_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.submit(layer_idx, hidden, topk_ids, topk_weights, skip_mask).wait()
+        """submit(...).wait(), computed on the calling thread (ExpertPools.run_here): for a caller with
+        nothing to overlap."""
+        layer, works, x = self._prepare(layer_idx, hidden, topk_ids, topk_weights, skip_mask)
+        parts = [self.pools.run_here(self._run_pool, layer, w, x) for w in works if w.slots.size]
+        return _summed(parts, hidden)
 
     def submit(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                skip_mask: torch.Tensor | None = None) -> CPUMoEHandle:
+        layer, works, x = self._prepare(layer_idx, hidden, topk_ids, topk_weights, skip_mask)
+        futures = [self.pools.submit(p, self._run_pool, layer, w, x) for p, w in enumerate(works) if w.slots.size]
+        return CPUMoEHandle(futures, hidden)
+
+    def _prepare(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 skip_mask: torch.Tensor | None) -> tuple[ExpertLayer, list[_PoolWork], torch.Tensor]:
         layer = self._layer(layer_idx)
         if hidden.dim() != 2 or hidden.shape[1] != layer.hidden:
             raise ValueError(f"hidden must be [T, {layer.hidden}], got {tuple(hidden.shape)}")
-        works = self._route(layer, topk_ids, topk_weights, skip_mask)
-        x = hidden.detach().to("cpu")
-        futures = [self.pools.submit(p, self._run_pool, layer, w, x) for p, w in enumerate(works) if w.slots.size]
-        return CPUMoEHandle(futures, (hidden.shape[0], layer.hidden), hidden.dtype, hidden.device)
+        return layer, self._route(layer, topk_ids, topk_weights, skip_mask), hidden.detach().to("cpu")
 
     def _route(self, layer: ExpertLayer, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                skip_mask: torch.Tensor | None) -> list[_PoolWork]:
         """One _PoolWork per pool: its (token, weight) pairs grouped by slot."""
-        ids = topk_ids.detach().to("cpu", torch.int64).numpy()
-        weights = topk_weights.detach().to("cpu", torch.float32).numpy()
-        tok = np.broadcast_to(np.arange(ids.shape[0])[:, None], ids.shape)
-        keep = (ids >= 0) & (ids < layer.n_experts)
-        if skip_mask is not None:
-            skip = skip_mask.detach().to("cpu", torch.bool).numpy()
-            keep[keep] &= ~skip[ids[keep]]
-        ids, tok, weights = ids[keep], tok[keep], weights[keep]
-        slots = layer.slot_of[ids]
-        if (slots < 0).any():
-            missing = sorted(set(ids[slots < 0].tolist()))
-            raise KtliteError(f"experts {missing} were selected but are neither on CPU nor in skip_mask")
-        return [_group(slots[mine], tok[mine], weights[mine])
-                for mine in (layer.pool_of[slots] == p for p in range(self.pools.count))]
+        ids = np.ascontiguousarray(topk_ids.detach().to("cpu", torch.int64).numpy())
+        weights = np.ascontiguousarray(topk_weights.detach().to("cpu", torch.float32).numpy())
+        skip = _NO_SKIP if skip_mask is None else skip_mask.detach().to("cpu", torch.bool).numpy()
+        slots, tok_ptr, tok_idx, tok_w, pool_ptr, missing = _group_pairs(
+            ids, weights, layer.slot_of, layer.pool_of, skip, self.pools.count)
+        if missing >= 0:
+            chosen = ids[(ids >= 0) & (ids < layer.n_experts)]
+            if skip_mask is not None:
+                chosen = chosen[~skip[chosen]]
+            absent = sorted(set(chosen[layer.slot_of[chosen] < 0].tolist()))
+            raise KtliteError(f"experts {absent} were selected but are neither on CPU nor in skip_mask")
+        works = []
+        for a, b in zip(pool_ptr[:-1], pool_ptr[1:]):
+            lo, hi = tok_ptr[a], tok_ptr[b]
+            works.append(_PoolWork(slots[a:b], tok_ptr[a:b + 1] - lo, tok_idx[lo:hi], tok_w[lo:hi]))
+        return works
 
     def _run_pool(self, layer: ExpertLayer, work: _PoolWork, x: torch.Tensor) -> torch.Tensor:
         """One pool's share (runs in the pool's thread): experts with fewer than prefill_threshold

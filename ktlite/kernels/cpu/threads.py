@@ -61,6 +61,17 @@ class ExpertPools:
     def submit(self, pool: int, fn: Callable, *args) -> Future:
         return self._executors[pool].submit(self._run, fn, *args)
 
+    def run_here(self, fn: Callable, *args):
+        """fn(*args) on the calling thread with all the pools' threads, for a caller with nothing to
+        overlap (a CPU device): a hand-off to a pool thread would only add a queue, a wake-up and GIL
+        hand-offs to every layer of a decode step."""
+        previous = numba.get_num_threads()
+        numba.set_num_threads(sum(self.threads))
+        try:
+            return self._run(fn, *args)
+        finally:
+            numba.set_num_threads(previous)
+
     def _run(self, fn: Callable, *args):
         if self._concurrent:
             return fn(*args)

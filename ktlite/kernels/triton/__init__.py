@@ -5,7 +5,8 @@ never picks an implementation itself:
 - tensors on CUDA -> Triton kernel;
 - TRITON_INTERPRET=1 -> Triton kernel run by the interpreter on CPU tensors (tests);
 - otherwise (CPU, no interpreter) -> torch twin, chosen without touching Triton: a launch there
-  would raise "0 active drivers";
+  would raise "0 active drivers"; MLA decode in fp32 has a compiled CPU kernel instead
+  (ktlite/kernels/cpu/attention.py: one call where the twin makes ~10 small torch ops per layer);
 - KTLITE_FORCE_TORCH_KERNELS=1 -> always the twin (debugging).
 Kernel modules are imported on first Triton use, so importing this package never needs a GPU.
 Note triton.jit decides "interpreted or compiled" when a kernel module is first imported: set
@@ -21,6 +22,7 @@ from types import ModuleType
 
 import torch
 
+from ktlite.kernels.cpu import attention as cpu_attention
 from ktlite.kernels.triton.quant import QuantizedWeight, dequantize_expert, quantize_weight
 from ktlite.kernels.triton.reference import (
     fp8_dequantize,
@@ -56,9 +58,13 @@ __all__ = [
 ]
 
 
+def _forced_torch() -> bool:
+    return os.environ.get("KTLITE_FORCE_TORCH_KERNELS", "0") == "1"
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Whether a call on tensor t goes to the Triton kernel (rules in the module docstring)."""
-    if os.environ.get("KTLITE_FORCE_TORCH_KERNELS", "0") == "1":
+    if _forced_torch():
         return False
     return t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -100,6 +106,8 @@ def mla_decode(
         return _kernels("decode_attn").mla_decode_triton(
             q, kv_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, kv_lora_rank
         )
+    if not _forced_torch() and cpu_attention.handles(q, kv_buffer):
+        return cpu_attention.mla_decode(q, kv_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, kv_lora_rank)
     return mla_decode_torch(q, kv_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, kv_lora_rank)
 
 
