@@ -11,15 +11,24 @@ submit/wait overlap, and the INT4/INT8 quantizer's speed (GB/s of bf16 source). 
 
     .venv/bin/python bench/cpu_moe.py            # ~3-5 min on 2 cores
     .venv/bin/python bench/cpu_moe.py --quick    # ~1 min, fewer shapes/T
+    .venv/bin/python bench/cpu_moe.py --ktkernel-python SIDE/bin/python   # + kt-kernel on the same inputs
+
+kt-kernel pins an old torch (2.9.1), so it lives in a side venv and runs in a subprocess
+(bench/_ktkernel_peer.py). Its extension links no libtorch, so the CPU torch of ktlite's Makefile will do:
+    python3 -m venv SIDE && SIDE/bin/pip install torch==2.13.0
+    SIDE/bin/pip install --no-deps kt-kernel==0.7.2 && SIDE/bin/pip install numpy safetensors gguf pyyaml packaging
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,9 +38,10 @@ from pathlib import Path
 import numba
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ktlite.doctor import cpu_model
+from ktlite.doctor import cpu_features, cpu_model
 from ktlite.kernels.cpu.gemm import expert_mlp_matmul
 from ktlite.kernels.cpu.moe import CPUMoE
 from ktlite.kernels.cpu.fp8 import fill_fp8_rows
@@ -42,6 +52,10 @@ from ktlite.kernels.cpu.quant import RAWINT4_GROUP, dequantize, empty_quantized,
 RESULTS = Path(__file__).parent / "RESULTS.md"
 SECTION = "## CPU experts (Numba)"
 N_DISTINCT = 2  # experts quantized for real; the other slots are copies (timing does not care)
+PEER_SCRIPT = Path(__file__).with_name("_ktkernel_peer.py")
+# kt-kernel method -> the ktlite methods its rows compare with (same bits; RAWINT4 also the same format)
+PEERS = {"AMXINT4": ("INT4",), "AMXINT8": ("INT8",), "RAWINT4": ("INT4", "RAWINT4"), "Q8_0": ("INT8",),
+         "BF16": ("BF16",)}
 
 
 @dataclass(frozen=True)
@@ -286,8 +300,70 @@ def overlap_demo(moe: CPUMoE, shape: Shape, t: int) -> dict[str, float]:
     return res
 
 
+@dataclass(frozen=True)
+class KtPeer:
+    python: str  # the side venv's python, which has kt-kernel
+    methods: list[str]  # kt-kernel methods (its names; bench/_ktkernel_peer.py)
+    info: dict  # its --probe answer: version, variant (which extension it loaded), torch
+
+
+def run_peer(python: str, *args: str) -> str:
+    """stdout of bench/_ktkernel_peer.py under `python` (the side venv: its own torch, none of our PYTHONPATH)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([python, str(PEER_SCRIPT), *args], capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(f"kt-kernel peer exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
+    return done.stdout
+
+
+def peer_rows(peer: KtPeer, shape: Shape, src: list[tuple[torch.Tensor, ...]], moes: dict[str, CPUMoE],
+              inputs: dict[int, tuple[torch.Tensor, list]], rows: list[dict], budget: float) -> list[dict]:
+    """kt-kernel on the experts, hidden states and routings ktlite just ran (same timing rule, in a subprocess
+    after ktlite's calls), and the MoE-output error of both engines on routing 0 against one reference: the
+    unquantized experts in float64, on the bf16-rounded hidden states that kt-kernel takes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tensors = {name: torch.stack([e[i] for e in src]) for i, name in enumerate(("gate", "up", "down"))}
+        for t, (x, routes) in inputs.items():
+            tensors[f"x{t}"] = x.bfloat16()
+            tensors[f"ids{t}"] = torch.stack([r[0] for r in routes]).long()
+            tensors[f"w{t}"] = torch.stack([r[1] for r in routes]).float()
+        save_file(tensors, f"{tmp}/experts.safetensors")
+        request = {"threads": numba.config.NUMBA_NUM_THREADS, "max_len": max(inputs), "budget_s": budget,
+                   "long_factor": 8, "long_from": 512, "max_calls": 200, "methods": peer.methods,  # timed_many's
+                   "shapes": [{"name": shape.name, "hidden": shape.hidden, "inter": shape.inter,
+                               "experts": shape.experts, "topk": shape.topk, "file": f"{tmp}/experts.safetensors",
+                               "tokens": list(inputs)}]}
+        Path(tmp, "request.json").write_text(json.dumps(request))
+        run_peer(peer.python, f"{tmp}/request.json")
+        result = json.loads(Path(tmp, "result.json").read_text())
+        outputs = load_file(f"{tmp}/outputs.safetensors")
+    exact = [(torch.cat([g, u]).double(), d.double()) for g, u, d in src]
+    exact = [exact[e % N_DISTINCT] for e in range(shape.experts)]
+    ref, ktlite_err, out = {}, {}, []
+    for r in result["results"]:
+        if "error" in r:
+            out.append({"shape": shape.name, "kt": r["method"], "error": r["error"]})
+            continue
+        t = r["T"]
+        x, routes = inputs[t]
+        xb = x.bfloat16().float()
+        if t not in ref:
+            ref[t] = torch_moe(exact, xb, *routes[0])
+        for m in PEERS[r["method"]]:
+            if m not in moes:
+                continue
+            if (m, t) not in ktlite_err:
+                ktlite_err[m, t] = relative_error(moes[m].forward(0, xb, *routes[0]), ref[t])
+            mine = next(row for row in rows if row["T"] == t and row["method"] == method_label(shape, m))
+            out.append({"shape": shape.name, "T": t, "method": mine["method"], "ktlite": mine["auto"],
+                        "kt": f"{r['method']} ({r['kernel']})", "kt_s": r["seconds"],
+                        "ktlite_err": ktlite_err[m, t],
+                        "kt_err": relative_error(outputs[f"{shape.name}/{r['method']}/{t}"], ref[t])})
+    return out
+
+
 def bench_shape(shape: Shape, methods: list[str], tokens: list[int], group: int, budget: float,
-                bw: float) -> tuple[list[dict], dict]:
+                bw: float, peer: KtPeer | None = None) -> tuple[list[dict], dict]:
     g = torch.Generator().manual_seed(0)
     src = [(torch.randn(shape.inter, shape.hidden, generator=g) * 0.02,
             torch.randn(shape.inter, shape.hidden, generator=g) * 0.02,
@@ -310,9 +386,11 @@ def bench_shape(shape: Shape, methods: list[str], tokens: list[int], group: int,
             f.layers = moes[m].layers
             f.pools.close()
             f.pools = moes[m].pools  # one pool thread (one OpenMP team) per method, as in the engine
+    inputs: dict[int, tuple[torch.Tensor, list]] = {}  # kept for the kt-kernel peer
     for t in tqdm(tokens, desc=shape.name, leave=False):
         x = torch.randn(t, shape.hidden)
         routes = make_routings(shape, t, 16, seed=t)
+        inputs[t] = (x, routes)
         touched = statistics.mean(len(torch.unique(r[0])) for r in routes)
         fns = {name: (lambda i, w=w: torch_moe(w, x, *routes[i % 16])) for name, w in baselines.items()}
         for method, moe in moes.items():
@@ -331,19 +409,20 @@ def bench_shape(shape: Shape, methods: list[str], tokens: list[int], group: int,
             rows.append({"shape": shape.name, "method": method_label(shape, method), "T": t, "auto": auto,
                          "path": path_label(routes, moe.prefill_threshold), "gbs": gbs, "bw_frac": gbs / bw,
                          "fma": paths["fma"], "onednn": paths["onednn"], "bf16": base["bf16"], "fp32": base["fp32"]})
+    del baselines
+    peer_out = peer_rows(peer, shape, src, moes, inputs, rows, budget) if peer else []
     for m in methods:
         moes[m].close()
-    del baselines
     overlap = {}
     if "INT4" in methods and shape is V2_LITE:
         with build(shape, "INT4", src, group, num_threads=max(1, numba.config.NUMBA_NUM_THREADS - 1)) as moe:
             overlap = overlap_demo(moe, shape, 1)
-    return rows, {"accuracy": acc, "overlap": overlap, "quantizer": quantizer_speed(shape, group)}
+    return rows, {"accuracy": acc, "overlap": overlap, "quantizer": quantizer_speed(shape, group), "ktkernel": peer_out}
 
 
 def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> str:
     lines = [SECTION, "",
-             f"CPU: {hw['cpu']} ({hw['host']}), {hw['cores']} cores, numba {numba.__version__} "
+             f"CPU: {hw['cpu']} ({hw['host']}; vector flags: {hw['flags']}), {hw['cores']} cores, numba {numba.__version__} "
              f"({hw['layer']} threading layer, {hw['threads']} threads), torch {torch.__version__} "
              f"({torch.get_num_threads()} threads). Group size {group}. Load average (1/5/15 min) at start "
              f"{hw['load']}, at end {hw['load_end']}: other processes share these cores, so times are the fastest "
@@ -362,6 +441,23 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> st
         lines.append(f"| {r['shape']} | {r['method']} | {r['T']} | {r['auto'] * 1e3:.2f} | {r['path']} | {r['gbs']:.1f} "
                      f"| {r['bw_frac'] * 100:.0f} % | {r['fma'] * 1e3:.2f} | {r['onednn'] * 1e3:.2f} "
                      f"| {r['bf16'] * 1e3:.2f} | {r['fp32'] * 1e3:.2f} |")
+    peer = [r for ex in extra.values() for r in ex["ktkernel"]]
+    if "ktkernel" in hw:
+        kt = hw["ktkernel"]
+        lines += ["", f"kt-kernel peer: kt-kernel {kt['version']} with its `{kt['variant']}` extension (its own CPU "
+                  f"detection's pick), torch {kt['torch']} in its side venv, {hw['threads']} worker threads; "
+                  "bench/_ktkernel_peer.py runs it in a subprocess right after ktlite's calls of each shape (the "
+                  "same experts, bf16 hidden states, routings and timing rule, but not interleaved with ktlite's "
+                  "calls). ktlite / kt-kernel < 1: ktlite is faster. Errors: the MoE output of routing 0 "
+                  "(relative Frobenius) against the unquantized experts in float64, on the bf16-rounded hidden "
+                  "states both engines get.", "",
+                  "| shape | T | ktlite method | ktlite ms | kt-kernel method (kernel) | kt-kernel ms "
+                  "| ktlite / kt-kernel | ktlite err | kt-kernel err |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in (r for r in peer if "error" not in r):
+            lines.append(f"| {r['shape']} | {r['T']} | {r['method']} | {r['ktlite'] * 1e3:.2f} | {r['kt']} "
+                         f"| {r['kt_s'] * 1e3:.2f} | {r['ktlite'] / r['kt_s']:.2f} | {r['ktlite_err'] * 100:.2f} % "
+                         f"| {r['kt_err'] * 100:.2f} % |")
+        lines += [f"- kt-kernel {r['kt']} not built for {r['shape']}: {r['error']}" for r in peer if "error" in r]
     lines += ["", "Quantization error on gaussian weights (relative Frobenius error; MoE output = one expert's "
               "down(SiLU(gate x) * up x), 16 tokens, vs the unquantized expert):", "",
               "| shape | method | weight rel. err | MoE output rel. err |", "|---|---|---|---|"]
@@ -426,6 +522,12 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> st
             ok = r["auto"] <= r["bf16"]
             lines.append(f"- {r['shape']} prefill T=512 {r['method']}: {r['auto'] * 1e3:.0f} ms vs torch bf16 "
                          f"{r['bf16'] * 1e3:.0f} ms (target: not slower): {'met' if ok else 'MISSED'}.")
+    for r in peer:
+        if r.get("T") == 512:
+            lines.append(f"- {r['shape']} prefill T=512 {r['method']} at {r['ktlite'] / r['kt_s']:.2f}x the time of "
+                         f"kt-kernel {r['kt']}; MoE-output error {r['ktlite_err'] * 100:.2f} % vs "
+                         f"{r['kt_err'] * 100:.2f} % (target: below kt-kernel's): "
+                         f"{'met' if r['ktlite_err'] < r['kt_err'] else 'MISSED'}.")
     for shape, ex in extra.items():
         q = min(ex["quantizer"].values())
         lines.append(f"- {shape} quantizer {q:.2f} GB/s of bf16 source (target >= 1 GB/s on two cores): "
@@ -451,10 +553,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer T values and a short time budget")
     ap.add_argument("--methods", default="INT4,INT8,BF16,FP8,RAWINT4,LLAMAFILE")
     ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--tokens", default="", help="T values (comma-separated); --quick still leaves V3's last one out")
     ap.add_argument("--no-write", action="store_true", help="print only, leave bench/RESULTS.md alone")
+    ap.add_argument("--ktkernel-python", metavar="PATH",
+                    help="python of a venv with kt-kernel: adds its time and error next to ktlite's")
+    ap.add_argument("--ktkernel-methods", default="",
+                    help="kt-kernel methods (AMXINT4,AMXINT8,RAWINT4,Q8_0,BF16); default: AMXINT4,AMXINT8 "
+                         "where its extension has them, else RAWINT4,Q8_0")
     args = ap.parse_args()
     methods = args.methods.split(",")
-    tokens = [1, 16, 512] if args.quick else [1, 4, 16, 128, 512]
+    tokens = ([int(t) for t in args.tokens.split(",")] if args.tokens
+              else [1, 16, 512] if args.quick else [1, 4, 16, 128, 512])
     budget = 0.3 if args.quick else 0.6
     threads = numba.config.NUMBA_NUM_THREADS
     native = native_bf16_matmul()
@@ -463,11 +572,17 @@ def main() -> None:
                          "bf16 GEMM is ~3x its fp32",
           "cpu": cpu_model(), "host": configure_numba().name, "cores": os.cpu_count(), "threads": threads,
           "load": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
-          "bw1": memory_bandwidth(1), "bw": memory_bandwidth(threads)}
+          "bw1": memory_bandwidth(1), "bw": memory_bandwidth(threads), "flags": cpu_features()}
+    peer = None
+    if args.ktkernel_python:  # probe first: a broken side venv fails now, not after minutes of ktlite
+        info = json.loads(run_peer(args.ktkernel_python, "--probe").splitlines()[-1])
+        methods_kt = args.ktkernel_methods.split(",") if args.ktkernel_methods else info["default"]
+        peer = KtPeer(args.ktkernel_python, methods_kt, info)
+        hw["ktkernel"] = info
     rows, extra = [], {}
     for shape in (V2_LITE, V3):
         r, e = bench_shape(shape, methods, tokens if shape is V2_LITE else tokens[:-1] if args.quick else tokens,
-                           args.group_size, budget, hw["bw"])
+                           args.group_size, budget, hw["bw"], peer)
         rows += r
         extra[shape.name] = e
     hw["layer"] = numba.threading_layer()

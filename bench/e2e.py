@@ -13,10 +13,14 @@ Printed next to each figure, measured in the same run:
   quantized size + every non-expert weight once per step, at its stored size);
 - the Python overhead of a decode step: the same layers at tiny widths (the compute is ~0, the
   per-layer Python, routing, scheduling and sampling are all there) as a share of the real step;
-- transformers' `generate` on the same checkpoint (bf16, its eager MoE), batch 1.
+- transformers' `generate` on the same checkpoint (bf16, its eager MoE), batch 1;
+- with --llamacpp-gguf (the same checkpoint converted by bench/llamacpp_peer.py, e.g. Q4_0 and Q8_0):
+  llama.cpp's prefill and batch-1 decode, run by --llamacpp-python (a side venv with llama-cpp-python)
+  with ktlite's thread count, and the bits per weight each side reads per decode token.
 
     python bench/e2e.py [--arch deepseek-v2-lite|qwen3-30b-a3b] [--layers 8] [--batches 1,4,16]
                         [--cpu-dense-method auto|INT8|INT4|none] [--write]
+                        [--llamacpp-gguf X.Q4_0.gguf,X.Q8_0.gguf --llamacpp-python SIDE_VENV/bin/python]
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -147,6 +153,14 @@ def transformers_decode_rate(path: Path, prompt_len: int, gen: int) -> float:
     return (gen - 1) / ((t2 - t1) - (t1 - t0))
 
 
+def llamacpp_rates(python: str, gguf: str, threads: int, args: argparse.Namespace) -> dict:
+    """bench/llamacpp_peer.py's JSON for one GGUF, in its own process: llama-cpp-python lives in a side venv,
+    and its threads must not compete with the Engine's (which has exited by then)."""
+    cmd = [python, str(ROOT / "bench" / "llamacpp_peer.py"), "bench", gguf, "--threads", str(threads),
+           "--prompt-len", str(args.prompt_len), "--prefill-len", str(args.prefill_len), "--gen", str(args.gen)]
+    return json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout.splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", choices=sorted(ARCHS), default="deepseek-v2-lite")
@@ -160,6 +174,9 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/ktlite-bench")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
+    ap.add_argument("--llamacpp-gguf", action="append", default=[],
+                    help="GGUF(s) of this checkpoint for llama.cpp rows (repeatable or comma-separated)")
+    ap.add_argument("--llamacpp-python", default=sys.executable, help="a python with llama-cpp-python")
     args = ap.parse_args()
 
     path = write_checkpoint(Path(args.dir) / f"{args.arch}-{args.layers}layers", args.arch, args.layers)
@@ -180,7 +197,8 @@ def main() -> None:
             rate, ttft = asyncio.run(decode_rate(engine, b, args.prompt_len, args.gen))
             note = f"{rate / bound:.2f} of the bound ({bound:.1f} tok/s)" if b == 1 else f"{rate / b:.1f} tok/s per request"
             rows.append((f"decode batch {b}", f"prompt {args.prompt_len}, {args.gen} new", f"{rate:.1f} tok/s", note))
-    step = 1 / float(rows[1][2].split()[0])
+    ours = float(rows[1][2].split()[0])  # batch-1 decode tok/s
+    step = 1 / ours
     tiny = write_checkpoint(Path(args.dir) / f"{args.arch}-{args.layers}layers-tiny", args.arch, args.layers,
                             TINY_WIDTHS[args.arch])
     with Engine(str(tiny), **flags) as engine:
@@ -188,9 +206,17 @@ def main() -> None:
         overhead = 1 / asyncio.run(decode_rate(engine, 1, args.prompt_len, args.gen))[0]
     rows.append(("decode overhead", f"the same {args.layers} layers at tiny widths, batch 1", f"{overhead * 1e3:.1f} ms/step",
                  f"{overhead / step:.1%} of the step above ({step * 1e3:.1f} ms)"))
+    peers = [llamacpp_rates(args.llamacpp_python, g, threads, args) for a in args.llamacpp_gguf for g in a.split(",")]
+    for p in peers:  # bits per weight over what one decode token reads: the same weights on both sides
+        kind = p["file_type"]
+        rows.append((f"llama.cpp {kind} prefill", f"{args.prefill_len} tokens", f"{p['prefill_tok_s']:.1f} tok/s",
+                     f"ktlite is {prefill / p['prefill_tok_s']:.2f}x"))
+        bits = 8 * p["bytes_per_token"] / p["weights_per_token"]
+        rows.append((f"llama.cpp {kind} decode batch 1", f"prompt {args.prompt_len}, {args.gen} new, {bits:.2f} bits/weight",
+                     f"{p['decode_tok_s']:.1f} tok/s", f"ktlite is {ours / p['decode_tok_s']:.2f}x at "
+                     f"{8 * per_token / p['weights_per_token']:.2f} bits/weight"))
     if not args.skip_transformers:
         hf = transformers_decode_rate(path, args.prompt_len, args.gen)
-        ours = float(rows[1][2].split()[0])
         rows.append(("transformers generate", "batch 1, bf16", f"{hf:.2f} tok/s", f"ktlite is {ours / hf:.1f}x"))
 
     head = (f"## End to end (bench/e2e.py --arch {args.arch})\n{ARCHS[args.arch]} shapes cut to {args.layers} layers, random weights, "
@@ -199,6 +225,10 @@ def main() -> None:
             f"({cpu_model()}, torch threads {threads}).\n"
             f"Measured in the same run: memory bandwidth {bw:.1f} GB/s (numpy read, {threads} threads); one decode token reads "
             f"{per_token / 1e6:.0f} MB, so the bandwidth bound for batch-1 decode is {bw * 1e9 / per_token:.1f} tok/s.\n")
+    if peers:
+        head += (f"llama.cpp: llama-cpp-python {peers[0]['llama_cpp']}, {threads} threads, on GGUFs converted from this "
+                 f"checkpoint (bench/llamacpp_peer.py); bits/weight = bytes one decode token reads x 8 / the weights it "
+                 f"reads (routed experts at top-k, no embedding), for both sides.\n")
     table = ["| what | shape | ktlite | note |", "|---|---|---|---|"] + [f"| {' | '.join(r)} |" for r in rows]
     text = head + "\n" + "\n".join(table) + "\n"
     print(text)

@@ -1,0 +1,151 @@
+"""llama.cpp's side of bench/e2e.py's peer column, on the same random checkpoint converted to GGUF.
+
+Never imports ktlite: `bench` runs under a python with llama-cpp-python (a side venv), as a subprocess
+of bench/e2e.py --llamacpp-gguf, and prints one JSON line.
+
+    # the side venv: PyPI has only llama-cpp-python's sdist, built here (~25 min on 2 cores); its
+    # vendor/llama.cpp folder has the converter (pip download --no-deps llama-cpp-python; tar -xzf it)
+    python3 -m venv SIDE && CMAKE_ARGS="-DGGML_NATIVE=ON" SIDE/bin/pip install llama-cpp-python==0.3.36 gguf
+    # HF checkpoint -> bf16 GGUF, with the user's llama.cpp converter (any python with torch + transformers)
+    python bench/llamacpp_peer.py convert --converter LLAMA_CPP/convert_hf_to_gguf.py CHECKPOINT OUT.bf16.gguf
+    # bf16 GGUF -> Q4_0 / Q8_0 (llama.cpp's own type mix for that file type; side venv)
+    python bench/llamacpp_peer.py quantize OUT.bf16.gguf OUT.Q4_0.gguf --type Q4_0
+    python bench/llamacpp_peer.py bench OUT.Q4_0.gguf --threads 2 --prompt-len 64 --prefill-len 512 --gen 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import runpy
+import sys
+import time
+from pathlib import Path
+
+
+def convert(converter: Path, checkpoint: Path, out: Path, outtype: str) -> None:
+    """Run the user's convert_hf_to_gguf.py in this process, with two overrides for a random, cut-down checkpoint:
+    - the bench tokenizer is trained on the fly, so no pre-tokenizer hash in the converter's table knows it;
+      its pre-tokenizer is the standard GPT-2 byte-level regex, which llama.cpp calls "gpt-2";
+    - llama.cpp tells DeepSeek-V2-Lite (no q_lora) by its 27 layers and otherwise requires
+      `attention.q_lora_rank`, which the converter omits when it is null: write 0, its "no q_lora" value."""
+    here = converter.resolve().parent
+    sys.path[:0] = [str(here), str(here / "gguf-py")]  # its `conversion` package and the gguf-py it ships with
+    from conversion.base import TextModel  # type: ignore[import-not-found]
+    from conversion.deepseek import DeepseekV2Model  # type: ignore[import-not-found]
+
+    TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+    set_params = DeepseekV2Model.set_gguf_parameters
+
+    def set_params_q_lora(self) -> None:
+        set_params(self)
+        if self.hparams.get("q_lora_rank") is None:
+            self.gguf_writer.add_q_lora_rank(0)
+
+    DeepseekV2Model.set_gguf_parameters = set_params_q_lora
+    sys.argv = [str(converter), str(checkpoint), "--outfile", str(out), "--outtype", outtype]
+    runpy.run_path(str(converter), run_name="__main__")
+
+
+def quantize(src: Path, out: Path, ftype: str) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = 0  # all cores
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params) != 0:
+        raise SystemExit(f"llama_model_quantize failed for {src} -> {out}")
+
+
+def gguf_summary(path: Path) -> dict:
+    """The file type, bits per weight of the whole file, and the weights and bytes one batch-1 decode token
+    reads: every tensor once except the token embedding (a lookup reads one row), routed experts (`*_exps`)
+    at top-k of n_experts, as bench/e2e.py's bytes_per_decode_token counts ktlite's."""
+    from gguf import GGUFReader, LlamaFileType
+
+    reader = GGUFReader(path)
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    arch = field("general.architecture")
+    active = field(f"{arch}.expert_used_count") / field(f"{arch}.expert_count")
+    weights = nbytes = 0.0
+    for t in reader.tensors:
+        if t.name != "token_embd.weight":
+            share = active if "_exps." in t.name else 1.0
+            weights += t.n_elements * share
+            nbytes += t.n_bytes * share
+    return {"file_type": LlamaFileType(field("general.file_type")).name.removeprefix("MOSTLY_"),
+            "file_bytes": path.stat().st_size,
+            "file_bits_per_weight": 8 * sum(int(t.n_bytes) for t in reader.tensors)
+            / sum(int(t.n_elements) for t in reader.tensors),
+            "weights_per_token": int(weights), "bytes_per_token": int(nbytes)}
+
+
+def bench(path: Path, threads: int, prompt_len: int, prefill_len: int, gen: int, flash_attn: bool) -> dict:
+    """Prefill tok/s of `prefill_len` tokens into an empty KV cache, and batch-1 greedy decode tok/s of
+    `gen` tokens after a `prompt_len` prompt (the prompt not counted), each after a warm-up pass."""
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(str(path), n_ctx=max(prefill_len, prompt_len + gen) + 16, n_batch=max(prefill_len, 512),
+                          n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn, verbose=False)
+    vocab = llm.n_vocab()
+    rng = random.Random(7)
+    ids = lambda n: [rng.randrange(1000) for _ in range(n)]  # noqa: E731 - the ids bench/e2e.py draws from
+
+    def prefill(tokens: list[int]) -> float:
+        llm.reset()  # eval() drops the KV cache past n_tokens: an empty cache
+        t = time.perf_counter()
+        llm.eval(tokens)
+        return time.perf_counter() - t
+
+    def decode(prompt: list[int]) -> tuple[float, list[int]]:
+        llm.reset()
+        llm.eval(prompt)
+        out: list[int] = []
+        t = time.perf_counter()
+        for _ in range(gen):
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
+            out.append(int(logits.argmax()))
+            llm.eval(out[-1:])
+        return time.perf_counter() - t, out
+
+    prefill(ids(prefill_len))
+    prefill_s = prefill(ids(prefill_len))
+    decode(ids(prompt_len))
+    decode_s, tokens = decode(ids(prompt_len))
+    return {"gguf": str(path), **gguf_summary(path), "prefill_tok_s": prefill_len / prefill_s,
+            "decode_tok_s": gen / decode_s, "threads": threads, "flash_attn": flash_attn, "greedy_tokens": tokens,
+            "llama_cpp": llama_cpp.__version__}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("convert", help="HF checkpoint -> GGUF with llama.cpp's convert_hf_to_gguf.py")
+    c.add_argument("checkpoint", type=Path)
+    c.add_argument("out", type=Path)
+    c.add_argument("--converter", type=Path, required=True, help="path to llama.cpp's convert_hf_to_gguf.py")
+    c.add_argument("--outtype", default="bf16", help="bf16 keeps the checkpoint's weights exactly; or q8_0")
+    q = sub.add_parser("quantize", help="GGUF -> a llama.cpp file type (llama_model_quantize)")
+    q.add_argument("src", type=Path)
+    q.add_argument("out", type=Path)
+    q.add_argument("--type", default="Q4_0", help="Q4_0, Q8_0, Q4_K_M, ... (LLAMA_FTYPE_MOSTLY_<type>)")
+    b = sub.add_parser("bench", help="prefill and batch-1 decode tok/s; one JSON line")
+    b.add_argument("gguf", type=Path)
+    b.add_argument("--threads", type=int, required=True)
+    b.add_argument("--prompt-len", type=int, default=64)
+    b.add_argument("--prefill-len", type=int, default=512)
+    b.add_argument("--gen", type=int, default=24)
+    b.add_argument("--flash-attn", action="store_true")
+    args = ap.parse_args()
+    if args.cmd == "convert":
+        convert(args.converter, args.checkpoint, args.out, args.outtype)
+    elif args.cmd == "quantize":
+        quantize(args.src, args.out, args.type)
+    else:
+        print(json.dumps(bench(args.gguf, args.threads, args.prompt_len, args.prefill_len, args.gen, args.flash_attn)))
+
+
+if __name__ == "__main__":
+    main()
