@@ -14,7 +14,7 @@ Printed next to each figure, measured in the same run:
 - the Python overhead of a decode step: the same layers at tiny widths (the compute is ~0, the
   per-layer Python, routing, scheduling and sampling are all there) as a share of the real step;
 - transformers' `generate` on the same checkpoint (bf16, its eager MoE), batch 1;
-- with --llamacpp-gguf (the same checkpoint converted by bench/llamacpp_peer.py, e.g. Q4_0 and Q8_0):
+- with --llamacpp-gguf (the same checkpoint converted by bench/_llamacpp_peer.py, e.g. Q4_0 and Q8_0):
   llama.cpp's prefill and batch-1 decode, run by --llamacpp-python (a side venv with llama-cpp-python)
   with ktlite's thread count, and the bits per weight each side reads per decode token.
 
@@ -154,9 +154,9 @@ def transformers_decode_rate(path: Path, prompt_len: int, gen: int) -> float:
 
 
 def llamacpp_rates(python: str, gguf: str, threads: int, args: argparse.Namespace) -> dict:
-    """bench/llamacpp_peer.py's JSON for one GGUF, in its own process: llama-cpp-python lives in a side venv,
+    """bench/_llamacpp_peer.py's JSON for one GGUF, in its own process: llama-cpp-python lives in a side venv,
     and its threads must not compete with the Engine's (which has exited by then)."""
-    cmd = [python, str(ROOT / "bench" / "llamacpp_peer.py"), "bench", gguf, "--threads", str(threads),
+    cmd = [python, str(ROOT / "bench" / "_llamacpp_peer.py"), "bench", gguf, "--threads", str(threads),
            "--prompt-len", str(args.prompt_len), "--prefill-len", str(args.prefill_len), "--gen", str(args.gen)]
     return json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout.splitlines()[-1])
 
@@ -227,7 +227,7 @@ def main() -> None:
             f"{per_token / 1e6:.0f} MB, so the bandwidth bound for batch-1 decode is {bw * 1e9 / per_token:.1f} tok/s.\n")
     if peers:
         head += (f"llama.cpp: llama-cpp-python {peers[0]['llama_cpp']}, {threads} threads, on GGUFs converted from this "
-                 f"checkpoint (bench/llamacpp_peer.py); bits/weight = bytes one decode token reads x 8 / the weights it "
+                 f"checkpoint (bench/_llamacpp_peer.py); bits/weight = bytes one decode token reads x 8 / the weights it "
                  f"reads (routed experts at top-k, no embedding), for both sides.\n")
     table = ["| what | shape | ktlite | note |", "|---|---|---|---|"] + [f"| {' | '.join(r)} |" for r in rows]
     text = head + "\n" + "\n".join(table) + "\n"

@@ -28,8 +28,10 @@ def handles(q: torch.Tensor, kv_buffer: torch.Tensor) -> bool:
 
 
 def default_splits(batch: int, longest: int) -> int:
-    """Runs per request: enough (batch x runs) work items for every numba thread, none shorter than MIN_SPLIT."""
-    threads = numba.get_num_threads()
+    """Runs per request: enough (batch x runs) work items for every numba thread, none shorter than MIN_SPLIT.
+    From the process's thread count, not the calling thread's (which callers change): the split sets the
+    summation order, so the same inputs give the same bits whichever thread decodes."""
+    threads = numba.config.NUMBA_NUM_THREADS
     return max(1, min(math.ceil(threads / batch), longest // MIN_SPLIT))
 
 

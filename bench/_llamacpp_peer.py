@@ -1,16 +1,17 @@
 """llama.cpp's side of bench/e2e.py's peer column, on the same random checkpoint converted to GGUF.
 
-Never imports ktlite: `bench` runs under a python with llama-cpp-python (a side venv), as a subprocess
+Never imports ktlite (the underscore keeps it out of `ktlite bench`: it is a peer, not a benchmark): `bench`
+runs under a python with llama-cpp-python (a side venv), as a subprocess
 of bench/e2e.py --llamacpp-gguf, and prints one JSON line.
 
     # the side venv: PyPI has only llama-cpp-python's sdist, built here (~25 min on 2 cores); its
     # vendor/llama.cpp folder has the converter (pip download --no-deps llama-cpp-python; tar -xzf it)
     python3 -m venv SIDE && CMAKE_ARGS="-DGGML_NATIVE=ON" SIDE/bin/pip install llama-cpp-python==0.3.36 gguf
     # HF checkpoint -> bf16 GGUF, with the user's llama.cpp converter (any python with torch + transformers)
-    python bench/llamacpp_peer.py convert --converter LLAMA_CPP/convert_hf_to_gguf.py CHECKPOINT OUT.bf16.gguf
+    python bench/_llamacpp_peer.py convert --converter LLAMA_CPP/convert_hf_to_gguf.py CHECKPOINT OUT.bf16.gguf
     # bf16 GGUF -> Q4_0 / Q8_0 (llama.cpp's own type mix for that file type; side venv)
-    python bench/llamacpp_peer.py quantize OUT.bf16.gguf OUT.Q4_0.gguf --type Q4_0
-    python bench/llamacpp_peer.py bench OUT.Q4_0.gguf --threads 2 --prompt-len 64 --prefill-len 512 --gen 24
+    python bench/_llamacpp_peer.py quantize OUT.bf16.gguf OUT.Q4_0.gguf --type Q4_0
+    python bench/_llamacpp_peer.py bench OUT.Q4_0.gguf --threads 2 --prompt-len 64 --prefill-len 512 --gen 24
 """
 
 from __future__ import annotations
