@@ -41,7 +41,8 @@ Threads: `num_threads` (--kt-cpuinfer) numba threads split into `threadpool_coun
 (--kt-threadpool-count) pools; experts of a layer are dealt round-robin to pools, each pool runs its
 share of a call in its own worker thread, and the results are summed. Kernels release the GIL, so
 `submit` returns at once and the caller's thread keeps running (torch matmuls in the prefill path
-use torch's own intra-op threads).
+use torch's own intra-op threads). `forward` runs every pool's share on the calling thread instead, with
+all the threads: for a caller with nothing to overlap (a CPU device), where the hand-off only costs.
 """
 
 from __future__ import annotations
@@ -375,7 +376,7 @@ class CPUMoE:
         return works
 
     def _run_pool(self, layer: ExpertLayer, work: _PoolWork, x: torch.Tensor) -> torch.Tensor:
-        """One pool's share (runs in the pool's thread): experts with fewer than prefill_threshold
+        """One pool's share (in the pool's thread, or the caller's for `forward`): experts with fewer than prefill_threshold
         tokens go through the fused GEMV kernel, the others through dequantize + matmul."""
         heavy = np.diff(work.tok_ptr) >= self.prefill_threshold
         out = torch.zeros(x.shape[0], layer.hidden)
