@@ -19,7 +19,7 @@ Printed next to each figure, measured in the same run:
   with ktlite's thread count, and the bits per weight each side reads per decode token.
 
     python bench/e2e.py [--arch deepseek-v2-lite|qwen3-30b-a3b] [--layers 8] [--batches 1,4,16]
-                        [--cpu-dense-method auto|INT8|INT4|none] [--write]
+                        [--cpu-dense-method auto|INT8|INT4|none] [--cpu-activations auto|int8|fp32] [--write]
                         [--llamacpp-gguf X.Q4_0.gguf,X.Q8_0.gguf --llamacpp-python SIDE_VENV/bin/python]
 """
 
@@ -171,6 +171,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=24)
     ap.add_argument("--kt-method", default="INT4")
     ap.add_argument("--cpu-dense-method", default="auto", help="the device side's linear layers on a CPU device")
+    ap.add_argument("--cpu-activations", default="auto", help="int8, fp32 or auto: what INT4/INT8 CPU rows dot")
     ap.add_argument("--dir", default="/tmp/ktlite-bench")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
@@ -185,7 +186,7 @@ def main() -> None:
     rows = []
     # dtype auto: bf16 on a GPU, fp32 on the CPU (whose bf16 GEMMs are slow without AVX512-BF16/AMX)
     flags = {"kt_method": args.kt_method, "dtype": "auto", "max_total_tokens": 16384, "chunked_prefill_size": 512,
-             "context_length": 4096, "cpu_dense_method": args.cpu_dense_method}
+             "context_length": 4096, "cpu_dense_method": args.cpu_dense_method, "cpu_activations": args.cpu_activations}
     config = EngineConfig.from_kwargs(str(path), **flags)
     dense = config.cpu_dense_quantization or f"in {str(config.torch_dtype).removeprefix('torch.')} torch"
     with Engine(str(path), **flags) as engine:
@@ -221,7 +222,8 @@ def main() -> None:
 
     head = (f"## End to end (bench/e2e.py --arch {args.arch})\n{ARCHS[args.arch]} shapes cut to {args.layers} layers, random weights, "
             f"CPU experts {args.kt_method}, device side on CPU with its linear layers {dense} (--cpu-dense-method "
-            f"{args.cpu_dense_method}) "
+            f"{args.cpu_dense_method}), {'int8' if config.cpu_int8_activations else 'fp32'} activations for INT4/INT8 "
+            f"rows (--cpu-activations {args.cpu_activations}) "
             f"({cpu_model()}, torch threads {threads}).\n"
             f"Measured in the same run: memory bandwidth {bw:.1f} GB/s (numpy read, {threads} threads); one decode token reads "
             f"{per_token / 1e6:.0f} MB, so the bandwidth bound for batch-1 decode is {bw * 1e9 / per_token:.1f} tok/s.\n")

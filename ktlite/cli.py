@@ -65,6 +65,7 @@ _ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--kv-cache-dtype",), "kv_cache_dtype", dict(type=str, help="KV cache dtype: auto (the activation dtype), bfloat16, float16, float32, or fp8_e4m3 (1 byte per value; MLA latents and DSA index keys packed with fp32 scales).")),
     (("--weight-dtype",), "weight_dtype", dict(type=click.Choice(["auto", "fp8"]), help="Block-FP8 checkpoints: auto keeps FP8 on CUDA and dequantizes on CPU; fp8 keeps FP8 anywhere.")),
     (("--cpu-dense-method",), "cpu_dense_method", dict(type=str, help="CPU device only: the attention projections, dense MLP, shared experts and lm_head are quantized at load (INT8 or INT4, group 64) and run by the CPU expert kernels; none keeps them as torch weights in --dtype; auto: INT8, or none with --dtype float32 [auto].")),
+    (("--cpu-activations",), "cpu_activations", dict(type=click.Choice(["auto", "int8", "fp32"], case_sensitive=False), help="What INT4/INT8 CPU weights (experts, --cpu-dense-method layers) multiply: int8 activations quantized per 32 values with integer dot products (as llama.cpp and kt-kernel's AMX methods; ~0.5 % relative error per matmul, ~2x faster INT4 decode on AVX2), or fp32; auto: int8 where the CPU has AVX2, fp32 with --dtype float32 [auto].")),
     (("--random-seed", "--seed"), "seed", dict(type=int, help="Engine seed (expert placement; requests bring their own).")),
     (("--gpu-memory",), "gpu_memory", dict(type=str, help="Plan against this much device memory (e.g. 24GiB) instead of what the device reports.")),
     (("--mem-fraction-static",), "mem_fraction_static", dict(type=float, help="Fraction of device memory for weights, GPU experts and KV pool [0.80].")),
@@ -111,7 +112,7 @@ _NOOP_DESTS = [flag.lstrip("-").replace("-", "_") for flag, _, _ in _NOOP_FLAGS]
 
 # `--help` sections: option name -> section (kt_* options not listed are CPU-expert options; the rest "Options")
 _HELP_SECTIONS: dict[str, list[str]] = {
-    "Model": ["model_path", "served_model_name", "device", "dtype", "weight_dtype", "cpu_dense_method", "kv_cache_dtype",
+    "Model": ["model_path", "served_model_name", "device", "dtype", "weight_dtype", "cpu_dense_method", "cpu_activations", "kv_cache_dtype",
               "context_length", "seed", "tensor_parallel_size"],
     "Memory (left out: chosen from the memory plan)": ["gpu_memory", "mem_fraction_static", "max_total_tokens",
                                                        "chunked_prefill_size", "hicache_size"],

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ktlite.errors import ConfigError
+from ktlite.kernels.cpu.quant import ACTIVATIONS, int8_activations
 
 # Knobs ktlite chooses from the memory plan and the hardware when the caller leaves them out
 # (ktlite/runtime/knobs.py); the defaults below are only what a config built directly keeps.
@@ -35,6 +36,10 @@ class EngineConfig:
     # at load for the CPU kernels; none keeps the torch layers (in --dtype); auto is INT8 unless --dtype
     # float32 asks for exact fp32 math. No effect on CUDA (see cpu_dense_quantization)
     cpu_dense_method: str = "auto"
+    # what INT4/INT8 CPU rows (experts, --cpu-dense-method layers) are dotted with: int8 activations (per 32
+    # values, integer dot products), fp32, or auto: int8 where the CPU has AVX2, unless --dtype float32 asks
+    # for exact fp32 math (cpu_int8_activations)
+    cpu_activations: str = "auto"
     seed: int = 0
     # memory plan
     gpu_memory: str | int | None = None  # bytes or "16GiB"; default: what the device reports
@@ -104,6 +109,8 @@ class EngineConfig:
         if str(self.cpu_dense_method).upper() not in {m.upper() for m in CPU_DENSE_METHODS}:
             raise ConfigError(f"--cpu-dense-method must be one of {', '.join(CPU_DENSE_METHODS)} (any case), "
                               f"got {self.cpu_dense_method!r}")
+        if str(self.cpu_activations).lower() not in ACTIVATIONS:
+            raise ConfigError(f"--cpu-activations must be one of {', '.join(ACTIVATIONS)}, got {self.cpu_activations!r}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.schedule_policy not in ("fcfs", "lpm"):
@@ -142,6 +149,13 @@ class EngineConfig:
         if method == "AUTO":  # an explicit --dtype float32 is the exact reference setting: kept
             return None if self.dtype == "float32" else "INT8"
         return method
+
+    @property
+    def cpu_int8_activations(self) -> bool:
+        """Whether INT4/INT8 CPU rows dot int8-quantized activations (kernels.quantize_activations)."""
+        if str(self.cpu_activations).lower() == "auto" and self.dtype == "float32":
+            return False  # the exact reference setting, as for --cpu-dense-method auto
+        return int8_activations(self.cpu_activations)
 
     def keeps_fp8(self, checkpoint_is_fp8: bool) -> bool:
         """Whether FP8 projections stay FP8 on the device (see weight_dtype)."""

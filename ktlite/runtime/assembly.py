@@ -137,7 +137,8 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
     prefill_dtype = torch.float32 if dtype == torch.float32 else None
     # one copy of the CPU experts in RAM: only rank 0 holds them (and computes them for all ranks)
     cpu = CPUMoE(config.kt_method, config.kt_group_size, config.cpu_threads, config.kt_threadpool_count,
-                 prefill_dtype=prefill_dtype) if rank == 0 else None
+                 prefill_dtype=prefill_dtype, activations="int8" if config.cpu_int8_activations else "fp32"
+                 ) if rank == 0 else None
     with contextlib.ExitStack() as on_failure:  # a failed load must not leave the CPU pools running
         if cpu is not None:
             on_failure.callback(cpu.close)

@@ -44,14 +44,14 @@ def eligible_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn
             yield f"{prefix}.{name}" if prefix else name, parent, name, getattr(parent, name)
 
 
-def quantize_dense(model: nn.Module, method: str, group_size: int = GROUP_SIZE) -> int:
+def quantize_dense(model: nn.Module, method: str, group_size: int = GROUP_SIZE, int8_activations: bool = False) -> int:
     """Swap every eligible Linear of `model` (weights loaded, on the CPU) for a QuantizedLinear in `method`
-    (INT8 or INT4), in place, one layer at a time (the full-precision weight is freed as its replacement
-    arrives); -> the number of layers swapped."""
+    (INT8 or INT4; dotted with int8 activations if asked), in place, one layer at a time (the full-precision
+    weight is freed as its replacement arrives); -> the number of layers swapped."""
     workspace = DenseWorkspace()
     count = 0
     for _, parent, name, layer in eligible_linears(model):
-        setattr(parent, name, QuantizedLinear.from_linear(layer, method, group_size, workspace))
+        setattr(parent, name, QuantizedLinear.from_linear(layer, method, group_size, workspace, int8_activations))
         count += 1
     return count
 
@@ -61,8 +61,10 @@ def apply_cpu_dense(model: nn.Module, config: EngineConfig) -> None:
     method = config.cpu_dense_quantization
     if method is None:
         return
-    count = quantize_dense(model, method)
-    logger.info("--cpu-dense-method %s: %d device-side linear layers quantized (group %d)", method, count, GROUP_SIZE)
+    int8 = config.cpu_int8_activations
+    count = quantize_dense(model, method, int8_activations=int8)
+    logger.info("--cpu-dense-method %s: %d device-side linear layers quantized (group %d), %s activations", method,
+                count, GROUP_SIZE, "int8" if int8 else "fp32")
 
 
 def planned_weight_bytes(model: nn.Module, method: str, group_size: int = GROUP_SIZE) -> dict[str, int]:

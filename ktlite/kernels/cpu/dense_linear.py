@@ -4,8 +4,8 @@ expert kernels; the device-side layers of a CPU-only run (ktlite/runtime/cpu_den
 `y [..., N] = x [..., K] @ W.T (+ bias)` in x's dtype, W the stored (dequantized) values. Two paths, chosen
 by the token count T at the crossover of a CPU expert (moe.default_prefill_threshold: the trade-off is the
 same, one matrix shared by T tokens):
-- few tokens (decode): kernels.linear_rows, vector row dots straight from the stored bytes, fp32 math,
-  each weight read from RAM once per call;
+- few tokens (decode): kernels.linear_rows, vector row dots straight from the stored bytes, fp32 math (or
+  integer dots with int8 activations, `int8_activations`), each weight read from RAM once per call;
 - more tokens (prefill): gemm.stored_matmul dequantizes tiles of at most TILE_WEIGHTS weights (into bf16
   for bf16 x on a CPU that multiplies bf16 in hardware, else fp32) and multiplies with torch (oneDNN),
   several times faster per token than the kernel's fp32 row dots once the dequantization is shared by
@@ -29,7 +29,7 @@ from torch import nn
 
 from ktlite.kernels.cpu import gemm, kernels
 from ktlite.kernels.cpu.moe import default_prefill_threshold
-from ktlite.kernels.cpu.quant import QuantizedWeight, dequantize, quantize
+from ktlite.kernels.cpu.quant import INT_DOT_METHODS, QuantizedWeight, dequantize, quantize
 from ktlite.kernels.cpu.target import native_bf16_matmul
 
 # weights per dequantized tile of the matmul path: bounds its buffer (16 MiB in fp32), where a whole
@@ -86,7 +86,7 @@ class QuantizedLinear(nn.Module):
     output, as the replaced layer did after its matmul (the tensor-parallel lm_head's all-gather)."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, workspace: DenseWorkspace | None = None,
-                 output_op: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 output_op: Callable[[torch.Tensor], torch.Tensor] | None = None, int8_activations: bool = False):
         super().__init__()
         if weight.qweight.ndim != 2:
             raise ValueError(f"QuantizedLinear takes one [N, K] matrix, got shape {weight.shape}")
@@ -98,16 +98,18 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.workspace = workspace or DenseWorkspace()
         self.output_op = output_op
+        self.int8_activations = int8_activations  # the few-token path dots int8 activations (kernels.row_dot_q8)
         # tokens from which the matmul path wins, by the dtype it would run in
         self.gemm_tokens = {dt: default_prefill_threshold(weight.method, dt) for dt in (torch.bfloat16, torch.float32)}
 
     @classmethod
-    def from_linear(cls, layer: nn.Linear, method: str, group_size: int,
-                    workspace: DenseWorkspace | None = None) -> QuantizedLinear:
+    def from_linear(cls, layer: nn.Linear, method: str, group_size: int, workspace: DenseWorkspace | None = None,
+                    int8_activations: bool = False) -> QuantizedLinear:
         """`layer`'s weight quantized to `method` (INT8/INT4); its bias, memory-plan component tag and
         `output_op` carry over."""
         out = cls(quantize(layer.weight.detach(), method, group_size),
-                  None if layer.bias is None else layer.bias.detach(), workspace, getattr(layer, "output_op", None))
+                  None if layer.bias is None else layer.bias.detach(), workspace, getattr(layer, "output_op", None),
+                  int8_activations)
         component = getattr(layer, "plan_component", None)
         if component is not None:  # a tagged Linear (lm_head) keeps its component; others inherit the parent's
             out.plan_component = component
@@ -119,6 +121,7 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, method={self.stored.method}, "
+                f"activations={'int8' if self.int8_activations else 'fp32'}, "
                 f"group_size={self.stored.group_size}, bias={self.bias is not None}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,14 +141,14 @@ class QuantizedLinear(nn.Module):
         xp[:, :k] = (x if x.dtype == torch.float32 else x.float()).numpy()  # numpy's copy: ~5x cheaper than torch's
         if kp > k:
             xp[:, k:] = 0.0
-        xs = scratch.array("block_sums", (t, kp // kernels.XS_BLOCK), np.float32)
         rows = scratch.array("rows", (numba.config.NUMBA_NUM_THREADS, 2, kp), np.float32)
+        q8 = self.int8_activations and w.method in INT_DOT_METHODS
         if x.dtype == torch.float32:
             out = torch.empty(t, self.out_features)
-            kernels.linear_rows(xp, xs, w.qweight, w.scales, w.group_shift, rows, out.numpy())
+            kernels.linear_rows(xp, w.qweight, w.scales, w.group_shift, q8, rows, out.numpy())
             return out
         out32 = scratch.array("y", (t, self.out_features), np.float32)
-        kernels.linear_rows(xp, xs, w.qweight, w.scales, w.group_shift, rows, out32)
+        kernels.linear_rows(xp, w.qweight, w.scales, w.group_shift, q8, rows, out32)
         return torch.from_numpy(out32).to(x.dtype)
 
     def _matmul(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -207,6 +207,110 @@ def _int8_row_dot(typingctx, q, s, x, gs):
     return sig, codegen
 
 
+# ---- int8 activations: integer dot products for INT4/INT8 rows -----------------------------------
+# x quantized per 32-block b: xq[k] = round(x[k] / xd[b]) in [-127, 127], xd[b] = max |x| over b / 127
+# (llama.cpp's Q8 activations, kt-kernel's AMX methods). A 32-weight block then is one integer dot
+# product: vpmaddubsw (u8 x s8 -> pairs summed to int16; no saturation: |pair| <= 2 * 127 * 127) and
+# vpmaddwd by ones (-> 8 int32 lanes), one int -> fp32 convert and one FMA by s_group * xd[b]. Per 32
+# weights that is ~8 instructions against ~20 for the fp32 path, which left INT4 decode compute-bound
+# on AVX2 (60 % of bandwidth). Without AVX2 the same sums are spelled in generic IR (slower, exact).
+
+_B32, _W16, _D8, _F8 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8), ir.VectorType(_F32, 8)
+
+
+def int_dot_in_hardware() -> bool:
+    """Whether the compile target has AVX2's byte/word multiply-adds (every x86-64 server CPU since 2013)."""
+    return configure_numba().enabled("avx2")
+
+
+def _call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _pair_sums(builder, v, n):
+    """Lanes (2i, 2i + 1) of an n-lane int32 vector added: n / 2 lanes."""
+    even = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n // 2), list(range(0, n, 2))))
+    odd = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n // 2), list(range(1, n, 2))))
+    return builder.add(even, odd)
+
+
+def _block_dot(builder, w, x, w_signed):
+    """32 weight bytes w (u8, or s8 if w_signed) times 32 activation bytes x (s8) -> 8 fp32 lanes whose sum
+    is the block's dot product (exact: integer until the convert)."""
+    if int_dot_in_hardware():
+        if w_signed:  # vpmaddubsw needs an unsigned side: |w| times x with w's sign
+            x = _call(builder, "llvm.x86.avx2.psign.b", _B32, [x, w])
+            w = _call(builder, "llvm.abs.v32i8", _B32, [w, ir.Constant(ir.IntType(1), 0)])
+        p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [w, x])
+        p32 = _call(builder, "llvm.x86.avx2.pmadd.wd", _D8, [p16, _cvec(_W16, 1)])
+    else:
+        v32 = ir.VectorType(_I32, 32)
+        wide = builder.sext(w, v32) if w_signed else builder.zext(w, v32)
+        p32 = _pair_sums(builder, _pair_sums(builder, builder.mul(wide, builder.sext(x, v32)), 32), 16)
+    return builder.sitofp(p32, _F8)
+
+
+def _splat8(builder, val):
+    undef = ir.Constant(_F8, ir.Undefined)
+    v = builder.insert_element(undef, val, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
+
+
+def _vfma8(builder, a, b, c):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F8, [_F8] * 3), "llvm.fma.v8f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _int_row_dot(w_signed):
+    """row . x for an INT8 (w_signed) or INT4 row from int8 activations (xq, xd; xo: INT4's offset term
+    8 xd[b] sum_b xq, so sum (q - 8) s x = sum s xd (q . xq) - sum s xo)."""
+
+    def typer(typingctx, q, s, xq, xd, xo, gs):
+        if not (_is_vec(q, types.int8 if w_signed else types.uint8) and _is_vec(s, types.float32)
+                and _is_vec(xq, types.int8) and _is_vec(xd, types.float32) and _is_vec(xo, types.float32)):
+            return None
+        sig = types.float32(q, s, xq, xd, xo, types.int64)
+
+        def codegen(context, builder, sig, args):
+            (qp, nb), (sp, _), (xqp, _), (xdp, _), (xop, _) = _arrays(context, builder, sig, args, 5)
+            gs = args[5]
+            accs = [cgutils.alloca_once_value(builder, _cvec(_F8, 0.0)) for _ in range(2)]
+            off = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+
+            def add_block(w, blk, acc):  # blk: index of the 32-weight block
+                k = builder.shl(blk, _c64(5))
+                f = _block_dot(builder, w, _vload(builder, xqp, k, _B32), w_signed)
+                sc = _load(builder, sp, builder.lshr(k, gs))
+                scale = builder.fmul(sc, _load(builder, xdp, blk))
+                builder.store(_vfma8(builder, f, _splat8(builder, scale), builder.load(acc)), acc)
+                if not w_signed:
+                    builder.store(builder.fma(sc, _load(builder, xop, blk), builder.load(off)), off)
+
+            with cgutils.for_range(builder, builder.lshr(nb, _c64(6))) as loop:  # 64 bytes a step
+                c = loop.index
+                b0 = builder.shl(c, _c64(6))
+                _prefetch(builder, qp, b0)
+                for h in range(2):
+                    raw = _vload(builder, qp, builder.add(b0, _c64(32 * h)), _B32)
+                    if w_signed:  # 64 weights: blocks 2c, 2c + 1
+                        add_block(raw, builder.add(builder.shl(c, _c64(1)), _c64(h)), accs[h])
+                    else:  # 128 weights: low nibbles are blocks 4c, 4c + 1, high nibbles 4c + 2, 4c + 3
+                        c4 = builder.shl(c, _c64(2))
+                        add_block(builder.and_(raw, _cvec(_B32, 15)), builder.add(c4, _c64(h)), accs[0])
+                        add_block(builder.lshr(raw, _cvec(_B32, 4)), builder.add(c4, _c64(2 + h)), accs[1])
+            tot = _hsum(builder, builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
+            return tot if w_signed else builder.fsub(tot, builder.load(off))
+
+        return sig, codegen
+
+    return intrinsic(typer)
+
+
+_int4_row_qdot = _int_row_dot(False)
+_int8_row_qdot = _int_row_dot(True)
+
+
 _TWO_POW_120 = ir.Constant(_F32, 2.0**120)
 
 
@@ -561,6 +665,21 @@ def _row_dot_impl(qrow, srow, x, xs, group_shift):
     return None
 
 
+def row_dot_q8(qrow, srow, x, xs, xq, xd, xo, group_shift):  # pragma: no cover - replaced in jit code
+    raise NotImplementedError("row_dot_q8 is only callable from numba-compiled code")
+
+
+@overload(row_dot_q8, inline="always")
+def _row_dot_q8_impl(qrow, srow, x, xs, xq, xd, xo, group_shift):
+    """row . x from the int8 activations (xq, xd, xo: quantize_activations) for INT4/INT8 rows; any other
+    format from x itself, as row_dot."""
+    if qrow.dtype == types.uint8:
+        return lambda qrow, srow, x, xs, xq, xd, xo, group_shift: _int4_row_qdot(qrow, srow, xq, xd, xo, group_shift)
+    if qrow.dtype == types.int8:
+        return lambda qrow, srow, x, xs, xq, xd, xo, group_shift: _int8_row_qdot(qrow, srow, xq, xd, xo, group_shift)
+    return lambda qrow, srow, x, xs, xq, xd, xo, group_shift: row_dot(qrow, srow, x, xs, group_shift)
+
+
 def _decode_bf16(qrow, srow, out, group_shift):
     bits = out.view(np.uint32)
     for j in range(qrow.shape[0]):
@@ -595,6 +714,25 @@ def block_sums(x, xs):
         xs[b] = s
 
 
+@njit(nogil=True, cache=True, inline="always")
+def quantize_activations(x, xq, xd, xo):
+    """x [Kp] fp32 (Kp a multiple of 32) -> int8 activations per 32-block b: xd[b] = max |x| / 127,
+    xq = round(x * 127 / max |x|) (to nearest even), xo[b] = 8 xd[b] sum_b xq (INT4's offset term)."""
+    for b in range(xd.shape[0]):
+        xb = x[XS_BLOCK * b:XS_BLOCK * (b + 1)]
+        amax = np.float32(0.0)
+        for j in range(XS_BLOCK):
+            amax = max(amax, abs(xb[j]))
+        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        total = 0
+        for j in range(XS_BLOCK):
+            v = np.int32(np.rint(xb[j] * inv))
+            xq[XS_BLOCK * b + j] = v
+            total += v
+        xd[b] = amax / np.float32(127.0)
+        xo[b] = np.float32(8.0) * xd[b] * np.float32(total)
+
+
 ROWS_PER_CHUNK = 16  # rows a thread takes per expert before moving on: long sequential reads
 # tokens of one expert from which a row is decoded once into fp32 and then dotted per token, rather
 # than decoded again inside a fused row_dot per token (both ~35 G weights/s per core from L1)
@@ -602,11 +740,12 @@ DECODE_ONCE_TOKENS = 3
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, scratch, act, out):
+def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, q8, scratch, act, out):
     """x [T, Kp(hidden)] fp32, zero beyond hidden; slots [M] expert slots into the stacked weights;
     pairs tok_ptr[m]:tok_ptr[m+1] of expert m are tokens tok_idx[p] with weights tok_w[p];
     gu_q/gu_s [E, 2I, ...] (gate rows then up rows), d_q/d_s [E, H, ...], each in its own storage format
-    with its own group shift; scratch [threads, 2, >= max
+    with its own group shift; q8: INT4/INT8 rows dot int8 activations (x and act quantized per 32-block,
+    row_dot_q8) instead of fp32 ones; scratch [threads, 2, >= max
     Kp] fp32 row buffers (one pair per thread: allocating them inside prange page-faulted and ran up to
     20x slower); act [P, Kp(inter)] fp32 scratch, zero beyond I (only act[:, :I] is written);
     out [T, H] fp32, accumulated into."""
@@ -615,38 +754,38 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, 
     kp_h = x.shape[1]
     kp_i = act.shape[1]
     n_experts = slots.shape[0]
-    xs = np.empty((x.shape[0], x.shape[1] // XS_BLOCK), np.float32)
-    for t in range(x.shape[0]):
-        block_sums(x[t], xs[t])
+    xs, xq, xd, xo = _activation_views(x, q8)
     for c in prange((inter + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK):
         tid = get_thread_id()
         bg = scratch[tid, 0, :kp_h]
         bu = scratch[tid, 1, :kp_h]
         for m in range(n_experts):
             e = slots[m]
-            once = tok_ptr[m + 1] - tok_ptr[m] >= DECODE_ONCE_TOKENS
+            # the int8-activation dot is cheaper per token than an fp32 dot of a decoded row: never decode once
+            once = not q8 and tok_ptr[m + 1] - tok_ptr[m] >= DECODE_ONCE_TOKENS
             for i in range(c * ROWS_PER_CHUNK, min(inter, (c + 1) * ROWS_PER_CHUNK)):
                 gq, gsc, uq, usc = gu_q[e, i], gu_s[e, i], gu_q[e, inter + i], gu_s[e, inter + i]
                 if once:
                     decode_row(gq, gsc, bg, gu_shift)
                     decode_row(uq, usc, bu, gu_shift)
                 for p in range(tok_ptr[m], tok_ptr[m + 1]):
-                    xr, xsr = x[tok_idx[p]], xs[tok_idx[p]]
+                    t = tok_idx[p]
                     if once:
-                        g = _f32_dot(bg, xr)
-                        u = _f32_dot(bu, xr)
+                        g = _f32_dot(bg, x[t])
+                        u = _f32_dot(bu, x[t])
+                    elif q8:
+                        g = row_dot_q8(gq, gsc, x[t], xs[t], xq[t], xd[t], xo[t], gu_shift)
+                        u = row_dot_q8(uq, usc, x[t], xs[t], xq[t], xd[t], xo[t], gu_shift)
                     else:
-                        g = row_dot(gq, gsc, xr, xsr, gu_shift)
-                        u = row_dot(uq, usc, xr, xsr, gu_shift)
+                        g = row_dot(gq, gsc, x[t], xs[t], gu_shift)
+                        u = row_dot(uq, usc, x[t], xs[t], gu_shift)
                     act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * u
-    acts = np.empty((act.shape[0], act.shape[1] // XS_BLOCK), np.float32)
-    for p in range(act.shape[0]):
-        block_sums(act[p], acts[p])
+    acts, aq, ad, ao = _activation_views(act, q8)
     for c in prange((hidden + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK):
         bd = scratch[get_thread_id(), 0, :kp_i]
         for m in range(n_experts):
             e = slots[m]
-            once = tok_ptr[m + 1] - tok_ptr[m] >= DECODE_ONCE_TOKENS
+            once = not q8 and tok_ptr[m + 1] - tok_ptr[m] >= DECODE_ONCE_TOKENS
             for h in range(c * ROWS_PER_CHUNK, min(hidden, (c + 1) * ROWS_PER_CHUNK)):
                 dq, dsc = d_q[e, h], d_s[e, h]
                 if once:
@@ -654,24 +793,42 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, 
                 for p in range(tok_ptr[m], tok_ptr[m + 1]):
                     if once:
                         v = _f32_dot(bd, act[p])
+                    elif q8:
+                        v = row_dot_q8(dq, dsc, act[p], acts[p], aq[p], ad[p], ao[p], d_shift)
                     else:
                         v = row_dot(dq, dsc, act[p], acts[p], d_shift)
                     out[tok_idx[p], h] += tok_w[p] * v
 
 
+@njit(nogil=True, cache=True)
+def _activation_views(x, q8):
+    """What the row dots read besides x [R, Kp]: its block sums (fp32 path) or its int8 activations
+    (q8: xq, xd, xo of quantize_activations); the arrays of the path not taken are empty."""
+    blocks = x.shape[1] // XS_BLOCK
+    rows, qrows = (0, x.shape[0]) if q8 else (x.shape[0], 0)
+    xs = np.empty((rows, blocks), np.float32)
+    xq = np.empty((qrows, x.shape[1]), np.int8)
+    xd = np.empty((qrows, blocks), np.float32)
+    xo = np.empty((qrows, blocks), np.float32)
+    for r in range(rows):
+        block_sums(x[r], xs[r])
+    for r in range(qrows):
+        quantize_activations(x[r], xq[r], xd[r], xo[r])
+    return xs, xq, xd, xo
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def linear_rows(x, xs, q, s, group_shift, scratch, out):
+def linear_rows(x, q, s, group_shift, q8, scratch, out):
     """out [T, N] fp32 = x @ W.T for one stored matrix W (q/s [N, ...], any storage format): the device-side
-    Linear layers of a CPU-only run (dense_linear.py). x [T, Kp] fp32, zero beyond K; xs [T, Kp / 32] fp32
-    scratch (x's block sums); scratch [threads, 2, >= Kp] fp32 row buffers. As moe_rows for one expert:
-    parallel over chunks of output rows, each row dotted from its stored bytes with every token, or, from
-    DECODE_ONCE_TOKENS tokens on, decoded once into fp32 and dotted from there."""
+    Linear layers of a CPU-only run (dense_linear.py). x [T, Kp] fp32, zero beyond K; q8 as in moe_rows;
+    scratch [threads, 2, >= Kp] fp32 row buffers. As moe_rows for one expert:
+    parallel over chunks of output rows, each row dotted from its stored bytes with every token, or (fp32
+    activations) from DECODE_ONCE_TOKENS tokens on, decoded once into fp32 and dotted from there."""
     kp = x.shape[1]
     tokens = x.shape[0]
     rows = q.shape[0]
-    for t in range(tokens):
-        block_sums(x[t], xs[t])
-    once = tokens >= DECODE_ONCE_TOKENS
+    xs, xq, xd, xo = _activation_views(x, q8)
+    once = not q8 and tokens >= DECODE_ONCE_TOKENS
     for c in prange((rows + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK):
         buf = scratch[get_thread_id(), 0, :kp]
         for n in range(c * ROWS_PER_CHUNK, min(rows, (c + 1) * ROWS_PER_CHUNK)):
@@ -680,6 +837,9 @@ def linear_rows(x, xs, q, s, group_shift, scratch, out):
                 decode_row(qr, sr, buf, group_shift)
                 for t in range(tokens):
                     out[t, n] = _f32_dot(buf, x[t])
+            elif q8:
+                for t in range(tokens):
+                    out[t, n] = row_dot_q8(qr, sr, x[t], xs[t], xq[t], xd[t], xo[t], group_shift)
             else:
                 for t in range(tokens):
                     out[t, n] = row_dot(qr, sr, x[t], xs[t], group_shift)

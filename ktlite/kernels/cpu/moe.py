@@ -3,7 +3,8 @@
 API (what the runtime calls):
 
     moe = CPUMoE(method="INT4", group_size=64, num_threads=None, threadpool_count=1,
-                 prefill_threshold=None, prefill_dtype=None)  # None: bf16 where the CPU multiplies bf16
+                 prefill_threshold=None, prefill_dtype=None,  # None: bf16 where the CPU multiplies bf16
+                 activations="fp32")  # --cpu-activations: int8, fp32 or auto (quant.int8_activations)
     moe.add_layer(layer_idx, gate[E, I, H], up[E, I, H], down[E, H, I], cpu_experts=None)
     # or, streaming tensor by tensor (the loader / converted weights):
     moe.reserve_layer(layer_idx, n_experts, hidden, inter, cpu_experts=None)
@@ -28,7 +29,8 @@ Each layer keeps its own storage formats (quant.py: INT4/INT8/BF16 quantized by 
 blocks as a checkpoint ships them; gate_up and down may differ, e.g. GGUF Q4_K and Q6_K); the kernels
 dispatch on the stored dtype. Paths, per expert and call: an expert with fewer than `prefill_threshold`
 tokens (default_prefill_threshold: per method and prefill dtype) runs in the fused GEMV kernel (kernels.py: vector row dots straight
-from the stored bytes, fp32 math on the exact dequantized weights; decode is always this path); one
+from the stored bytes, fp32 math on the exact dequantized weights, or, with int8 `activations`, INT4/INT8 rows
+dotted with activations quantized per 32 values in integer math; decode is always this path); one
 with more is dequantized once (into per-thread buffers reused across experts and calls) and runs
 torch.matmul in `prefill_dtype` (gemm.py; fp32 is the exact choice; bf16 halves the bytes and is the
 fast one where the CPU multiplies bf16 in hardware, AVX512-BF16 or AMX, and 3x slower than fp32 where
@@ -60,11 +62,13 @@ import torch
 from ktlite.errors import KtliteError
 from ktlite.kernels.cpu import gemm, kernels
 from ktlite.kernels.cpu.quant import (
+    INT_DOT_METHODS,
     QUANTIZED_METHODS,
     QuantizedWeight,
     check_group_size,
     dequantize,
     empty_quantized,
+    int8_activations,
     normalize_kt_method,
     quantize_into,
 )
@@ -218,8 +222,10 @@ class CPUMoE:
         threadpool_count: int = 1,
         prefill_threshold: int | None = None,
         prefill_dtype: torch.dtype | None = None,
+        activations: str = "fp32",
     ):
         self.method = normalize_kt_method(method)
+        self.int8_activations = int8_activations(activations)
         self.group_size = check_group_size(self.method, group_size)
         # methods that keep a checkpoint's own encoding are filled through slot_views by an expert source,
         # which also sets native_fill so dynamic placement refills a slot the same way
@@ -387,8 +393,9 @@ class CPUMoE:
             xp = np.zeros((x.shape[0], gu.kp), np.float32)
             xp[:, :layer.hidden] = x.float().numpy()
             act = np.zeros((light.tok_idx.size, dn.kp), np.float32)
+            q8 = self.int8_activations and {gu.method, dn.method} <= set(INT_DOT_METHODS)
             kernels.moe_rows(xp, light.slots, light.tok_ptr, light.tok_idx, light.tok_w, gu.qweight, gu.scales,
-                             dn.qweight, dn.scales, gu.group_shift, dn.group_shift, self._scratch(layer), act,
+                             dn.qweight, dn.scales, gu.group_shift, dn.group_shift, q8, self._scratch(layer), act,
                              out.numpy())
         if heavy.any():
             self._run_matmul(layer, work.select(heavy), x.to(self.prefill_dtype), out)

@@ -79,6 +79,26 @@ def check_group_size(method: str, group_size: int) -> int:
     return group_size
 
 
+# --cpu-activations: what INT4/INT8 rows are dotted with. int8: activations quantized per 32 values
+# (kernels.quantize_activations) and integer dot products, llama.cpp's and kt-kernel's AMX methods' way,
+# ~0.5 % relative error added per matmul; fp32: the exact fp32 activations; auto: int8 where the CPU does
+# the integer dots in hardware (AVX2), else fp32
+ACTIVATIONS = ("auto", "int8", "fp32")
+INT_DOT_METHODS = ("INT4", "INT8")  # storage formats the int8-activation dot reads
+
+
+def int8_activations(setting: str) -> bool:
+    """Whether a --cpu-activations value (auto, int8, fp32; any case) means int8 activations on this CPU."""
+    key = str(setting).strip().lower()
+    if key not in ACTIVATIONS:
+        raise ConfigError(f"--cpu-activations {setting!r} is not supported; valid values: {', '.join(ACTIVATIONS)}")
+    if key == "auto":
+        from ktlite.kernels.cpu.kernels import int_dot_in_hardware  # numba code: imported on use only
+
+        return int_dot_in_hardware()
+    return key == "int8"
+
+
 INT4_CHUNK = 128  # weights per 64-byte chunk
 INT8_CHUNK = 64
 
@@ -220,6 +240,18 @@ def _dequantize_native(qw: QuantizedWeight) -> torch.Tensor:
     scratch = np.empty((numba.config.NUMBA_NUM_THREADS, 2, qw.kp), np.float32)
     dequant_rows_f32(q, s, qw.group_shift, qw.kp, scratch, out)
     return torch.from_numpy(out).reshape(qw.shape)
+
+
+def int8_activation_values(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] -> the values the int8-activation kernels multiply (xq * xd per 32-block of the zero-padded
+    row, kernels.quantize_activations' fp32 arithmetic), in fp64 [..., K]: their reference."""
+    k = x.shape[-1]
+    blocks = torch.nn.functional.pad(x.float(), (0, -k % 32)).reshape(*x.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    xd = amax / torch.tensor(127.0)
+    values = torch.round(blocks * inv).double() * xd.double()  # round: to nearest even, as np.rint
+    return values.reshape(*x.shape[:-1], -1)[..., :k]
 
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:

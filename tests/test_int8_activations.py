@@ -1,0 +1,153 @@
+"""INT4/INT8 rows dotted with int8 activations (--cpu-activations int8; kernels.quantize_activations and
+row_dot_q8): the integer dot products against float64 math on the dequantized weights and the same
+quantized activations (quant.int8_activation_values), the error the quantization adds, and the generic-IR
+path a CPU without AVX2 compiles (in a subprocess whose Numba target lacks AVX2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from ktlite.config import EngineConfig
+from ktlite.errors import ConfigError
+from ktlite.kernels.cpu import kernels
+from ktlite.kernels.cpu.dense_linear import QuantizedLinear
+from ktlite.kernels.cpu.moe import CPUMoE
+from ktlite.kernels.cpu.quant import dequantize, int8_activation_values, quantize, relative_error
+
+# which integer dot this process compiles: the CPU's vpmaddubsw/vpmaddwd, or generic IR without AVX2
+PATH = "avx2" if kernels.int_dot_in_hardware() else "generic-ir(no avx2)"
+
+
+def _linear(method: str, group: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, object]:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    return w, quantize(w, method, group)
+
+
+def _linear_rows_q8(qw, x: torch.Tensor) -> torch.Tensor:
+    xp = np.zeros((x.shape[0], qw.kp), np.float32)
+    xp[:, :qw.k] = x.numpy()
+    out = np.zeros((x.shape[0], qw.qweight.shape[0]), np.float32)
+    rows = np.empty((kernels.numba.config.NUMBA_NUM_THREADS, 2, qw.kp), np.float32)
+    kernels.linear_rows(xp, qw.qweight, qw.scales, qw.group_shift, True, rows, out)
+    return torch.from_numpy(out)
+
+
+def test_quantized_activations_are_the_twin_values():
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0)) * torch.tensor([1e-3, 1.0, 50.0])[:, None]
+    x[1, 32:64] = 0.0  # an all-zero block: scale 0, codes 0
+    xs, xq, xd, xo = kernels._activation_views(x.numpy(), True)
+    assert xs.shape[0] == 0 and np.abs(xq.astype(np.int32)).max() == 127
+    values = torch.from_numpy(xq.astype(np.float64).reshape(3, 3, 32) * xd.astype(np.float64)[..., None]).reshape(3, 96)
+    assert torch.equal(values, int8_activation_values(x))
+    sums = xq.astype(np.float32).reshape(3, 3, 32).sum(-1)
+    np.testing.assert_allclose(xo, 8 * xd * sums, rtol=1e-6)
+    assert relative_error(values, x.double()) < 0.01  # 1/127 of a block's largest value, at most half a step
+
+
+@pytest.mark.parametrize("path", [PATH])
+@pytest.mark.parametrize("method", ["INT4", "INT8"])
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_linear_rows_dot_the_quantized_activations(path, method, group, tokens):
+    w, qw = _linear(method, group, 40, 300, seed=tokens + group)  # K = 300: padded rows
+    x = torch.randn(tokens, 300, generator=torch.Generator().manual_seed(1))
+    want = int8_activation_values(x) @ dequantize(qw).double().T
+    got = _linear_rows_q8(qw, x)
+    assert relative_error(got, want) < 1e-6
+    exact = x.double() @ dequantize(qw).double().T
+    assert 1e-4 < relative_error(got, exact) < 0.01  # what the int8 activations add: ~0.5 %
+
+
+@pytest.mark.parametrize("method", ["INT4", "INT8"])
+def test_quantized_linear_int8_activations(method):
+    layer = torch.nn.Linear(200, 64).requires_grad_(False)
+    q8 = QuantizedLinear.from_linear(layer, method, 64, int8_activations=True)
+    exact = QuantizedLinear.from_linear(layer, method, 64)
+    assert "activations=int8" in repr(q8)
+    x = torch.randn(2, 200)
+    want = int8_activation_values(x) @ q8.dequantized().double().T + layer.bias.double()
+    assert relative_error(q8(x), want) < 1e-6
+    assert relative_error(q8(x), exact(x)) < 0.01
+    big = torch.randn(64, 200)  # the matmul path (many tokens) stays fp32: int8 activations are for the row dots
+    assert relative_error(q8(big), exact(big)) < 1e-6
+
+
+def _moe_reference(moe: CPUMoE, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float64 MoE on the stored weights, each matmul's input quantized as the kernels quantize it."""
+    gu, dn = (dequantize(q).double() for q in (moe.layers[0].gate_up, moe.layers[0].down))
+    inter = dn.shape[-1]
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for e, weight in zip(ids[t].tolist(), w[t].tolist()):
+            h = int8_activation_values(x[t]) @ gu[e].T
+            act = torch.nn.functional.silu(h[:inter]) * h[inter:]
+            out[t] += weight * (int8_activation_values(act.float()) @ dn[e].T)
+    return out
+
+
+@pytest.mark.parametrize("method", ["INT4", "INT8"])
+@pytest.mark.parametrize("tokens", [1, 4])  # 4: past DECODE_ONCE_TOKENS, which int8 activations never take
+def test_cpu_moe_int8_activations(method, tokens):
+    g = torch.Generator().manual_seed(7)
+    gate, up = torch.randn(4, 96, 128, generator=g) * 0.1, torch.randn(4, 96, 128, generator=g) * 0.1
+    down = torch.randn(4, 128, 96, generator=g) * 0.1
+    x = torch.randn(tokens, 128, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(tokens)])
+    w = torch.rand(tokens, 2, generator=g)
+    with CPUMoE(method, 32, activations="int8", prefill_threshold=64) as q8, \
+            CPUMoE(method, 32, prefill_threshold=64) as exact:
+        q8.add_layer(0, gate, up, down)
+        exact.add_layer(0, gate, up, down)
+        got = q8.forward(0, x, ids, w)
+        # act is rounded to int8 from fp32 here and from fp64 in the reference: a code may differ by one step
+        assert relative_error(got, _moe_reference(q8, x, ids, w)) < 1e-4
+        assert 1e-4 < relative_error(got, exact.forward(0, x, ids, w)) < 0.02
+
+
+def test_cpu_activations_setting(tmp_path):
+    cfg = lambda **kw: EngineConfig.from_kwargs(str(tmp_path), **kw)
+    assert cfg(cpu_activations="fp32").cpu_int8_activations is False
+    assert cfg(cpu_activations="INT8").cpu_int8_activations is True  # any case
+    assert cfg().cpu_int8_activations is kernels.int_dot_in_hardware()
+    assert cfg(dtype="float32").cpu_int8_activations is False  # auto keeps the exact reference setting exact
+    assert cfg(dtype="float32", cpu_activations="int8").cpu_int8_activations is True
+    with pytest.raises(ConfigError, match="--cpu-activations"):
+        cfg(cpu_activations="int4")
+    with pytest.raises(ConfigError, match="--cpu-activations"):
+        CPUMoE("INT8", activations="fp16")
+
+
+_GENERIC_SCRIPT = """
+import json, numpy as np, torch
+from ktlite.kernels.cpu import kernels
+from ktlite.kernels.cpu.quant import dequantize, int8_activation_values, quantize, relative_error
+errors = {"hardware": kernels.int_dot_in_hardware()}
+x = torch.randn(2, 300, generator=torch.Generator().manual_seed(1))
+for method in ("INT4", "INT8"):
+    qw = quantize(torch.randn(24, 300, generator=torch.Generator().manual_seed(2)), method, 32)
+    xp = np.zeros((2, qw.kp), np.float32); xp[:, :300] = x.numpy()
+    out = np.zeros((2, 24), np.float32)
+    rows = np.empty((kernels.numba.config.NUMBA_NUM_THREADS, 2, qw.kp), np.float32)
+    kernels.linear_rows(xp, qw.qweight, qw.scales, qw.group_shift, True, rows, out)
+    want = int8_activation_values(x) @ dequantize(qw).double().T
+    errors[method] = relative_error(torch.from_numpy(out), want)
+print(json.dumps(errors))
+"""
+
+
+def test_generic_ir_path_without_avx2(tmp_path):
+    """A CPU without AVX2 gets the same integer sums from generic IR: compiled for plain x86-64 here."""
+    env = {**os.environ, "NUMBA_CPU_NAME": "x86-64", "NUMBA_CPU_FEATURES": "+sse2,+ssse3,+sse4.1,+sse4.2,+popcnt",
+           "NUMBA_CACHE_DIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-c", _GENERIC_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    errors = json.loads(res.stdout.strip().splitlines()[-1])
+    assert errors.pop("hardware") is False
+    assert all(e < 1e-6 for e in errors.values()), errors
