@@ -80,17 +80,31 @@ V2_LITE = Shape("V2-Lite", 2048, 1408, 64, 6)
 V3 = Shape("V3", 7168, 2048, 8, 8)
 
 
+class NumpyRead:
+    """numpy summing a 256 MiB float64 array split across `threads` threads: the memory-bandwidth reference."""
+
+    def __init__(self, threads: int):
+        self.array = np.ones((256 << 20) // 8)
+        self._parts = np.array_split(self.array, threads)
+        self._pool = ThreadPoolExecutor(threads)
+
+    def __call__(self, _: int = 0) -> None:
+        list(self._pool.map(np.sum, self._parts))
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+
 def memory_bandwidth(threads: int) -> float:
-    """GB/s of numpy summing a 256 MiB float64 array split across `threads` threads (best of 5)."""
-    a = np.ones((256 << 20) // 8)
-    parts = np.array_split(a, threads)
+    """GB/s of NumpyRead (best of 5)."""
+    read = NumpyRead(threads)
     best = float("inf")
-    with ThreadPoolExecutor(threads) as ex:
-        for _ in range(5):
-            t = time.perf_counter()
-            list(ex.map(np.sum, parts))
-            best = min(best, time.perf_counter() - t)
-    return a.nbytes / best / 1e9
+    for _ in range(5):
+        t = time.perf_counter()
+        read()
+        best = min(best, time.perf_counter() - t)
+    read.close()
+    return read.array.nbytes / best / 1e9
 
 
 def timed(fn: Callable[[int], object], budget_s: float, max_calls: int = 50) -> float:
@@ -387,7 +401,7 @@ def peer_rows(peer: KtPeer, shape: Shape, src: list[tuple[torch.Tensor, ...]], m
 
 
 def bench_shape(shape: Shape, methods: list[str], tokens: list[int], group: int, budget: float,
-                bw: float, peer: KtPeer | None = None) -> tuple[list[dict], dict]:
+                peer: KtPeer | None = None) -> tuple[list[dict], dict]:
     g = torch.Generator().manual_seed(0)
     src = [(torch.randn(shape.inter, shape.hidden, generator=g) * 0.02,
             torch.randn(shape.inter, shape.hidden, generator=g) * 0.02,
@@ -414,12 +428,14 @@ def bench_shape(shape: Shape, methods: list[str], tokens: list[int], group: int,
             f.pools.close()
             f.pools = moes[m].pools  # one pool thread (one OpenMP team) per method, as in the engine
     inputs: dict[int, tuple[torch.Tensor, list]] = {}  # kept for the kt-kernel peer
+    reader = NumpyRead(numba.config.NUMBA_NUM_THREADS)
     for t in tqdm(tokens, desc=shape.name, leave=False):
         x = torch.randn(t, shape.hidden)
         routes = make_routings(shape, t, 16, seed=t)
         inputs[t] = (x, routes)
         touched = statistics.mean(len(torch.unique(r[0])) for r in routes)
         fns = {name: (lambda i, w=w: torch_moe(w, x, *routes[i % 16])) for name, w in baselines.items()}
+        fns["read"] = reader  # the bandwidth reference, timed in the same rounds as the kernels
         for method, moe in moes.items():
             fns[(method, "auto")] = lambda i, moe=moe: moe.forward(0, x, *routes[i % 16])
             for k, f in forced[method].items():
@@ -429,14 +445,16 @@ def bench_shape(shape: Shape, methods: list[str], tokens: list[int], group: int,
         longer = {k: 8 * budget for k in fns if t >= 512 and (k == "bf16" or (isinstance(k, tuple) and k[1] != "fma"))}
         best = timed_many(fns, budget, max_calls=200, budgets=longer)
         base = {name: best[name] for name in baselines}
+        bw_now = reader.array.nbytes / best["read"] / 1e9
         for method, moe in moes.items():
             auto = best[(method, "auto")]
             paths = {k: best[(method, k)] for k in forced[method]}
             gbs = touched * moe.nbytes() / shape.experts / auto / 1e9
             rows.append({"shape": shape.name, "method": method_label(shape, method), "T": t, "auto": auto,
-                         "path": path_label(routes, moe.prefill_threshold), "gbs": gbs, "bw_frac": gbs / bw,
+                         "path": path_label(routes, moe.prefill_threshold), "gbs": gbs, "bw_frac": gbs / bw_now, "bw_now": bw_now,
                          "fma": paths["fma"], "onednn": paths["onednn"], "bf16": base["bf16"], "fp32": base["fp32"]})
     del baselines
+    reader.close()
     peer_out = peer_rows(peer, shape, src, moes, inputs, rows, budget) if peer else []
     for m in methods:
         moes[m].close()
@@ -455,7 +473,9 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> st
              f"{hw['load']}, at end {hw['load_end']}: other processes share these cores, so times are the fastest "
              f"of several calls.",
              f"Measured memory bandwidth (numpy sum of 256 MiB): {hw['bw1']:.1f} GB/s with 1 thread, "
-             f"**{hw['bw']:.1f} GB/s** with {hw['threads']} threads (the reference for \"% BW\").", "",
+             f"**{hw['bw']:.1f} GB/s** with {hw['threads']} threads at the start. \"% BW\" is against the same read "
+             "timed in the same rounds as the row's calls (`read GB/s`): this VM's bandwidth moves by up to 2x "
+             "within a run.", "",
              "Times are per call (fastest of several), for one MoE layer: `ktlite` is CPUMoE.forward (the path it picks per expert by its token count); "
              "`numba GEMV` forces the fused GEMV kernel (dequantize in-kernel + fp32 FMA; with int8 activations, "
              "integer dot products), `deq+oneDNN` forces "
@@ -464,12 +484,12 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> st
              "distinct experts a call touches / time. Activations (--cpu-activations): a method without a suffix "
              f"runs as the engine's auto does on this CPU ({hw['activations']} for INT4/INT8/RAWINT4 rows); "
              "`(fp32 act)` rows keep fp32 activations; quantization errors below include the int8 activations' share.", "",
-             "| shape | method | T | ktlite ms | path | weight GB/s | % BW | numba GEMV ms | deq+oneDNN ms "
+             "| shape | method | T | ktlite ms | path | weight GB/s | read GB/s | % BW | numba GEMV ms | deq+oneDNN ms "
              "| torch bf16 ms | torch fp32 ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['method']} | {r['T']} | {r['auto'] * 1e3:.2f} | {r['path']} | {r['gbs']:.1f} "
-                     f"| {r['bw_frac'] * 100:.0f} % | {r['fma'] * 1e3:.2f} | {r['onednn'] * 1e3:.2f} "
+                     f"| {r['bw_now']:.1f} | {r['bw_frac'] * 100:.0f} % | {r['fma'] * 1e3:.2f} | {r['onednn'] * 1e3:.2f} "
                      f"| {r['bf16'] * 1e3:.2f} | {r['fp32'] * 1e3:.2f} |")
     peer = [r for ex in extra.values() for r in ex["ktkernel"]]
     if "ktkernel" in hw:
@@ -512,14 +532,15 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> st
               "- The machine is a shared 2-core VM: when another process takes a core, a 2-thread parallel region "
               "waits for its descheduled half and a call can take 2-20x longer. Compare rows of one run only; the "
               "load average above says how quiet the run was.",
-              "- Decode (GEMV kernel): the row kernels are numba intrinsics that emit LLVM vector IR (16 fp32 lanes, "
-              "zmm on AVX-512: `vpmovzxbd`/`vpmovsxbd`, `vcvtdq2ps`, `vfmadd231ps`; one horizontal sum per row) and dot "
-              "the stored bytes straight with x, with a software prefetch 4 KiB ahead of each row stream "
-              "(`llvm.prefetch`). The prefetch took INT4 T=1 from ~17-21 GB/s (bound by the hardware prefetcher "
-              "keeping up with two streams per thread while the core decodes nibbles) to about the numpy reference; "
-              "INT8 and BF16 run at or above it. The numpy-sum reference is itself below the DRAM limit and drops "
-              "under load, so % BW can exceed 100 %.",
-              "- Prefill (experts with >= 5 tokens): a batch of experts (<= 4096 token-expert pairs) gathers its "
+              "- Decode (GEMV kernel): the row kernels are numba intrinsics that emit LLVM vector IR and dot the stored bytes "
+              "straight with x, with a software prefetch 4 KiB ahead of each row stream (`llvm.prefetch`). With int8 "
+              "activations (the default for INT4/INT8 where the CPU has AVX2) x is quantized per 32 values and a "
+              "32-weight block is one integer dot product (`vpmaddubsw` + `vpmaddwd` by ones, one `vcvtdq2ps`, one FMA by "
+              "weight scale x activation scale): ~8 instructions per 32 weights against ~20 for the fp32 path "
+              "(`vpmovzxbd`, nibble and/shift, `vcvtdq2ps`, `vfmadd231ps` per 8-16 weights), which on AVX2 was bound by "
+              "decoding (INT4 at ~60 % of bandwidth), not by memory. The numpy-sum reference is itself below the DRAM "
+              "limit and moves with the VM's load, so % BW varies between runs and can exceed 100 %.",
+              "- Prefill (experts with at least the switch's tokens, below): a batch of experts (<= 4096 token-expert pairs) gathers its "
               "tokens grouped by expert, runs gate_up per expert into one buffer, one SiLU * mul over the batch, "
               "down per expert, and one weighted scatter-add (numba, reading the bf16 rows). Each expert is "
               "dequantized to bf16 right before its GEMM (LLVM `fptrunc` to bfloat: `vcvtneps2bf16` on AVX512-BF16, "
@@ -532,7 +553,9 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> st
               "land within a few % of each other, either side of it from run to run (the ktlite and deq+oneDNN "
               "columns run the same code there and differ by as much).",
               "- The GEMV/oneDNN switch (moe.default_prefill_threshold) is 5 tokens per expert for INT4/INT8 with bf16 "
-              "GEMMs and 32 with fp32 GEMMs (a CPU without native bf16: twice the dequantized bytes, half the GEMM speed).",
+              "GEMMs and 32 with fp32 GEMMs (a CPU without native bf16: twice the dequantized bytes, half the GEMM speed); "
+              "with int8 activations and fp32 GEMMs it is 128: the integer row dots stay faster up to there (the "
+              "numba GEMV and deq+oneDNN columns above).",
               "- Kept formats: FP8 decodes e4m3 in the row kernel (integer shifts + one multiply by 2^120), the same "
               "vector code as INT8; RAWINT4 is ktlite's INT4 with groups of 32; GGUF Q4_K/Q5_K/Q6_K/Q8_0 blocks are "
               "walked in the same vector IR, 16 codes at a time, with each sub-block's scale and min unpacked "
@@ -614,7 +637,7 @@ def main() -> None:
     rows, extra = [], {}
     for shape in (V2_LITE, V3):
         r, e = bench_shape(shape, methods, tokens if shape is V2_LITE else tokens[:-1] if args.quick else tokens,
-                           args.group_size, budget, hw["bw"], peer)
+                           args.group_size, budget, peer)
         rows += r
         extra[shape.name] = e
     hw["layer"] = numba.threading_layer()

@@ -31,11 +31,8 @@ def _linear(method: str, group: int, n: int, k: int, seed: int) -> tuple[torch.T
 
 
 def _linear_rows_q8(qw, x: torch.Tensor) -> torch.Tensor:
-    xp = np.zeros((x.shape[0], qw.kp), np.float32)
-    xp[:, :qw.k] = x.numpy()
     out = np.zeros((x.shape[0], qw.qweight.shape[0]), np.float32)
-    rows = np.empty((kernels.numba.config.NUMBA_NUM_THREADS, 2, qw.kp), np.float32)
-    kernels.linear_rows(xp, qw.qweight, qw.scales, qw.group_shift, True, rows, out)
+    kernels.linear_rows(x.numpy(), qw.qweight, qw.scales, qw.group_shift, qw.kp, True, kernels.numba.config.NUMBA_NUM_THREADS, out)
     return torch.from_numpy(out)
 
 
@@ -75,8 +72,9 @@ def test_quantized_linear_int8_activations(method):
     want = int8_activation_values(x) @ q8.dequantized().double().T + layer.bias.double()
     assert relative_error(q8(x), want) < 1e-6
     assert relative_error(q8(x), exact(x)) < 0.01
-    big = torch.randn(64, 200)  # the matmul path (many tokens) stays fp32: int8 activations are for the row dots
+    big = torch.randn(q8.gemm_tokens[torch.float32], 200)  # the matmul path stays fp32: int8 is for the row dots
     assert relative_error(q8(big), exact(big)) < 1e-6
+    assert q8.gemm_tokens[torch.float32] > exact.gemm_tokens[torch.float32]  # the integer dots win for longer
 
 
 def _moe_reference(moe: CPUMoE, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -132,10 +130,8 @@ errors = {"hardware": kernels.int_dot_in_hardware()}
 x = torch.randn(2, 300, generator=torch.Generator().manual_seed(1))
 for method in ("INT4", "INT8"):
     qw = quantize(torch.randn(24, 300, generator=torch.Generator().manual_seed(2)), method, 32)
-    xp = np.zeros((2, qw.kp), np.float32); xp[:, :300] = x.numpy()
     out = np.zeros((2, 24), np.float32)
-    rows = np.empty((kernels.numba.config.NUMBA_NUM_THREADS, 2, qw.kp), np.float32)
-    kernels.linear_rows(xp, qw.qweight, qw.scales, qw.group_shift, True, rows, out)
+    kernels.linear_rows(x.numpy(), qw.qweight, qw.scales, qw.group_shift, qw.kp, True, kernels.numba.config.NUMBA_NUM_THREADS, out)
     want = int8_activation_values(x) @ dequantize(qw).double().T
     errors[method] = relative_error(torch.from_numpy(out), want)
 print(json.dumps(errors))

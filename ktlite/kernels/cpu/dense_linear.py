@@ -11,9 +11,10 @@ same, one matrix shared by T tokens):
   several times faster per token than the kernel's fp32 row dots once the dequantization is shared by
   enough tokens.
 
-The scratch (padded fp32 input, block sums, row buffers, the output before a cast, the dequantized tile)
-lives in one DenseWorkspace per model that every QuantizedLinear shares, one set per calling thread,
-grown to the largest call and reused: a decode step allocates only the outputs.
+The few-token path is one kernel call that pads and quantizes x itself (each Python-side numpy step cost
+a few microseconds, ~50 calls per decode step). The matmul path's scratch (row buffers, the dequantized
+tile) lives in one DenseWorkspace per model that every QuantizedLinear shares, one set per calling
+thread, grown to the largest call and reused.
 """
 
 from __future__ import annotations
@@ -99,8 +100,10 @@ class QuantizedLinear(nn.Module):
         self.workspace = workspace or DenseWorkspace()
         self.output_op = output_op
         self.int8_activations = int8_activations  # the few-token path dots int8 activations (kernels.row_dot_q8)
+        self._q8 = int8_activations and weight.method in INT_DOT_METHODS
         # tokens from which the matmul path wins, by the dtype it would run in
-        self.gemm_tokens = {dt: default_prefill_threshold(weight.method, dt) for dt in (torch.bfloat16, torch.float32)}
+        self.gemm_tokens = {dt: default_prefill_threshold(weight.method, dt, int8_activations)
+                            for dt in (torch.bfloat16, torch.float32)}
 
     @classmethod
     def from_linear(cls, layer: nn.Linear, method: str, group_size: int, workspace: DenseWorkspace | None = None,
@@ -134,22 +137,13 @@ class QuantizedLinear(nn.Module):
         return y if self.output_op is None else self.output_op(y)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Few tokens: the row-dot kernel on x in fp32 (zero padded to the stored row length)."""
-        w, scratch = self.stored, self.workspace.scratch()
-        t, k, kp = x.shape[0], self.in_features, w.kp
-        xp = scratch.array("x", (t, kp), np.float32)
-        xp[:, :k] = (x if x.dtype == torch.float32 else x.float()).numpy()  # numpy's copy: ~5x cheaper than torch's
-        if kp > k:
-            xp[:, k:] = 0.0
-        rows = scratch.array("rows", (numba.config.NUMBA_NUM_THREADS, 2, kp), np.float32)
-        q8 = self.int8_activations and w.method in INT_DOT_METHODS
-        if x.dtype == torch.float32:
-            out = torch.empty(t, self.out_features)
-            kernels.linear_rows(xp, w.qweight, w.scales, w.group_shift, q8, rows, out.numpy())
-            return out
-        out32 = scratch.array("y", (t, self.out_features), np.float32)
-        kernels.linear_rows(xp, w.qweight, w.scales, w.group_shift, q8, rows, out32)
-        return torch.from_numpy(out32).to(x.dtype)
+        """Few tokens: the row-dot kernel on x in fp32 (it pads x to the stored row length itself)."""
+        w = self.stored
+        out = torch.empty(x.shape[0], self.out_features)
+        xf = x if x.dtype == torch.float32 else x.float()
+        kernels.linear_rows(xf.contiguous().numpy(), w.qweight, w.scales, w.group_shift, w.kp, self._q8,
+                            numba.config.NUMBA_NUM_THREADS, out.numpy())
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     def _matmul(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """More tokens: dequantize tile by tile into `dtype` and let torch multiply."""

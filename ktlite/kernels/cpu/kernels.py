@@ -818,31 +818,35 @@ def _activation_views(x, q8):
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def linear_rows(x, q, s, group_shift, q8, scratch, out):
-    """out [T, N] fp32 = x @ W.T for one stored matrix W (q/s [N, ...], any storage format): the device-side
-    Linear layers of a CPU-only run (dense_linear.py). x [T, Kp] fp32, zero beyond K; q8 as in moe_rows;
-    scratch [threads, 2, >= Kp] fp32 row buffers. As moe_rows for one expert:
+def linear_rows(x, q, s, group_shift, kp, q8, threads, out):
+    """out [T, N] fp32 = x @ W.T for one stored matrix W (q/s [N, ...], any storage format, rows of kp
+    weights): the device-side Linear layers of a CPU-only run (dense_linear.py). x [T, K] fp32 (K <= kp;
+    padded with zeros here, where it costs no Python); q8 as in moe_rows; threads: numba's thread count (the
+    per-thread row buffers). As moe_rows for one expert:
     parallel over chunks of output rows, each row dotted from its stored bytes with every token, or (fp32
     activations) from DECODE_ONCE_TOKENS tokens on, decoded once into fp32 and dotted from there."""
-    kp = x.shape[1]
     tokens = x.shape[0]
     rows = q.shape[0]
-    xs, xq, xd, xo = _activation_views(x, q8)
+    xp = np.zeros((tokens, kp), np.float32)
+    xp[:, :x.shape[1]] = x
+    xs, xq, xd, xo = _activation_views(xp, q8)
     once = not q8 and tokens >= DECODE_ONCE_TOKENS
+    # row buffers allocated before the parallel region (inside it they page-faulted: see moe_rows)
+    scratch = np.empty((threads if once else 0, kp), np.float32)
     for c in prange((rows + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK):
-        buf = scratch[get_thread_id(), 0, :kp]
         for n in range(c * ROWS_PER_CHUNK, min(rows, (c + 1) * ROWS_PER_CHUNK)):
             qr, sr = q[n], s[n]
             if once:
+                buf = scratch[get_thread_id()]
                 decode_row(qr, sr, buf, group_shift)
                 for t in range(tokens):
-                    out[t, n] = _f32_dot(buf, x[t])
+                    out[t, n] = _f32_dot(buf, xp[t])
             elif q8:
                 for t in range(tokens):
-                    out[t, n] = row_dot_q8(qr, sr, x[t], xs[t], xq[t], xd[t], xo[t], group_shift)
+                    out[t, n] = row_dot_q8(qr, sr, xp[t], xs[t], xq[t], xd[t], xo[t], group_shift)
             else:
                 for t in range(tokens):
-                    out[t, n] = row_dot(qr, sr, x[t], xs[t], group_shift)
+                    out[t, n] = row_dot(qr, sr, xp[t], xs[t], group_shift)
 
 
 @njit(parallel=True, nogil=True, cache=True)

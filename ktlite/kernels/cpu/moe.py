@@ -28,7 +28,7 @@ that means the placement and the mask disagree. Ids < 0 (padding) are ignored.
 Each layer keeps its own storage formats (quant.py: INT4/INT8/BF16 quantized by ktlite, or FP8 / GGUF
 blocks as a checkpoint ships them; gate_up and down may differ, e.g. GGUF Q4_K and Q6_K); the kernels
 dispatch on the stored dtype. Paths, per expert and call: an expert with fewer than `prefill_threshold`
-tokens (default_prefill_threshold: per method and prefill dtype) runs in the fused GEMV kernel (kernels.py: vector row dots straight
+tokens (default_prefill_threshold: per method, prefill dtype and activations) runs in the fused GEMV kernel (kernels.py: vector row dots straight
 from the stored bytes, fp32 math on the exact dequantized weights, or, with int8 `activations`, INT4/INT8 rows
 dotted with activations quantized per 32 values in integer math; decode is always this path); one
 with more is dequantized once (into per-thread buffers reused across experts and calls) and runs
@@ -84,11 +84,18 @@ DEFAULT_PREFILL_THRESHOLD = {"INT4": 5, "INT8": 5, "BF16": 4, "FP8": 5, "RAWINT4
 # with fp32 GEMMs (a CPU without native bf16) the dequantized weights are twice the bytes and the GEMM
 # half the speed: on a Zen 3 the fused kernel stayed faster up to ~32 tokens per expert (bench/RESULTS.md)
 FP32_PREFILL_THRESHOLD = 32
+# int8 activations against fp32 GEMMs: the integer row dots stayed faster up to 128 tokens per expert (Zen 3,
+# bench/RESULTS.md: V3 INT4 at 128 tokens 1.03 s vs 1.11 s, V2-Lite at ~48 tokens 0.86 s vs 1.00 s). Against
+# bf16 GEMMs (AVX512-BF16/AMX CPUs) the crossover is not measured yet: DEFAULT_PREFILL_THRESHOLD stays
+Q8_FP32_PREFILL_THRESHOLD = 128
+Q8_METHODS = ("INT4", "INT8", "RAWINT4")  # --kt-method values stored as INT4/INT8 rows (quant.INT_DOT_METHODS)
 
 
-def default_prefill_threshold(method: str, prefill_dtype: torch.dtype) -> int:
+def default_prefill_threshold(method: str, prefill_dtype: torch.dtype, int8_activations: bool = False) -> int:
     """Tokens per expert (or per matrix) from which dequantize + torch.matmul beats the fused kernel."""
-    return DEFAULT_PREFILL_THRESHOLD[method] if prefill_dtype == torch.bfloat16 else FP32_PREFILL_THRESHOLD
+    if prefill_dtype == torch.bfloat16:
+        return DEFAULT_PREFILL_THRESHOLD[method]
+    return Q8_FP32_PREFILL_THRESHOLD if int8_activations and method in Q8_METHODS else FP32_PREFILL_THRESHOLD
 # (token, expert) pairs per batch of the matmul path: bounds its buffers (V3: 4096 x 7168 bf16 = 58 MB)
 PAIR_BATCH = 4096
 Format = tuple[str, int]  # (storage format, group size) of a stored matrix, as quant.empty_quantized takes them
@@ -235,7 +242,8 @@ class CPUMoE:
         if prefill_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"prefill_dtype must be torch.bfloat16 or torch.float32, got {prefill_dtype}")
         self.prefill_dtype = prefill_dtype
-        self.prefill_threshold = (default_prefill_threshold(self.method, prefill_dtype) if prefill_threshold is None
+        self.prefill_threshold = (default_prefill_threshold(self.method, prefill_dtype, self.int8_activations)
+                                  if prefill_threshold is None
                                   else prefill_threshold)
         self.pools = ExpertPools(num_threads, threadpool_count)
         self.layers: dict[int, ExpertLayer] = {}
