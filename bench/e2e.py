@@ -195,6 +195,7 @@ def main() -> None:
         prefill = prefill_rate(engine, args.prefill_len)
         rows.append(("prefill", f"{args.prefill_len} tokens", f"{prefill:.1f} tok/s", ""))
         for b in [int(x) for x in args.batches.split(",")]:
+            asyncio.run(decode_rate(engine, b, args.prompt_len, 4))  # warm-up pass, as the llama.cpp peer's
             rate, ttft = asyncio.run(decode_rate(engine, b, args.prompt_len, args.gen))
             note = f"{rate / bound:.2f} of the bound ({bound:.1f} tok/s)" if b == 1 else f"{rate / b:.1f} tok/s per request"
             rows.append((f"decode batch {b}", f"prompt {args.prompt_len}, {args.gen} new", f"{rate:.1f} tok/s", note))
