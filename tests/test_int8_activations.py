@@ -147,3 +147,21 @@ def test_generic_ir_path_without_avx2(tmp_path):
     errors = json.loads(res.stdout.strip().splitlines()[-1])
     assert errors.pop("hardware") is False
     assert all(e < 1e-6 for e in errors.values()), errors
+
+
+def test_engine_int8_activations_stay_close_to_fp32(tiny_v3):
+    """The engine default on a CPU with AVX2 (dtype auto): INT8 experts and INT8 dense layers dotting int8
+    activations. One-token prompts run every row dot through the int8 path (prefill of one token is a decode-sized
+    call); the logits move by about the activations' quantization, far less than the weights' own."""
+    from test_tensor_parallel import logits_of
+
+    from ktlite import Engine
+
+    flags = {"device": "cpu", "kt_method": "INT8", "cpu_dense_method": "INT8", "max_total_tokens": 256,
+             "chunked_prefill_size": 64, "gpu_memory": "1GiB", "max_running_requests": 2, "disable_radix_cache": True}
+    got = {}
+    for activations in ("int8", "fp32"):
+        with Engine(str(tiny_v3), **flags, cpu_activations=activations) as eng:
+            assert eng.runtime.cpu_moe.int8_activations is (activations == "int8")
+            got[activations] = logits_of(eng, [[5], [7]])
+    assert 1e-5 < relative_error(got["int8"], got["fp32"]) < 0.03
