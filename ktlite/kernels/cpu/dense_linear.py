@@ -139,6 +139,7 @@ class QuantizedLinear(nn.Module):
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """Few tokens: the row-dot kernel on x in fp32 (it pads x to the stored row length itself)."""
         w = self.stored
+        self.workspace.scratch()  # first call on a thread: sets its numba thread count (see _Scratch)
         out = torch.empty(x.shape[0], self.out_features)
         xf = x if x.dtype == torch.float32 else x.float()
         kernels.linear_rows(xf.contiguous().numpy(), w.qweight, w.scales, w.group_shift, w.kp, self._q8,

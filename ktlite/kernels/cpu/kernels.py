@@ -77,14 +77,16 @@ def _cvec(vty, val):
     return ir.Constant(vty, [val] * vty.count)
 
 
-def _splat(builder, val):
-    undef = ir.Constant(_VF, ir.Undefined)
+def _splat(builder, val, vty=_VF):
+    undef = ir.Constant(vty, ir.Undefined)
     v = builder.insert_element(undef, val, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES))
+    return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count))
 
 
 def _vfma(builder, a, b, c):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
+    """a * b + c for fp32 vectors of any lane count."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3),
+                                        f"llvm.fma.v{a.type.count}f32")
     return builder.call(fn, [a, b, c])
 
 
@@ -251,17 +253,6 @@ def _block_dot(builder, w, x, w_signed):
     return builder.sitofp(p32, _F8)
 
 
-def _splat8(builder, val):
-    undef = ir.Constant(_F8, ir.Undefined)
-    v = builder.insert_element(undef, val, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
-
-
-def _vfma8(builder, a, b, c):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F8, [_F8] * 3), "llvm.fma.v8f32")
-    return builder.call(fn, [a, b, c])
-
-
 def _int_row_dot(w_signed):
     """row . x for an INT8 (w_signed) or INT4 row from int8 activations (xq, xd; xo: INT4's offset term
     8 xd[b] sum_b xq, so sum (q - 8) s x = sum s xd (q . xq) - sum s xo)."""
@@ -283,7 +274,7 @@ def _int_row_dot(w_signed):
                 f = _block_dot(builder, w, _vload(builder, xqp, k, _B32), w_signed)
                 sc = _load(builder, sp, builder.lshr(k, gs))
                 scale = builder.fmul(sc, _load(builder, xdp, blk))
-                builder.store(_vfma8(builder, f, _splat8(builder, scale), builder.load(acc)), acc)
+                builder.store(_vfma(builder, f, _splat(builder, scale, _F8), builder.load(acc)), acc)
                 if not w_signed:
                     builder.store(builder.fma(sc, _load(builder, xop, blk), builder.load(off)), off)
 
