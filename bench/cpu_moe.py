@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from ktlite.doctor import cpu_features, cpu_model
 from ktlite.kernels.cpu.gemm import expert_mlp_matmul
-from ktlite.kernels.cpu.moe import CPUMoE
+from ktlite.kernels.cpu.moe import Q8_METHODS, CPUMoE
 from ktlite.kernels.cpu.fp8 import fill_fp8_rows
 from ktlite.kernels.cpu.gguf_quants import BLOCKS
 from ktlite.kernels.cpu.target import configure_numba, native_bf16_matmul
@@ -276,7 +276,7 @@ def accuracy(src: list[tuple[torch.Tensor, ...]], variant: str, group: int) -> t
                           torch.cat([g.flatten(), u.flatten(), d.flatten()]))
     x = torch.randn(16, g.shape[1], generator=torch.Generator().manual_seed(5))
     exact = expert_mlp_matmul(x, torch.cat([g, u]), d)
-    if method in ("INT4", "INT8", "RAWINT4") and int8_activations(activations):
+    if method in Q8_METHODS and int8_activations(activations):
         h = int8_activation_values(x) @ torch.cat([qg, qu]).double().T
         act = torch.nn.functional.silu(h[:, :g.shape[0]]) * h[:, g.shape[0]:]
         return werr, relative_error(int8_activation_values(act.float()) @ qd.double().T, exact)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ktlite.errors import ConfigError
-from ktlite.kernels.cpu.quant import ACTIVATIONS, int8_activations
+from ktlite.kernels.cpu.quant import int8_activations, normalize_activations
 
 # Knobs ktlite chooses from the memory plan and the hardware when the caller leaves them out
 # (ktlite/runtime/knobs.py); the defaults below are only what a config built directly keeps.
@@ -109,8 +109,7 @@ class EngineConfig:
         if str(self.cpu_dense_method).upper() not in {m.upper() for m in CPU_DENSE_METHODS}:
             raise ConfigError(f"--cpu-dense-method must be one of {', '.join(CPU_DENSE_METHODS)} (any case), "
                               f"got {self.cpu_dense_method!r}")
-        if str(self.cpu_activations).lower() not in ACTIVATIONS:
-            raise ConfigError(f"--cpu-activations must be one of {', '.join(ACTIVATIONS)}, got {self.cpu_activations!r}")
+        normalize_activations(self.cpu_activations)
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.schedule_policy not in ("fcfs", "lpm"):
@@ -153,7 +152,7 @@ class EngineConfig:
     @property
     def cpu_int8_activations(self) -> bool:
         """Whether INT4/INT8 CPU rows dot int8-quantized activations (kernels.quantize_activations)."""
-        if str(self.cpu_activations).lower() == "auto" and self.dtype == "float32":
+        if normalize_activations(self.cpu_activations) == "auto" and self.dtype == "float32":
             return False  # the exact reference setting, as for --cpu-dense-method auto
         return int8_activations(self.cpu_activations)
 

@@ -88,7 +88,7 @@ FP32_PREFILL_THRESHOLD = 32
 # bench/RESULTS.md: V3 INT4 at 128 tokens 1.03 s vs 1.11 s, V2-Lite at ~48 tokens 0.86 s vs 1.00 s). Against
 # bf16 GEMMs (AVX512-BF16/AMX CPUs) the crossover is not measured yet: DEFAULT_PREFILL_THRESHOLD stays
 Q8_FP32_PREFILL_THRESHOLD = 128
-Q8_METHODS = ("INT4", "INT8", "RAWINT4")  # --kt-method values stored as INT4/INT8 rows (quant.INT_DOT_METHODS)
+Q8_METHODS = (*INT_DOT_METHODS, "RAWINT4")  # --kt-method values stored as INT4/INT8 rows
 
 
 def default_prefill_threshold(method: str, prefill_dtype: torch.dtype, int8_activations: bool = False) -> int:

@@ -87,11 +87,17 @@ ACTIVATIONS = ("auto", "int8", "fp32")
 INT_DOT_METHODS = ("INT4", "INT8")  # storage formats the int8-activation dot reads
 
 
-def int8_activations(setting: str) -> bool:
-    """Whether a --cpu-activations value (auto, int8, fp32; any case) means int8 activations on this CPU."""
+def normalize_activations(setting: str) -> str:
+    """A --cpu-activations value (any case) -> one of ACTIVATIONS."""
     key = str(setting).strip().lower()
     if key not in ACTIVATIONS:
         raise ConfigError(f"--cpu-activations {setting!r} is not supported; valid values: {', '.join(ACTIVATIONS)}")
+    return key
+
+
+def int8_activations(setting: str) -> bool:
+    """Whether a --cpu-activations value (auto, int8, fp32; any case) means int8 activations on this CPU."""
+    key = normalize_activations(setting)
     if key == "auto":
         from ktlite.kernels.cpu.kernels import int_dot_in_hardware  # numba code: imported on use only
 
