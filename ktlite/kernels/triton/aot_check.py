@@ -8,7 +8,7 @@ ttir -> ptx -> cubin pipeline runs on a CPU box; this is what the tests call in 
     python -m ktlite.kernels.triton.aot_check [--only mla|sparse_mla|gqa|moe|fp8|linear] [--arch 80 90]
 
 Configurations mirror the wrappers' GPU defaults at the largest MLA model's sizes (hidden 7168, 128 heads)
-with plain and packed-FP8 latent pools; GQA at head_dim 128 with groups of 8 to 16 query heads per kv head,
+with plain and packed-FP8 latent pools, and at the tiny test models' latent widths; GQA at head_dim 128 with groups of 8 to 16 query heads per kv head,
 bf16 and fp8 pools.
 """
 
@@ -24,6 +24,7 @@ from triton.compiler import ASTSource
 
 from ktlite.kernels.triton import decode_attn, extend_attn, fp8, gqa_decode_attn, gqa_extend_attn, moe, sparse_mla_attn
 from ktlite.kernels.triton import causal_conv_attn, gated_delta_attn
+from ktlite.kernels.triton.common import dot_width
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +67,13 @@ def configs(dt: str = "bf16") -> list[KernelConfig]:
     pools = ((dt, {"KV": f"*{dt}", "KVScale": f"*{dt}", "KVRope": f"*{dt}"}, dict(GROUP=1, PACKED=False), False, 80),
              ("fp8", {"KV": "*fp8e4nv", "KVScale": "*fp32", "KVRope": "*bf16"}, dict(GROUP=128, PACKED=True), False, 89),
              ("fp8 bytes", {"KV": "*u8", "KVScale": "*fp32", "KVRope": "*bf16"}, dict(GROUP=128, PACKED=True), True, 80))
-    for pool, latent, layout, bits, min_arch in pools:
+    # V3's widths, and the tiny test models' (kv_lora 32, rope 8: tiles widened by dot_width) on a plain pool
+    shapes = [(pool, 512, 64) for pool in pools] + [(pools[0], 32, 8)]
+    for (pool, latent, layout, bits, min_arch), kv_lora, rope in shapes:
         ptrs = {**mla, **latent}
-        dims = dict(KV_LORA=512, ROPE=64, BLOCK_C=512, BLOCK_R=64, **layout, E4M3_BITS=bits)
+        dims = dict(KV_LORA=kv_lora, ROPE=rope, BLOCK_C=dot_width(kv_lora), BLOCK_R=dot_width(rope), **layout,
+                    E4M3_BITS=bits)
+        pool = pool if kv_lora == 512 else f"{pool} (tiny: kv_lora {kv_lora}, rope {rope})"
         out += [
             KernelConfig("mla", f"decode stage1 {pool} pool", decode_attn._decode_stage1, ptrs,
                          dict(dims, BLOCK_H=16, BLOCK_N=32), min_arch=min_arch, floats=("qk_scale",)),

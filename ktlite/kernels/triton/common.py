@@ -11,6 +11,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INTERPRET = tl.constexpr(INTERPRET)
 
 
+def dot_width(n: int) -> int:
+    """Tile width for a dimension that a tl.dot contracts over: a power of two, and at least 16,
+    which a GPU compile demands (the interpreter does not, so tiny test shapes would pass it and
+    fail on a GPU). Loads mask the columns past `n`, so the extra width adds zeros."""
+    return max(16, triton.next_power_of_2(n))
+
+
 @triton.jit
 def dot(a, b, acc):
     """acc + a @ b with fp32 accumulation.

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ktlite.kernels.triton.common import dot
+from ktlite.kernels.triton.common import dot, dot_width
 from ktlite.kernels.triton.latent_tile import latent_operands, load_latent
 
 logger = logging.getLogger(__name__)
@@ -148,13 +148,13 @@ def mla_decode_triton(
     out = torch.empty(batch, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    block_c = triton.next_power_of_2(kv_lora_rank)
+    block_c = dot_width(kv_lora_rank)
     _decode_stage1[(batch, triton.cdiv(num_heads, block_h), splits)](
         q, *kv.pointers, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         sm_scale * _LOG2E, num_heads, splits,
         q.stride(0), q.stride(1), *kv.strides, req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        KV_LORA=kv_lora_rank, ROPE=rope, BLOCK_C=block_c, BLOCK_R=triton.next_power_of_2(max(rope, 1)),
+        KV_LORA=kv_lora_rank, ROPE=rope, BLOCK_C=block_c, BLOCK_R=dot_width(rope),
         BLOCK_H=block_h, BLOCK_N=block_n, **kv.constexprs,
         num_warps=num_warps, num_stages=num_stages,
     )

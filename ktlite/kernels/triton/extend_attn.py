@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ktlite.kernels.triton.common import dot
+from ktlite.kernels.triton.common import dot, dot_width
 from ktlite.kernels.triton.latent_tile import latent_operands, load_latent
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ def mla_extend_triton(
         sm_scale * _LOG2E, num_heads,
         q.stride(0), q.stride(1), *kv.strides, req_to_token.stride(0), out.stride(0), out.stride(1),
         KV_LORA=kv_lora_rank, ROPE=rope,
-        BLOCK_C=triton.next_power_of_2(kv_lora_rank), BLOCK_R=triton.next_power_of_2(max(rope, 1)),
+        BLOCK_C=dot_width(kv_lora_rank), BLOCK_R=dot_width(rope),
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_N=block_n, **kv.constexprs,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ktlite.kernels.triton.common import dot
+from ktlite.kernels.triton.common import dot, dot_width
 
 logger = logging.getLogger(__name__)
 
@@ -307,7 +307,7 @@ def gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     # shared memory than an SM has (~230 KB at dk = dv = 128, any block_v)
     fp32_gpu = q.is_cuda and q.dtype == torch.float32
     mode = mode or ("recurrent" if num_tokens <= batch or fp32_gpu else "chunked")
-    block_k = max(16, triton.next_power_of_2(dk))  # tl.dot needs every dimension >= 16
+    block_k = dot_width(dk)
     block_v = block_v or min(64, max(16, triton.next_power_of_2(dv)))
     starts = torch.cumsum(extend_lens, 0) - extend_lens
     reset_i = reset.to(torch.int32)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ktlite.kernels.triton.common import cast_like, dot
+from ktlite.kernels.triton.common import cast_like, dot, dot_width
 from ktlite.kernels.triton.decode_attn import _decode_stage2, default_num_kv_splits
 from ktlite.kernels.triton.fp8 import _e4m3_bits_to_f16
 
@@ -158,7 +158,7 @@ def gqa_decode_triton(
         sm_scale * k_scale * _LOG2E, v_scale, group, splits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=triton.next_power_of_2(head_d), BLOCK_DV=block_dv,
+        HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=dot_width(head_d), BLOCK_DV=block_dv,
         BLOCK_H=block_h, BLOCK_N=block_n, E4M3_BITS=bits,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ktlite.kernels.triton.common import dot
+from ktlite.kernels.triton.common import dot, dot_width
 from ktlite.kernels.triton.gqa_decode_attn import fp8_kv_args, kv_tile
 
 logger = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ def gqa_extend_triton(
         sm_scale * k_scale * _LOG2E, v_scale, group,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), req_to_token.stride(0),
         out.stride(0), out.stride(1),
-        HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=triton.next_power_of_2(head_d),
+        HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=dot_width(head_d),
         BLOCK_DV=triton.next_power_of_2(head_dv),
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_N=block_n, E4M3_BITS=bits,
         num_warps=num_warps, num_stages=num_stages,

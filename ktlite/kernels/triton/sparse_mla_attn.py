@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ktlite.kernels.triton.common import dot
+from ktlite.kernels.triton.common import dot, dot_width
 from ktlite.kernels.triton.decode_attn import _decode_stage2, default_num_kv_splits
 from ktlite.kernels.triton.latent_tile import latent_operands, load_latent
 
@@ -132,8 +132,8 @@ def sparse_mla_triton(
     splits = num_splits or min(default_num_kv_splits(num_tokens, num_heads, q.device, block_h),
                                max(1, triton.cdiv(topk, block_n)))
     split_len = triton.cdiv(triton.cdiv(topk, splits), block_n) * block_n  # whole tiles per chunk
-    block_c = triton.next_power_of_2(kv_lora_rank)
-    dims = dict(KV_LORA=kv_lora_rank, ROPE=rope, BLOCK_C=block_c, BLOCK_R=triton.next_power_of_2(max(rope, 1)),
+    block_c = dot_width(kv_lora_rank)
+    dims = dict(KV_LORA=kv_lora_rank, ROPE=rope, BLOCK_C=block_c, BLOCK_R=dot_width(rope),
                 BLOCK_H=block_h, BLOCK_N=block_n, **kv.constexprs)
     grid = (num_tokens, triton.cdiv(num_heads, block_h), splits)
     common = (q, *kv.pointers, topk_slots)
