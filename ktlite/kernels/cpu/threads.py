@@ -3,13 +3,24 @@
 Each pool is one Python worker thread that calls the parallel (prange) kernels with its own share
 of the threads (`numba.set_num_threads` is per calling thread). Several pools, or a pool and the
 caller, then launch parallel regions at the same time, which numba's default 'workqueue' layer does
-not allow (it aborts the process), so the layer is switched to a thread-safe one ('tbb' or 'omp')
-before numba starts its first parallel region. If some other code already started 'workqueue',
-kernel launches are serialised with a lock instead (correct, but pools no longer overlap).
+not allow (it aborts the process), so the layer is switched to a thread-safe one before numba starts
+its first parallel region: 'tbb' where the `tbb` package is installed (a dependency on x86-64), else
+'omp'. If some other code already started 'workqueue', kernel launches are serialised with a lock
+instead (correct, but pools no longer overlap).
+
+Why tbb first: the engine launches its kernels from its forward thread, not the process's initial
+thread, and there GNU OpenMP's team workers went to sleep between parallel regions and each region
+waited ~0.5-2 ms for them to wake (measured on a 2-core Xeon VM: a tiny kernel took 1.4 ms from a
+second thread, 55 us from the initial one; an 8-layer V2-Lite-shaped CPU-only decode step 94 ms, the
+same layers at tiny widths 77 ms). With TBB's shared arena: 80 us, 52 ms and 13 ms (bench/RESULTS.md).
+pip's `tbb` wheel puts libtbb.so.12 under <prefix>/lib, off the loader's path, so it is loaded by
+its full path before numba looks for it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib.metadata
 import logging
 import os
 import threading
@@ -22,10 +33,29 @@ from numba.np.ufunc import parallel as _numba_parallel
 logger = logging.getLogger(__name__)
 
 
+def load_tbb() -> bool:
+    """Load the `tbb` package's libtbb.so.12 (RTLD_GLOBAL: numba's tbbpool then finds it by its soname);
+    False where the package is not installed or its library does not load."""
+    try:
+        files = importlib.metadata.files("tbb") or []
+        dist = importlib.metadata.distribution("tbb")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    for f in files:
+        if f.name == "libtbb.so.12":
+            try:
+                ctypes.CDLL(str(dist.locate_file(f)), mode=ctypes.RTLD_GLOBAL)
+                return True
+            except OSError as exc:
+                logger.warning("the tbb package's %s does not load (%s): numba uses OpenMP threads", f, exc)
+    return False
+
+
 def ensure_threadsafe_layer() -> bool:
-    """Pick a thread-safe numba threading layer if still possible; True if launches may overlap."""
+    """Pick a thread-safe numba threading layer if still possible ('tbb' if it loads, else 'omp': see the
+    module docstring); True if launches may overlap. NUMBA_THREADING_LAYER, if set, is left alone."""
     if not _numba_parallel._is_initialized and "NUMBA_THREADING_LAYER" not in os.environ:
-        numba.config.THREADING_LAYER = "threadsafe"
+        numba.config.THREADING_LAYER = "tbb" if load_tbb() else "threadsafe"  # threadsafe: tbb, else omp
     if not _numba_parallel._is_initialized:
         return numba.config.THREADING_LAYER in ("threadsafe", "safe", "omp", "tbb")
     return numba.threading_layer() in ("omp", "tbb")
