@@ -23,9 +23,10 @@ from ktlite.cli import main
 from ktlite.config import EngineConfig
 from ktlite.errors import ConfigError
 from ktlite.kernels.cpu import dense_linear
-from ktlite.kernels.cpu.dense_linear import QuantizedLinear
+from ktlite.kernels.cpu.dense_linear import QuantizedHeads, QuantizedLinear
 from ktlite.kernels.cpu.quant import dequantize, quantize
-from ktlite.runtime.cpu_dense import GROUP_SIZE, apply_cpu_dense, eligible_linears, planned_weight_bytes, quantize_dense
+from ktlite.runtime.cpu_dense import (GROUP_SIZE, apply_cpu_dense, eligible_linears, head_matrix_owners,
+                                      planned_weight_bytes, quantize_dense)
 from ktlite.runtime.memory import WEIGHT_COMPONENTS, allocated_by_component
 from ktlite.runtime.models import build, load_config
 from ktlite.runtime.models.base import Embedding
@@ -69,6 +70,23 @@ def test_quantized_linear_equals_dequantized_matmul(method, tokens, bias):
     assert bool(((got16.double() - want16).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("method", ["INT8", "INT4"])
+@pytest.mark.parametrize("tokens", [1, 3, 37])
+@pytest.mark.parametrize("tile", [None, 2 * 40 * 100, 3 * 100])  # whole matrices, 2 per tile, 3 rows per tile
+def test_quantized_heads_equal_per_head_dequantized_matmuls(method, tokens, tile, monkeypatch):
+    """QuantizedHeads (MLA's W_UK / W_UV on a CPU device): head g of x [..., G, K] times its own W_g [N, K]."""
+    if tile is not None:
+        monkeypatch.setattr(dense_linear, "TILE_WEIGHTS", tile)
+    g = torch.Generator().manual_seed(tokens)
+    heads = QuantizedHeads.from_matrices(torch.randn(5, 40, 100, generator=g), method, GROUP_SIZE)
+    x = torch.randn(2, tokens, 5, 100, generator=g)
+    want = torch.einsum("btgk,gnk->btgn", x.double(), heads.dequantized().double())
+    got = heads(x)
+    assert got.dtype == torch.float32 and got.shape == (2, tokens, 5, 40)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert heads(x.bfloat16()).dtype == torch.bfloat16
+
+
 def test_quantized_linear_tiles_and_leading_dims(monkeypatch):
     """The matmul path in several dequantized tiles, for x [B, S, K]."""
     monkeypatch.setattr(dense_linear, "TILE_WEIGHTS", 3 * 64)  # 3 rows per tile: 7 tiles, the last partial
@@ -103,11 +121,25 @@ def prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in (9, 14)]
 
 
+class DenseHeads(nn.Module):
+    """Per-head matrices w [G, N, K] in torch: x [..., G, K] -> [..., G, N]."""
+
+    def __init__(self, w: torch.Tensor):
+        super().__init__()
+        self.register_buffer("w", w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("...gk,gnk->...gn", x, self.w.to(x.dtype))
+
+
 def dequantized_back(model: nn.Module) -> None:
-    """Swap every QuantizedLinear for an nn.Linear holding its dequantized weight (and bias)."""
+    """Swap every QuantizedLinear for an nn.Linear holding its dequantized weight (and bias), and every
+    QuantizedHeads for DenseHeads of its dequantized matrices."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, QuantizedLinear):
+            if type(child) is QuantizedHeads:
+                setattr(parent, name, DenseHeads(child.dequantized()))
+            elif isinstance(child, QuantizedLinear):
                 layer = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
                 with torch.no_grad():
                     layer.weight.copy_(child.dequantized())
@@ -123,14 +155,19 @@ def test_engine_quantizes_the_device_side_and_equals_its_dequantized_weights(cas
     flags = {**FLAGS, "cpu_dense_method": method.lower()}  # any case
     with Engine(str(path), **flags) as eng:
         model = eng.runtime.runner.model
-        assert {m.stored.method for m in model.modules() if isinstance(m, QuantizedLinear)} == {method}
-        # what stays torch: only the Linears a family lists in keep_linears (MLA's kv_b_proj)
-        kept = [f"{prefix}.{name}" for prefix, parent in model.named_modules()
-                for name, child in parent.named_children()
-                if isinstance(child, nn.Linear) and name in getattr(parent, "keep_linears", ())]
-        assert [name for name, m in model.named_modules() if isinstance(m, nn.Linear)] == kept
-        if arch.startswith("deepseek"):
-            assert kept == [f"model.layers.{i}.self_attn.kv_b_proj" for i in range(3)]
+        assert {m.stack.method for m in model.modules() if isinstance(m, QuantizedHeads)} == {method}
+        # no torch Linear stays: MLA's kv_b_proj (its keep_linears) became the per-head W_UK / W_UV
+        assert not any(isinstance(m, nn.Linear) for m in model.modules())
+        mla = [m for m in model.modules() if hasattr(m, "head_matrices")]
+        mla_family = arch.startswith("deepseek") or arch == "glm_moe_dsa"
+        assert len(mla) == (len(model.model.layers) if mla_family else 0) and (not mla_family or mla)
+        for attn in mla:
+            c = attn.cfg
+            assert attn.kv_b_proj is None
+            assert (attn.uk_heads.heads, attn.uk_heads.out_features, attn.uk_heads.in_features) == (
+                c.num_attention_heads, c.kv_lora_rank, c.qk_nope_head_dim)
+            assert (attn.uv_heads.heads, attn.uv_heads.out_features, attn.uv_heads.in_features) == (
+                c.num_attention_heads, c.v_head_dim, c.kv_lora_rank)
         assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.plan_component == "lm_head"
         assert type(model.model.embed_tokens) is Embedding
         assert all(m.weight.dtype == torch.float32 for m in model.modules() if isinstance(m, Router))
@@ -152,7 +189,7 @@ def test_engine_quantizes_the_device_side_and_equals_its_dequantized_weights(cas
         got = logits_of(eng, batch)  # prefill: matmul path (lm_head: one row per prompt, row dots)
         got_one = logits_of(eng, [[5]])  # one token: the row-dot kernel everywhere
         dequantized_back(model)
-        assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+        assert not any(isinstance(m, QuantizedHeads) for m in model.modules())
         want_tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
         want, want_one = logits_of(eng, batch), logits_of(eng, [[5]])
     assert_same_function(got, want)
@@ -170,7 +207,10 @@ def assert_same_function(got: torch.Tensor, want: torch.Tensor) -> None:
 def as_rank_shards_dequantized(model: nn.Module, shards: list[dict], method: str) -> None:
     """Give each eligible Linear of a TP=1 model the dequantized values the TP ranks compute with: a
     row-parallel weight (split along K) quantized per rank's column range, every other one whole (groups
-    run along K, so a split into rows changes nothing)."""
+    run along K, so a split into rows or heads changes nothing, and head matrices are quantized whole)."""
+    for _, module, matrices in list(head_matrix_owners(model)):
+        for name, w in matrices.items():
+            setattr(module, name, DenseHeads(dequantize(quantize(w, method, GROUP_SIZE))))
     for name, _, _, layer in eligible_linears(model):
         w = layer.weight.detach()
         cuts = sorted({rank[name + ".weight"][1:] for rank in shards
@@ -206,9 +246,11 @@ def test_tensor_parallel_ranks_quantize_their_shards(tiny_v3):
 
 
 def test_quantize_dense_frees_each_weight_as_it_goes(tiny_v3, monkeypatch):
-    """Peak RAM while quantizing: the full-precision model plus one layer's quantized copy, not two models."""
+    """Peak RAM while quantizing: the full-precision model plus one layer's quantized copy, not two models;
+    kv_b_proj, stored as per-head W_UK / W_UV, is freed too."""
     model = build(load_config(tiny_v3), "cpu", torch.float32, routed_experts=False)
     old = [weakref.ref(layer.weight) for _, _, _, layer in eligible_linears(model)]
+    head_sources = [weakref.ref(m.kv_b_proj.weight) for _, m, _ in head_matrix_owners(model)]
     alive = []
     from_linear = QuantizedLinear.from_linear
 
@@ -217,9 +259,9 @@ def test_quantize_dense_frees_each_weight_as_it_goes(tiny_v3, monkeypatch):
         return from_linear(*args, **kwargs)
 
     monkeypatch.setattr(QuantizedLinear, "from_linear", counting)
-    assert quantize_dense(model, "INT8") == len(old)
+    assert quantize_dense(model, "INT8") == len(old) + 2 * len(head_sources)  # W_UK and W_UV per MLA layer
     assert alive == list(range(len(old), 0, -1))  # each replaced weight freed before the next is quantized
-    assert all(ref() is None for ref in old)
+    assert all(ref() is None for ref in old + head_sources) and len(head_sources) == 3
 
 
 # ---- switching it off, and the flag ------------------------------------------------------------------

@@ -9,10 +9,13 @@ they are (in --dtype); auto (the default) is INT8 unless --dtype float32 asks fo
 (EngineConfig.cpu_dense_quantization). On CUDA nothing changes.
 
 Eligible: every `nn.Linear` (subclasses included, e.g. the lm_head) except those its parent module lists
-in `keep_linears` (layers whose weight a family reads as a matrix rather than calling the layer, like
-MLA's kv_b_proj, split into the absorbed W_UK / W_UV). Routers (`Router`, fp32), norms, embeddings (rows
-looked up, not multiplied) and FP8Linear layers (kept FP8 by --weight-dtype fp8) are not nn.Linear and
-stay as they are. Under tensor parallelism each rank quantizes its own shard after loading it.
+in `keep_linears` (layers whose weight a family reads as matrices rather than calling the layer, like
+MLA's kv_b_proj, split into the absorbed W_UK / W_UV). Such a parent offers those matrices through
+`head_matrices() -> {attribute: w [G, N, K]}`: each is stored as a QuantizedHeads module under that
+attribute (y[..., g, :] = x[..., g, :] @ w[g].T), which the parent then calls, and its keep_linears are
+dropped. Routers (`Router`, fp32), norms, embeddings (rows looked up, not multiplied) and FP8Linear layers
+(kept FP8 by --weight-dtype fp8) are not nn.Linear and stay as they are. Under tensor parallelism each
+rank quantizes its own shard after loading it.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 from ktlite.config import EngineConfig
-from ktlite.kernels.cpu.dense_linear import DenseWorkspace, QuantizedLinear
+from ktlite.kernels.cpu.dense_linear import DenseWorkspace, QuantizedHeads, QuantizedLinear
 from ktlite.kernels.cpu.quant import matrix_bytes
 from ktlite.runtime.memory import allocated_by_component, components_of
 
@@ -44,15 +48,31 @@ def eligible_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn
             yield f"{prefix}.{name}" if prefix else name, parent, name, getattr(parent, name)
 
 
+def head_matrix_owners(model: nn.Module) -> Iterator[tuple[str, nn.Module, dict[str, torch.Tensor]]]:
+    """(qualified name, module, its head_matrices()) of every module offering per-head matrices."""
+    for prefix, module in model.named_modules():
+        offer = getattr(module, "head_matrices", None)
+        matrices = offer() if offer is not None else {}
+        if matrices:
+            yield prefix, module, matrices
+
+
 def quantize_dense(model: nn.Module, method: str, group_size: int = GROUP_SIZE, int8_activations: bool = False) -> int:
     """Swap every eligible Linear of `model` (weights loaded, on the CPU) for a QuantizedLinear in `method`
     (INT8 or INT4; dotted with int8 activations if asked), in place, one layer at a time (the full-precision
-    weight is freed as its replacement arrives); -> the number of layers swapped."""
+    weight is freed as its replacement arrives), and store every offered set of head matrices as
+    QuantizedHeads (dropping the Linears they came from); -> the number of layers and head stacks stored."""
     workspace = DenseWorkspace()
     count = 0
     for _, parent, name, layer in eligible_linears(model):
         setattr(parent, name, QuantizedLinear.from_linear(layer, method, group_size, workspace, int8_activations))
         count += 1
+    for _, module, matrices in list(head_matrix_owners(model)):
+        for name, w in matrices.items():
+            setattr(module, name, QuantizedHeads.from_matrices(w, method, group_size, workspace, int8_activations))
+            count += 1
+        for name in module.keep_linears:
+            setattr(module, name, None)
     return count
 
 
@@ -63,7 +83,7 @@ def apply_cpu_dense(model: nn.Module, config: EngineConfig) -> None:
         return
     int8 = config.cpu_int8_activations
     count = quantize_dense(model, method, int8_activations=int8)
-    logger.info("--cpu-dense-method %s: %d device-side linear layers quantized (group %d), %s activations", method,
+    logger.info("--cpu-dense-method %s: %d device-side linear layers / head stacks quantized (group %d), %s activations", method,
                 count, GROUP_SIZE, "int8" if int8 else "fp32")
 
 
@@ -77,4 +97,12 @@ def planned_weight_bytes(model: nn.Module, method: str, group_size: int = GROUP_
         n, k = layer.weight.shape
         before = layer.weight.numel() * layer.weight.element_size()
         out[owner[f"{qualified}.weight"]] += matrix_bytes(method, group_size, n, k) - before
+    for prefix, module, matrices in head_matrix_owners(model):
+        for name in module.keep_linears:  # dropped
+            for pname, t in getattr(module, name).named_parameters():
+                out[owner[f"{prefix}.{name}.{pname}"]] -= t.numel() * t.element_size()
+        component = owner[f"{prefix}.{module.keep_linears[0]}.weight"]  # the module's own, as its head stacks'
+        for w in matrices.values():
+            heads, n, k = w.shape
+            out[component] += heads * matrix_bytes(method, group_size, n, k)
     return out

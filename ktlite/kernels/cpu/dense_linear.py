@@ -1,5 +1,6 @@
 """QuantizedLinear: a Linear layer whose weight is stored group-wise INT8/INT4 (quant.py) and run by the CPU
 expert kernels; the device-side layers of a CPU-only run (ktlite/runtime/cpu_dense.py swaps them in).
+QuantizedHeads, its base: a stack of such matrices applied per head (MLA's W_UK / W_UV).
 
 `y [..., N] = x [..., K] @ W.T (+ bias)` in x's dtype, W the stored (dequantized) values. Two paths, chosen
 by the token count T at the crossover of a CPU expert (moe.default_prefill_threshold: the trade-off is the
@@ -13,12 +14,13 @@ same, one matrix shared by T tokens):
 
 The few-token path is one kernel call that pads and quantizes x itself (each Python-side numpy step cost
 a few microseconds, ~50 calls per decode step). The matmul path's scratch (row buffers, the dequantized
-tile) lives in one DenseWorkspace per model that every QuantizedLinear shares, one set per calling
+tile) lives in one DenseWorkspace per model that every QuantizedLinear / QuantizedHeads shares, one set per calling
 thread, grown to the largest call and reused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import Callable
@@ -82,28 +84,95 @@ class DenseWorkspace:
         return found
 
 
-class QuantizedLinear(nn.Module):
-    """`nn.Linear` with its weight in a QuantizedWeight `[N, K]`; `output_op` (if any) is applied to the
-    output, as the replaced layer did after its matmul (the tensor-parallel lm_head's all-gather)."""
+class QuantizedHeads(nn.Module):
+    """Stacked matrices `W [G, N, K]` stored group-wise INT8/INT4, each applied to its own slice of the input:
+    `y [..., G, N]`, `y[..., g, :] = x[..., g, :] @ W_g.T`, in x's dtype. MLA's per-head W_UK / W_UV on a
+    CPU device (cpu_dense.py), and with G = 1 the base of QuantizedLinear."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, workspace: DenseWorkspace | None = None,
-                 output_op: Callable[[torch.Tensor], torch.Tensor] | None = None, int8_activations: bool = False):
+    def __init__(self, weight: QuantizedWeight, workspace: DenseWorkspace | None = None, int8_activations: bool = False):
         super().__init__()
-        if weight.qweight.ndim != 2:
-            raise ValueError(f"QuantizedLinear takes one [N, K] matrix, got shape {weight.shape}")
-        self.stored = weight
-        self.out_features, self.in_features = weight.shape
+        if weight.qweight.ndim != 3:
+            raise ValueError(f"QuantizedHeads takes stacked [G, N, K] matrices, got shape {weight.shape}")
+        self.stack = weight
+        self.heads, self.out_features, self.in_features = weight.shape
         # buffers sharing the stored arrays' memory, so the memory plan's byte count sees them
         self.register_buffer("qweight", torch.from_numpy(weight.qweight), persistent=False)
         self.register_buffer("scales", torch.from_numpy(weight.scales), persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.workspace = workspace or DenseWorkspace()
-        self.output_op = output_op
         self.int8_activations = int8_activations  # the few-token path dots int8 activations (kernels.row_dot_q8)
         self._q8 = int8_activations and weight.method in INT_DOT_METHODS
         # tokens from which the matmul path wins, by the dtype it would run in
         self.gemm_tokens = {dt: default_prefill_threshold(weight.method, dt, int8_activations)
                             for dt in (torch.bfloat16, torch.float32)}
+
+    @classmethod
+    def from_matrices(cls, w: torch.Tensor, method: str, group_size: int, workspace: DenseWorkspace | None = None,
+                      int8_activations: bool = False) -> QuantizedHeads:
+        """`w [G, N, K]` quantized to `method` (INT8/INT4)."""
+        return cls(quantize(w.detach(), method, group_size), workspace, int8_activations)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weights `[G, N, K]` as the kernels compute with them."""
+        return dequantize(self.stack).to(dtype)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.heads}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"method={self.stack.method}, activations={'int8' if self.int8_activations else 'fp32'}, "
+                f"group_size={self.stack.group_size}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x.reshape(-1, self.heads, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, G, K] -> [T, G, N] in x's dtype, by the path that wins at T tokens."""
+        dtype = _matmul_dtype(x)
+        return self._rows(x) if x.shape[0] < self.gemm_tokens[dtype] else self._matmul(x, dtype)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Few tokens: the row-dot kernel on x in fp32 (it pads x to the stored row length itself)."""
+        w = self.stack
+        self.workspace.scratch()  # first call on a thread: sets its numba thread count (see _Scratch)
+        out = torch.empty(x.shape[0], self.heads, self.out_features)
+        xf = x if x.dtype == torch.float32 else x.float()
+        kernels.linear_rows(xf.contiguous().numpy(), w.qweight, w.scales, w.group_shift, w.kp, self._q8,
+                            numba.config.NUMBA_NUM_THREADS, out.numpy())
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def _matmul(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """More tokens: dequantize tile by tile (whole matrices where they fit, else rows of one) into `dtype`
+        and let torch multiply."""
+        w, scratch = self.stack, self.workspace.scratch()
+        heads, n, k = self.heads, self.out_features, self.in_features
+        xt = x.to(dtype).transpose(0, 1)  # [G, T, K]
+        out = torch.empty(heads, x.shape[0], n, dtype=dtype)
+        per_tile = max(1, min(heads, TILE_WEIGHTS // (n * k)))  # whole matrices per tile
+        tile_rows = n if per_tile > 1 else max(1, min(n, TILE_WEIGHTS // k))
+        tile = scratch.tensor("tile", per_tile * tile_rows * k, dtype)
+        rows = scratch.array("rows", (numba.config.NUMBA_NUM_THREADS, 2, w.kp), np.float32)
+        for g in range(0, heads, per_tile):
+            hg = slice(g, min(heads, g + per_tile))
+            for lo in range(0, n, tile_rows):
+                hi = min(n, lo + tile_rows)
+                gemm.stored_matmul(xt[hg], w.qweight[hg, lo:hi], w.scales[hg, lo:hi], w.group_shift, w.kp, k, rows,
+                                   tile, out[hg, :, lo:hi])
+        out = out.transpose(0, 1)
+        return out if dtype == x.dtype else out.to(x.dtype)
+
+
+class QuantizedLinear(QuantizedHeads):
+    """`nn.Linear` with its weight in a QuantizedWeight `[N, K]` (`stored`; the kernels see it as a stack of
+    one); `output_op` (if any) is applied to the output, as the replaced layer did after its matmul (the
+    tensor-parallel lm_head's all-gather)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, workspace: DenseWorkspace | None = None,
+                 output_op: Callable[[torch.Tensor], torch.Tensor] | None = None, int8_activations: bool = False):
+        if weight.qweight.ndim != 2:
+            raise ValueError(f"QuantizedLinear takes one [N, K] matrix, got shape {weight.shape}")
+        super().__init__(dataclasses.replace(weight, qweight=weight.qweight[None], scales=weight.scales[None]),
+                         workspace, int8_activations)
+        self.stored = weight
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.output_op = output_op
 
     @classmethod
     def from_linear(cls, layer: nn.Linear, method: str, group_size: int, workspace: DenseWorkspace | None = None,
@@ -120,7 +189,7 @@ class QuantizedLinear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight `[N, K]` as the kernels compute with it."""
-        return dequantize(self.stored).to(dtype)
+        return super().dequantized(dtype)[0]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, method={self.stored.method}, "
@@ -128,35 +197,7 @@ class QuantizedLinear(nn.Module):
                 f"group_size={self.stored.group_size}, bias={self.bias is not None}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)  # [T, K]
-        dtype = _matmul_dtype(x2)
-        y = self._rows(x2) if x2.shape[0] < self.gemm_tokens[dtype] else self._matmul(x2, dtype)
+        y = self.project(x.reshape(-1, 1, self.in_features)).view(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             y.add_(self.bias)
-        y = y.view(*x.shape[:-1], self.out_features)
         return y if self.output_op is None else self.output_op(y)
-
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Few tokens: the row-dot kernel on x in fp32 (it pads x to the stored row length itself)."""
-        w = self.stored
-        self.workspace.scratch()  # first call on a thread: sets its numba thread count (see _Scratch)
-        out = torch.empty(x.shape[0], self.out_features)
-        xf = x if x.dtype == torch.float32 else x.float()
-        kernels.linear_rows(xf.contiguous().numpy(), w.qweight, w.scales, w.group_shift, w.kp, self._q8,
-                            numba.config.NUMBA_NUM_THREADS, out.numpy())
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
-
-    def _matmul(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """More tokens: dequantize tile by tile into `dtype` and let torch multiply."""
-        w, scratch = self.stored, self.workspace.scratch()
-        n, k = self.out_features, self.in_features
-        xc = x.to(dtype)
-        out = torch.empty(x.shape[0], n, dtype=dtype)
-        tile_rows = max(1, min(n, TILE_WEIGHTS // k))
-        tile = scratch.tensor("tile", tile_rows * k, dtype)
-        rows = scratch.array("rows", (numba.config.NUMBA_NUM_THREADS, 2, w.kp), np.float32)
-        for lo in range(0, n, tile_rows):
-            hi = min(n, lo + tile_rows)
-            gemm.stored_matmul(xc, w.qweight[lo:hi], w.scales[lo:hi], w.group_shift, w.kp, k, rows, tile,
-                               out[:, lo:hi])
-        return out if dtype == x.dtype else out.to(x.dtype)

@@ -10,6 +10,8 @@ hits saved, 5 % on V3 experts.)
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -40,11 +42,15 @@ def numpy_bits(t: torch.Tensor) -> np.ndarray:
 
 def stored_matmul(x: torch.Tensor, q: np.ndarray, s: np.ndarray, group_shift: int, kp: int, k: int,
                   scratch: np.ndarray, buf: torch.Tensor | None, out: torch.Tensor) -> None:
-    """out [m, N] = x [m, K] @ W.T for one stored matrix W (q/s [N, ...]) in x's dtype, W dequantized into
-    `buf` (flat, x's dtype, >= N * K elements; None for BF16 storage, whose rows are used in place)."""
-    dst = None if buf is None else numpy_bits(buf)[:q.shape[0] * k].reshape(q.shape[0], k)
-    w = dequant_matrix(q, s, group_shift, kp, k, x.dtype, scratch, dst)
-    torch.matmul(x, w.T, out=out)
+    """out [..., m, N] = x [..., m, K] @ W.T for one stored matrix W (q/s [N, ...]), or for a stack of them
+    (q/s [G, N, ...], x and out [G, m, ...]: matrix g for x[g]), in x's dtype, W dequantized into `buf` (flat,
+    x's dtype, >= G * N * K elements; None for BF16 storage, whose rows are used in place)."""
+    lead = q.shape[:-1]  # ([G,] N)
+    rows = math.prod(lead)
+    dst = None if buf is None else numpy_bits(buf)[:rows * k].reshape(rows, k)
+    w = dequant_matrix(q.reshape(rows, q.shape[-1]), s.reshape(rows, s.shape[-1]), group_shift, kp, k, x.dtype,
+                       scratch, dst)
+    torch.matmul(x, w.view(*lead, k).transpose(-1, -2), out=out)
 
 
 def expert_mlp_matmul(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:

@@ -39,8 +39,8 @@ buffer and dots that with each token instead. Rows are split in chunks across th
 owns whole rows of `act`/`out`, so there are no races. For many tokens gemm.py's dequantize + oneDNN path is the faster one;
 `scatter_add_bf16` adds its bf16 expert outputs, weighted, into the fp32 result.
 
-`linear_rows` is the same GEMV for one plain matrix: the device-side Linear layers of a CPU-only run
-(dense_linear.py).
+`linear_rows` is the same GEMV for a stack of plain matrices, each with its own inputs: the device-side
+Linear layers (one matrix) and per-head matrices (MLA's W_UK / W_UV) of a CPU-only run (dense_linear.py).
 """
 
 from __future__ import annotations
@@ -216,13 +216,26 @@ def _int8_row_dot(typingctx, q, s, x, gs):
 # vpmaddwd by ones (-> 8 int32 lanes), one int -> fp32 convert and one FMA by s_group * xd[b]. Per 32
 # weights that is ~8 instructions against ~20 for the fp32 path, which left INT4 decode compute-bound
 # on AVX2 (60 % of bandwidth). Without AVX2 the same sums are spelled in generic IR (slower, exact).
+# With AVX-512BW the row is walked 64 bytes (two blocks) per instruction: one 512-bit multiply-add
+# (vpdpbusd where the CPU has AVX512-VNNI, else vpmaddubsw + vpmaddwd), 16 lanes whose halves get the
+# two blocks' scales, one FMA.
 
 _B32, _W16, _D8, _F8 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8), ir.VectorType(_F32, 8)
+_B64, _W32 = ir.VectorType(_I8, 64), ir.VectorType(_I16, 32)
 
 
 def int_dot_in_hardware() -> bool:
     """Whether the compile target has AVX2's byte/word multiply-adds (every x86-64 server CPU since 2013)."""
     return configure_numba().enabled("avx2")
+
+
+def int_dot_path() -> str:
+    """Which integer dot the INT4/INT8 rows compile to on this target: 'avx512-vnni' (vpdpbusd on 64 bytes),
+    'avx512bw' (vpmaddubsw + vpmaddwd on 64 bytes), 'avx2' (the same on 32 bytes) or 'generic-ir'."""
+    target = configure_numba()
+    if target.enabled("avx512bw"):
+        return "avx512-vnni" if target.enabled("avx512vnni") else "avx512bw"
+    return "avx2" if target.enabled("avx2") else "generic-ir"
 
 
 def _call(builder, name, ret, args):
@@ -253,6 +266,29 @@ def _block_dot(builder, w, x, w_signed):
     return builder.sitofp(p32, _F8)
 
 
+def _wide_block_dot(builder, w, x, w_signed):
+    """64 weight bytes w times 64 activation bytes x (two 32-blocks) with AVX-512BW -> 16 fp32 lanes: lanes
+    0-7 sum to the first block's dot product, 8-15 to the second's (exact: integer until the convert)."""
+    if w_signed:  # no 512-bit vpsignb: negate x where w < 0 (|x| <= 127, so no overflow), then |w|
+        x = builder.select(builder.icmp_signed("<", w, _cvec(_B64, 0)), builder.sub(_cvec(_B64, 0), x), x)
+        w = _call(builder, "llvm.abs.v64i8", _B64, [w, ir.Constant(ir.IntType(1), 0)])
+    if configure_numba().enabled("avx512vnni"):
+        d16 = ir.VectorType(_I32, 16)
+        p32 = _call(builder, "llvm.x86.avx512.vpdpbusd.512", d16,
+                    [_cvec(d16, 0), builder.bitcast(w, d16), builder.bitcast(x, d16)])
+    else:
+        p16 = _call(builder, "llvm.x86.avx512.pmaddubs.w.512", _W32, [w, x])
+        p32 = _call(builder, "llvm.x86.avx512.pmaddw.d.512", ir.VectorType(_I32, 16), [p16, _cvec(_W32, 1)])
+    return builder.sitofp(p32, _VF)
+
+
+def _halves(builder, a, b):
+    """16 fp32 lanes: a in lanes 0-7, b in lanes 8-15."""
+    two = builder.insert_element(builder.insert_element(ir.Constant(ir.VectorType(_F32, 2), ir.Undefined), a,
+                                                        ir.Constant(_I32, 0)), b, ir.Constant(_I32, 1))
+    return builder.shuffle_vector(two, two, ir.Constant(ir.VectorType(_I32, _LANES), [0] * 8 + [1] * 8))
+
+
 def _int_row_dot(w_signed):
     """row . x for an INT8 (w_signed) or INT4 row from int8 activations (xq, xd; xo: INT4's offset term
     8 xd[b] sum_b xq, so sum (q - 8) s x = sum s xd (q . xq) - sum s xo)."""
@@ -262,34 +298,51 @@ def _int_row_dot(w_signed):
                 and _is_vec(xq, types.int8) and _is_vec(xd, types.float32) and _is_vec(xo, types.float32)):
             return None
         sig = types.float32(q, s, xq, xd, xo, types.int64)
+        wide = int_dot_path().startswith("avx512")
+        acc_ty = _VF if wide else _F8
 
         def codegen(context, builder, sig, args):
             (qp, nb), (sp, _), (xqp, _), (xdp, _), (xop, _) = _arrays(context, builder, sig, args, 5)
             gs = args[5]
-            accs = [cgutils.alloca_once_value(builder, _cvec(_F8, 0.0)) for _ in range(2)]
+            accs = [cgutils.alloca_once_value(builder, _cvec(acc_ty, 0.0)) for _ in range(2)]
             off = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
 
-            def add_block(w, blk, acc):  # blk: index of the 32-weight block
-                k = builder.shl(blk, _c64(5))
-                f = _block_dot(builder, w, _vload(builder, xqp, k, _B32), w_signed)
-                sc = _load(builder, sp, builder.lshr(k, gs))
-                scale = builder.fmul(sc, _load(builder, xdp, blk))
-                builder.store(_vfma(builder, f, _splat(builder, scale, _F8), builder.load(acc)), acc)
+            def block_scale(blk):  # (weight scale, weight scale x activation scale) of 32-block blk
+                sc = _load(builder, sp, builder.lshr(builder.shl(blk, _c64(5)), gs))
                 if not w_signed:
                     builder.store(builder.fma(sc, _load(builder, xop, blk), builder.load(off)), off)
+                return builder.fmul(sc, _load(builder, xdp, blk))
+
+            def add_block(w, blk, acc):  # 32 weights of block blk
+                f = _block_dot(builder, w, _vload(builder, xqp, builder.shl(blk, _c64(5)), _B32), w_signed)
+                builder.store(_vfma(builder, f, _splat(builder, block_scale(blk), _F8), builder.load(acc)), acc)
+
+            def add_pair(w, blk, acc):  # 64 weights of blocks blk, blk + 1
+                f = _wide_block_dot(builder, w, _vload(builder, xqp, builder.shl(blk, _c64(5)), _B64), w_signed)
+                scales = _halves(builder, block_scale(blk), block_scale(builder.add(blk, _c64(1))))
+                builder.store(_vfma(builder, f, scales, builder.load(acc)), acc)
 
             with cgutils.for_range(builder, builder.lshr(nb, _c64(6))) as loop:  # 64 bytes a step
                 c = loop.index
                 b0 = builder.shl(c, _c64(6))
                 _prefetch(builder, qp, b0)
-                for h in range(2):
-                    raw = _vload(builder, qp, builder.add(b0, _c64(32 * h)), _B32)
-                    if w_signed:  # 64 weights: blocks 2c, 2c + 1
-                        add_block(raw, builder.add(builder.shl(c, _c64(1)), _c64(h)), accs[h])
-                    else:  # 128 weights: low nibbles are blocks 4c, 4c + 1, high nibbles 4c + 2, 4c + 3
+                if wide:  # INT8: blocks 2c, 2c + 1; INT4: low nibbles 4c, 4c + 1, high nibbles 4c + 2, 4c + 3
+                    raw = _vload(builder, qp, b0, _B64)
+                    if w_signed:
+                        add_pair(raw, builder.shl(c, _c64(1)), accs[0])
+                    else:
                         c4 = builder.shl(c, _c64(2))
-                        add_block(builder.and_(raw, _cvec(_B32, 15)), builder.add(c4, _c64(h)), accs[0])
-                        add_block(builder.lshr(raw, _cvec(_B32, 4)), builder.add(c4, _c64(2 + h)), accs[1])
+                        add_pair(builder.and_(raw, _cvec(_B64, 15)), c4, accs[0])
+                        add_pair(builder.lshr(raw, _cvec(_B64, 4)), builder.add(c4, _c64(2)), accs[1])
+                else:
+                    for h in range(2):  # 32 bytes a half
+                        raw = _vload(builder, qp, builder.add(b0, _c64(32 * h)), _B32)
+                        if w_signed:
+                            add_block(raw, builder.add(builder.shl(c, _c64(1)), _c64(h)), accs[h])
+                        else:
+                            c4 = builder.shl(c, _c64(2))
+                            add_block(builder.and_(raw, _cvec(_B32, 15)), builder.add(c4, _c64(h)), accs[0])
+                            add_block(builder.lshr(raw, _cvec(_B32, 4)), builder.add(c4, _c64(2 + h)), accs[1])
             tot = _hsum(builder, builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
             return tot if w_signed else builder.fsub(tot, builder.load(off))
 
@@ -810,34 +863,42 @@ def _activation_views(x, q8):
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def linear_rows(x, q, s, group_shift, kp, q8, threads, out):
-    """out [T, N] fp32 = x @ W.T for one stored matrix W (q/s [N, ...], any storage format, rows of kp
-    weights): the device-side Linear layers of a CPU-only run (dense_linear.py). x [T, K] fp32 (K <= kp;
-    padded with zeros here, where it costs no Python); q8 as in moe_rows; threads: numba's thread count (the
-    per-thread row buffers). As moe_rows for one expert:
-    parallel over chunks of output rows, each row dotted from its stored bytes with every token, or (fp32
-    activations) from DECODE_ONCE_TOKENS tokens on, decoded once into fp32 and dotted from there."""
-    tokens = x.shape[0]
-    rows = q.shape[0]
-    xp = np.zeros((tokens, kp), np.float32)
-    xp[:, :x.shape[1]] = x
+    """out [T, G, N] fp32: out[t, g] = W_g @ x[t, g] for G stacked matrices W_g (q/s [G, N, ...], any storage
+    format, rows of kp weights): the device-side Linear layers (G = 1) and per-head matrices (MLA's W_UK /
+    W_UV, G = heads) of a CPU-only run (dense_linear.py). x [T, G, K] fp32 (K <= kp; padded with zeros here,
+    where it costs no Python); q8 as in moe_rows; threads: numba's thread count (the per-thread row buffers).
+    As moe_rows for one expert: parallel over chunks of output rows of every matrix, each row dotted from its
+    stored bytes with every token, or (fp32 activations) from DECODE_ONCE_TOKENS tokens on, decoded once into
+    fp32 and dotted from there."""
+    tokens, groups = x.shape[0], x.shape[1]
+    rows = q.shape[1]
+    xp = np.zeros((tokens * groups, kp), np.float32)  # row t * groups + g: token t's input to matrix g
+    for t in range(tokens):
+        for g in range(groups):
+            xp[t * groups + g, :x.shape[2]] = x[t, g]
     xs, xq, xd, xo = _activation_views(xp, q8)
     once = not q8 and tokens >= DECODE_ONCE_TOKENS
     # row buffers allocated before the parallel region (inside it they page-faulted: see moe_rows)
     scratch = np.empty((threads if once else 0, kp), np.float32)
-    for c in prange((rows + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK):
+    chunks = (rows + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
+    for task in prange(groups * chunks):
+        g = task // chunks
+        c = task - g * chunks
         for n in range(c * ROWS_PER_CHUNK, min(rows, (c + 1) * ROWS_PER_CHUNK)):
-            qr, sr = q[n], s[n]
+            qr, sr = q[g, n], s[g, n]
             if once:
                 buf = scratch[get_thread_id()]
                 decode_row(qr, sr, buf, group_shift)
                 for t in range(tokens):
-                    out[t, n] = _f32_dot(buf, xp[t])
+                    out[t, g, n] = _f32_dot(buf, xp[t * groups + g])
             elif q8:
                 for t in range(tokens):
-                    out[t, n] = row_dot_q8(qr, sr, xp[t], xs[t], xq[t], xd[t], xo[t], group_shift)
+                    r = t * groups + g
+                    out[t, g, n] = row_dot_q8(qr, sr, xp[r], xs[r], xq[r], xd[r], xo[r], group_shift)
             else:
                 for t in range(tokens):
-                    out[t, n] = row_dot(qr, sr, xp[t], xs[t], group_shift)
+                    r = t * groups + g
+                    out[t, g, n] = row_dot(qr, sr, xp[r], xs[r], group_shift)
 
 
 @njit(parallel=True, nogil=True, cache=True)

@@ -61,7 +61,7 @@ def per_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 class MLAttention(nn.Module):
     plan_component = "attention"
-    keep_linears = ("kv_b_proj",)  # read as the W_UK / W_UV matrices, not called: the CPU dense path keeps it
+    keep_linears = ("kv_b_proj",)  # read as the W_UK / W_UV matrices, not called: see head_matrices
 
     def __init__(self, cfg: DeepseekConfig, rotary: RotaryEmbedding):
         super().__init__()
@@ -79,6 +79,10 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False)
+        # W_UK / W_UV as modules applying them per head, once the CPU dense path has stored them quantized
+        # (head_matrices); until then they are read from kv_b_proj
+        self.uk_heads: nn.Module | None = None
+        self.uv_heads: nn.Module | None = None
 
     def shard(self, prefix: str, tp, shards: dict) -> None:
         """Tensor parallel: heads split (q / kv_b column-parallel, o_proj row-parallel); q_a_proj,
@@ -110,18 +114,31 @@ class MLAttention(nn.Module):
         w = w.view(self.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
 
+    def head_matrices(self) -> dict[str, torch.Tensor]:
+        """The CPU dense path's protocol (cpu_dense.py): attribute -> per-head matrices [heads, N, K] (y = x @ W.T
+        per head) to be stored quantized as that attribute, replacing the keep_linears; {} where kv_b_proj is
+        not a plain Linear (FP8 weights stay FP8)."""
+        if not isinstance(self.kv_b_proj, nn.Linear):
+            return {}
+        w_uk, w_uv = self.w_uk_uv()
+        return {"uk_heads": w_uk.transpose(1, 2), "uv_heads": w_uv}
+
     def absorbed_query(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """q [..., heads, qk_head_dim] -> [..., heads, kv_lora_rank + qk_rope_head_dim] (W_UK folded in)."""
         c = self.cfg
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        w_uk, _ = self.w_uk_uv()
-        q_latent = per_head_matmul(q_nope, w_uk)
+        if self.uk_heads is None:
+            q_latent = per_head_matmul(q_nope, self.w_uk_uv()[0])
+        else:
+            q_latent = self.uk_heads(q_nope)
         return torch.cat((q_latent, self.rotary(q_pe, cos, sin)), dim=-1)
 
     def output(self, attn_latent: torch.Tensor) -> torch.Tensor:
         """attn_latent [..., heads, kv_lora_rank] -> [..., hidden] (W_UV then o_proj)."""
-        _, w_uv = self.w_uk_uv()
-        v = per_head_matmul(attn_latent, w_uv.transpose(1, 2))
+        if self.uv_heads is None:
+            v = per_head_matmul(attn_latent, self.w_uk_uv()[1].transpose(1, 2))
+        else:
+            v = self.uv_heads(attn_latent)
         return self.o_proj(v.flatten(-2))
 
     def store(self, pool, name: str, layer_idx: int, slots: torch.Tensor, values: torch.Tensor) -> None:
