@@ -554,8 +554,8 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> st
               "columns run the same code there and differ by as much).",
               "- The GEMV/oneDNN switch (moe.default_prefill_threshold) is 5 tokens per expert for INT4/INT8 with bf16 "
               "GEMMs and 32 with fp32 GEMMs (a CPU without native bf16: twice the dequantized bytes, half the GEMM speed); "
-              "with int8 activations and fp32 GEMMs it is 128: the integer row dots stay faster up to there (the "
-              "numba GEMV and deq+oneDNN columns above).",
+              "with int8 activations it is 128 against fp32 GEMMs and 24 against bf16 ones: the integer row dots stay "
+              "faster up to there (the numba GEMV and deq+oneDNN columns above).",
               "- Kept formats: FP8 decodes e4m3 in the row kernel (integer shifts + one multiply by 2^120), the same "
               "vector code as INT8; RAWINT4 is ktlite's INT4 with groups of 32; GGUF Q4_K/Q5_K/Q6_K/Q8_0 blocks are "
               "walked in the same vector IR, 16 codes at a time, with each sub-block's scale and min unpacked "

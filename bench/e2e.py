@@ -100,9 +100,12 @@ def bytes_per_decode_token(engine: Engine) -> int:
     """Bytes one decode step of one token must read: non-expert weights + k active CPU experts."""
     cfg = engine.runtime.runner.config
     held = allocated_by_component(engine.runtime.runner.model)  # quantized linears' buffers included
-    dense = sum(v for c, v in held.items() if c != "embeddings")  # an embedding lookup reads one row
+    # an embedding lookup reads one row; routed experts are counted at top-k below
+    dense = sum(v for c, v in held.items() if c not in ("embeddings", "gpu_experts"))
     cpu = engine.runtime.cpu_moe
-    per_expert = cpu.nbytes() / sum(len(l.experts) for l in cpu.layers.values())
+    # mean bytes of a routed expert over both stores (a large GPU may hold every expert, the CPU none)
+    on_cpu = cpu.nbytes() if cpu is not None else 0
+    per_expert = (on_cpu + held.get("gpu_experts", 0)) / (len(cfg.moe_layers) * cfg.n_routed_experts)
     return int(dense + len(cfg.moe_layers) * cfg.num_experts_per_tok * per_expert)
 
 

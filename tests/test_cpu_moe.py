@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -98,6 +103,10 @@ def test_default_prefill_dtype_follows_the_cpu(monkeypatch, native):
         # fp32 GEMMs (twice the dequantized bytes, half the speed) win only from more tokens per expert
         assert m.prefill_threshold == (moe_module.DEFAULT_PREFILL_THRESHOLD["INT8"] if native
                                        else moe_module.FP32_PREFILL_THRESHOLD)
+    # integer row dots on int8 activations stay faster for more tokens, against either GEMM
+    with CPUMoE("INT8", activations="int8") as m:
+        assert m.prefill_threshold == (moe_module.Q8_BF16_PREFILL_THRESHOLD if native
+                                       else moe_module.Q8_FP32_PREFILL_THRESHOLD)
 
 
 def bf16_reference(moe: CPUMoE, x, ids, w) -> torch.Tensor:
@@ -292,3 +301,34 @@ def test_pairs_grouped_by_pool_then_slot_then_token(pools):
     skip[4] = False  # expert 4 is selected, not stored, not skipped: reported
     assert moe_module._group_pairs(ids.numpy(), weights.numpy(), slot_of.numpy(), pool_of.numpy(), skip.numpy(),
                                    pools)[-1] == 4
+
+
+_LAYER_SCRIPT = """
+import numba, torch
+from ktlite.kernels.cpu.quant import quantize
+quantize(torch.randn(8, 64), "INT4", 32)  # a parallel kernel: numba starts its threading layer
+print(numba.threading_layer())
+"""
+
+
+def _tbb_installed() -> bool:
+    try:
+        importlib.metadata.distribution("tbb")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("asked", [None, "tbb", "omp"])
+def test_threading_layer(asked):
+    """tbb wherever the tbb package is installed (threads.py: OpenMP's sleeping workers cost ~1 ms a parallel
+    region launched from the engine's thread), also when NUMBA_THREADING_LAYER asks for it (numba alone would not
+    find the wheel's library); omp when asked for."""
+    if asked != "omp" and not _tbb_installed():
+        pytest.skip("the tbb package is not installed (a dependency on x86-64 only)")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    if asked:
+        env["NUMBA_THREADING_LAYER"] = asked
+    res = subprocess.run([sys.executable, "-c", _LAYER_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split()[-1] == (asked or "tbb")

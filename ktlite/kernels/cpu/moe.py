@@ -85,17 +85,20 @@ DEFAULT_PREFILL_THRESHOLD = {"INT4": 5, "INT8": 5, "BF16": 4, "FP8": 5, "RAWINT4
 # half the speed: on a Zen 3 the fused kernel stayed faster up to ~32 tokens per expert (bench/RESULTS.md)
 FP32_PREFILL_THRESHOLD = 32
 # int8 activations against fp32 GEMMs: the integer row dots stayed faster up to 128 tokens per expert (Zen 3,
-# bench/RESULTS.md: V3 INT4 at 128 tokens 1.03 s vs 1.11 s, V2-Lite at ~48 tokens 0.86 s vs 1.00 s). Against
-# bf16 GEMMs (AVX512-BF16/AMX CPUs) the crossover is not measured yet: DEFAULT_PREFILL_THRESHOLD stays
+# bench/RESULTS.md: V3 INT4 at 128 tokens 1.03 s vs 1.11 s, V2-Lite at ~48 tokens 0.86 s vs 1.00 s)
 Q8_FP32_PREFILL_THRESHOLD = 128
+# against bf16 GEMMs (a 2-core AVX512-BF16 Xeon, bench/RESULTS.md): the AVX-512 integer row dots won at 12 tokens
+# per expert (V2-Lite INT4 168 vs 241 ms), tied at 32 (V3: 244-286 vs 252-269 ms), lost at 48 (682 vs 486 ms)
+Q8_BF16_PREFILL_THRESHOLD = 24
 Q8_METHODS = (*INT_DOT_METHODS, "RAWINT4")  # --kt-method values stored as INT4/INT8 rows
 
 
 def default_prefill_threshold(method: str, prefill_dtype: torch.dtype, int8_activations: bool = False) -> int:
     """Tokens per expert (or per matrix) from which dequantize + torch.matmul beats the fused kernel."""
+    q8 = int8_activations and method in Q8_METHODS
     if prefill_dtype == torch.bfloat16:
-        return DEFAULT_PREFILL_THRESHOLD[method]
-    return Q8_FP32_PREFILL_THRESHOLD if int8_activations and method in Q8_METHODS else FP32_PREFILL_THRESHOLD
+        return Q8_BF16_PREFILL_THRESHOLD if q8 else DEFAULT_PREFILL_THRESHOLD[method]
+    return Q8_FP32_PREFILL_THRESHOLD if q8 else FP32_PREFILL_THRESHOLD
 # (token, expert) pairs per batch of the matmul path: bounds its buffers (V3: 4096 x 7168 bf16 = 58 MB)
 PAIR_BATCH = 4096
 Format = tuple[str, int]  # (storage format, group size) of a stored matrix, as quant.empty_quantized takes them

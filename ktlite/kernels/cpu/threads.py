@@ -54,8 +54,10 @@ def load_tbb() -> bool:
 def ensure_threadsafe_layer() -> bool:
     """Pick a thread-safe numba threading layer if still possible ('tbb' if it loads, else 'omp': see the
     module docstring); True if launches may overlap. NUMBA_THREADING_LAYER, if set, is left alone."""
-    if not _numba_parallel._is_initialized and "NUMBA_THREADING_LAYER" not in os.environ:
-        numba.config.THREADING_LAYER = "tbb" if load_tbb() else "threadsafe"  # threadsafe: tbb, else omp
+    if not _numba_parallel._is_initialized:
+        tbb = load_tbb()  # also where NUMBA_THREADING_LAYER asks for tbb: numba alone would not find it
+        if "NUMBA_THREADING_LAYER" not in os.environ:
+            numba.config.THREADING_LAYER = "tbb" if tbb else "threadsafe"  # threadsafe: tbb, else omp
     if not _numba_parallel._is_initialized:
         return numba.config.THREADING_LAYER in ("threadsafe", "safe", "omp", "tbb")
     return numba.threading_layer() in ("omp", "tbb")
