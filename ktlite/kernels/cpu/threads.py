@@ -20,6 +20,7 @@ its full path before numba looks for it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.metadata
 import logging
 import os
@@ -33,6 +34,7 @@ from numba.np.ufunc import parallel as _numba_parallel
 logger = logging.getLogger(__name__)
 
 
+@functools.cache  # one look (and at most one warning) per process
 def load_tbb() -> bool:
     """Load the `tbb` package's libtbb.so.12 (RTLD_GLOBAL: numba's tbbpool then finds it by its soname);
     False where the package is not installed or its library does not load."""
