@@ -249,3 +249,18 @@ def test_compiled_cpu_decode(splits: int, heads: int) -> None:
     got = torch.einsum("nhc,hdc->nhd", out.double(), w_uv.double())
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
     torch.testing.assert_close(out, mla_decode_torch(*args), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("shared, heads, want", [(232448, 128, (64, 64, 8)), (232448, 16, (16, 64, 8)),
+                                                 (166912, 32, (32, 64, 8)), (101376, 128, (16, 32, 4))])
+def test_decode_tiles_follow_the_gpu_shared_memory(monkeypatch, shared, heads, want):
+    """Wide stage-1 tiles (147-148 KB of shared memory) only where the GPU has that much per block; the head block
+    never exceeds the (power-of-two rounded, >= 16) head count; the CPU (interpreter) keeps the narrow tiles."""
+    from types import SimpleNamespace
+
+    from ktlite.kernels.triton import decode_attn
+
+    props = SimpleNamespace(shared_memory_per_block_optin=shared, major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert decode_attn.stage1_tiles(torch.device("cuda", 0), heads) == want
+    assert decode_attn.stage1_tiles(torch.device("cpu"), heads) == decode_attn.NARROW_TILES

@@ -43,6 +43,7 @@ class KernelConfig:
     num_stages: int = 2
     min_arch: int = 80
     floats: tuple[str, ...] = field(default=())  # fp32 scalar args
+    min_shared: int = 0  # launched only on GPUs with this much shared memory per block (skipped for the others)
 
     def signature(self) -> dict[str, str]:
         sig = {}
@@ -74,9 +75,13 @@ def configs(dt: str = "bf16") -> list[KernelConfig]:
         dims = dict(KV_LORA=kv_lora, ROPE=rope, BLOCK_C=dot_width(kv_lora), BLOCK_R=dot_width(rope), **layout,
                     E4M3_BITS=bits)
         pool = pool if kv_lora == 512 else f"{pool} (tiny: kv_lora {kv_lora}, rope {rope})"
+        (nh, nn, nw), (wh, wn, ww) = decode_attn.NARROW_TILES, decode_attn.WIDE_TILES
         out += [
             KernelConfig("mla", f"decode stage1 {pool} pool", decode_attn._decode_stage1, ptrs,
-                         dict(dims, BLOCK_H=16, BLOCK_N=32), min_arch=min_arch, floats=("qk_scale",)),
+                         dict(dims, BLOCK_H=nh, BLOCK_N=nn), num_warps=nw, min_arch=min_arch, floats=("qk_scale",)),
+            KernelConfig("mla", f"decode stage1 {pool} pool, wide tiles", decode_attn._decode_stage1, ptrs,
+                         dict(dims, BLOCK_H=wh, BLOCK_N=wn), num_warps=ww, min_arch=min_arch, floats=("qk_scale",),
+                         min_shared=decode_attn.WIDE_SHARED_BYTES),
             KernelConfig("mla", f"extend {pool} pool", extend_attn._extend_kernel, ptrs,
                          dict(dims, BLOCK_T=2, BLOCK_H=16, BLOCK_N=32), num_warps=8, num_stages=1, min_arch=min_arch,
                          floats=("qk_scale",)),
@@ -180,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and cfg.family != args.only:
             continue
         for arch in args.arch:
-            if arch < cfg.min_arch:
+            if arch < cfg.min_arch or _SHARED_LIMIT.get(arch, min(_SHARED_LIMIT.values())) < cfg.min_shared:
                 continue
             start = time.perf_counter()
             try:
