@@ -225,8 +225,12 @@ def main() -> None:
         rows.append(("transformers generate", "batch 1, bf16", f"{hf:.2f} tok/s", f"ktlite is {ours / hf:.1f}x"))
 
     head = (f"## End to end (bench/e2e.py --arch {args.arch})\n{ARCHS[args.arch]} shapes cut to {args.layers} layers, random weights, "
-            f"CPU experts {args.kt_method}, device side on CPU with its linear layers {dense} (--cpu-dense-method "
-            f"{args.cpu_dense_method}), {'int8' if config.cpu_int8_activations else 'fp32'} activations for INT4/INT8 "
+            f"CPU experts {args.kt_method}, " + (
+                f"device side on CPU with its linear layers {dense} (--cpu-dense-method {args.cpu_dense_method}), "
+                if config.torch_device.type == "cpu" else
+                f"device side on {config.torch_device} in {str(config.torch_dtype).removeprefix('torch.')} "
+                f"(GPU experts as the plan places them; the bound below is the CPU's, which does not apply), ") +
+            f"{'int8' if config.cpu_int8_activations else 'fp32'} activations for INT4/INT8 "
             f"rows (--cpu-activations {args.cpu_activations}) "
             f"({cpu_model()}, torch threads {threads}).\n"
             f"Measured in the same run: memory bandwidth {bw:.1f} GB/s (numpy read, {threads} threads); one decode token reads "
