@@ -160,8 +160,7 @@ class QuantizedHeads(nn.Module):
 
 
 class QuantizedLinear(QuantizedHeads):
-    """`nn.Linear` with its weight in a QuantizedWeight `[N, K]` (`stored`; the kernels see it as a stack of
-    one); `output_op` (if any) is applied to the output, as the replaced layer did after its matmul (the
+    """`nn.Linear` with its weight in a QuantizedWeight `[N, K]` (held as `stack`, a stack of one); `output_op` (if any) is applied to the output, as the replaced layer did after its matmul (the
     tensor-parallel lm_head's all-gather)."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, workspace: DenseWorkspace | None = None,
@@ -170,7 +169,6 @@ class QuantizedLinear(QuantizedHeads):
             raise ValueError(f"QuantizedLinear takes one [N, K] matrix, got shape {weight.shape}")
         super().__init__(dataclasses.replace(weight, qweight=weight.qweight[None], scales=weight.scales[None]),
                          workspace, int8_activations)
-        self.stored = weight
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.output_op = output_op
 
@@ -192,9 +190,9 @@ class QuantizedLinear(QuantizedHeads):
         return super().dequantized(dtype)[0]
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, method={self.stored.method}, "
+        return (f"in_features={self.in_features}, out_features={self.out_features}, method={self.stack.method}, "
                 f"activations={'int8' if self.int8_activations else 'fp32'}, "
-                f"group_size={self.stored.group_size}, bias={self.bias is not None}")
+                f"group_size={self.stack.group_size}, bias={self.bias is not None}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.project(x.reshape(-1, 1, self.in_features)).view(*x.shape[:-1], self.out_features)

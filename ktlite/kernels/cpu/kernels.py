@@ -226,7 +226,7 @@ _B64, _W32 = ir.VectorType(_I8, 64), ir.VectorType(_I16, 32)
 
 def int_dot_in_hardware() -> bool:
     """Whether the compile target has AVX2's byte/word multiply-adds (every x86-64 server CPU since 2013)."""
-    return configure_numba().enabled("avx2")
+    return int_dot_path() != "generic-ir"
 
 
 def int_dot_path() -> str:
@@ -272,7 +272,7 @@ def _wide_block_dot(builder, w, x, w_signed):
     if w_signed:  # no 512-bit vpsignb: negate x where w < 0 (|x| <= 127, so no overflow), then |w|
         x = builder.select(builder.icmp_signed("<", w, _cvec(_B64, 0)), builder.sub(_cvec(_B64, 0), x), x)
         w = _call(builder, "llvm.abs.v64i8", _B64, [w, ir.Constant(ir.IntType(1), 0)])
-    if configure_numba().enabled("avx512vnni"):
+    if int_dot_path() == "avx512-vnni":
         d16 = ir.VectorType(_I32, 16)
         p32 = _call(builder, "llvm.x86.avx512.vpdpbusd.512", d16,
                     [_cvec(d16, 0), builder.bitcast(w, d16), builder.bitcast(x, d16)])

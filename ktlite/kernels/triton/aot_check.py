@@ -24,12 +24,10 @@ from triton.compiler import ASTSource
 
 from ktlite.kernels.triton import decode_attn, extend_attn, fp8, gqa_decode_attn, gqa_extend_attn, moe, sparse_mla_attn
 from ktlite.kernels.triton import causal_conv_attn, gated_delta_attn
-from ktlite.kernels.triton.common import dot_width
+from ktlite.kernels.triton.common import dot_width, shared_bytes
 
 logger = logging.getLogger(__name__)
 
-# usable shared memory per block (bytes) by compute capability
-_SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 
 @dataclass
@@ -168,7 +166,7 @@ def compile_config(cfg: KernelConfig, arch: int) -> int:
         src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     )
     shared = kernel.metadata.shared
-    limit = _SHARED_LIMIT.get(arch, min(_SHARED_LIMIT.values()))
+    limit = shared_bytes(arch)
     if shared > limit:
         raise RuntimeError(f"needs {shared} B shared memory, sm{arch} allows {limit}")
     return shared
@@ -185,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and cfg.family != args.only:
             continue
         for arch in args.arch:
-            if arch < cfg.min_arch or _SHARED_LIMIT.get(arch, min(_SHARED_LIMIT.values())) < cfg.min_shared:
+            if arch < cfg.min_arch or shared_bytes(arch) < cfg.min_shared:
                 continue
             start = time.perf_counter()
             try:

@@ -11,6 +11,15 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INTERPRET = tl.constexpr(INTERPRET)
 
 
+# usable shared memory per block (bytes) by compute capability (10 * major + minor)
+SHARED_BYTES = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+
+
+def shared_bytes(arch: int) -> int:
+    """Shared memory per block on sm{arch}; an unknown arch gets the smallest of the table."""
+    return SHARED_BYTES.get(arch, min(SHARED_BYTES.values()))
+
+
 def dot_width(n: int) -> int:
     """Tile width for a dimension that a tl.dot contracts over: a power of two, and at least 16,
     which a GPU compile demands (the interpreter does not, so tiny test shapes would pass it and

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ktlite.kernels.triton.common import dot, dot_width
+from ktlite.kernels.triton.common import dot, dot_width, shared_bytes
 from ktlite.kernels.triton.latent_tile import latent_operands, load_latent
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,6 @@ def _decode_stage2(
 WIDE_TILES = (64, 64, 8)  # block_h (capped by the head count), block_n, num_warps
 NARROW_TILES = (16, 32, 4)
 WIDE_SHARED_BYTES = 150_000
-_SHARED_BY_CAPABILITY = {(8, 0): 166912, (9, 0): 232448}  # where torch does not report the opt-in limit
 
 
 def stage1_tiles(device: torch.device, num_heads: int) -> tuple[int, int, int]:
@@ -123,7 +122,8 @@ def stage1_tiles(device: torch.device, num_heads: int) -> tuple[int, int, int]:
     if device.type != "cuda":
         return NARROW_TILES
     props = torch.cuda.get_device_properties(device)
-    shared = getattr(props, "shared_memory_per_block_optin", 0) or _SHARED_BY_CAPABILITY.get((props.major, props.minor), 0)
+    # the table where torch does not report the opt-in limit
+    shared = getattr(props, "shared_memory_per_block_optin", 0) or shared_bytes(10 * props.major + props.minor)
     if shared < WIDE_SHARED_BYTES:
         return NARROW_TILES
     block_h, block_n, warps = WIDE_TILES
