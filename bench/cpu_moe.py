@@ -46,7 +46,7 @@ from ktlite.kernels.cpu.gemm import expert_mlp_matmul
 from ktlite.kernels.cpu.moe import Q8_METHODS, CPUMoE
 from ktlite.kernels.cpu.fp8 import fill_fp8_rows
 from ktlite.kernels.cpu.gguf_quants import BLOCKS
-from ktlite.kernels.cpu.target import configure_numba, native_bf16_matmul
+from ktlite.kernels.cpu.target import bf16_gemm_wins, configure_numba
 from ktlite.kernels.cpu.quant import (
     RAWINT4_GROUP,
     dequantize,
@@ -553,9 +553,10 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> st
               "land within a few % of each other, either side of it from run to run (the ktlite and deq+oneDNN "
               "columns run the same code there and differ by as much).",
               "- The GEMV/oneDNN switch (moe.default_prefill_threshold) is 5 tokens per expert for INT4/INT8 with bf16 "
-              "GEMMs and 32 with fp32 GEMMs (a CPU without native bf16: twice the dequantized bytes, half the GEMM speed); "
-              "with int8 activations it is 128 against fp32 GEMMs and 24 against bf16 ones: the integer row dots stay "
-              "faster up to there (the numba GEMV and deq+oneDNN columns above).",
+              "GEMMs and 32 with fp32 GEMMs (a CPU whose bf16 GEMM loses to fp32: twice the dequantized bytes); "
+              "with int8 activations it is 24 against bf16 GEMMs and, against fp32 ones, 64 with the AVX512-VNNI "
+              "tiles (128 with row dots): the integer kernels stay faster up to there (the numba GEMV and "
+              "deq+oneDNN columns above).",
               "- Kept formats: FP8 decodes e4m3 in the row kernel (integer shifts + one multiply by 2^120), the same "
               "vector code as INT8; RAWINT4 is ktlite's INT4 with groups of 32; GGUF Q4_K/Q5_K/Q6_K/Q8_0 blocks are "
               "walked in the same vector IR, 16 codes at a time, with each sub-block's scale and min unpacked "
@@ -620,10 +621,10 @@ def main() -> None:
               else [1, 16, 512] if args.quick else [1, 4, 16, 128, 512])
     budget = 0.3 if args.quick else 0.6
     threads = numba.config.NUMBA_NUM_THREADS
-    native = native_bf16_matmul()
+    native = bf16_gemm_wins()
     hw = {"prefill": "bf16" if native else "fp32",
-          "prefill_why": "this CPU multiplies bf16 in hardware" if native else "no AVX512-BF16/AMX here, where oneDNN's "
-                         "bf16 GEMM is ~3x its fp32",
+          "prefill_why": "oneDNN's bf16 GEMM beats its fp32 one on this CPU" if native else "oneDNN's bf16 GEMM is "
+                         "slower than its fp32 one on this CPU (target.bf16_gemm_wins)",
           "activations": "int8" if int8_activations("auto") else "fp32",
           "cpu": cpu_model(), "host": configure_numba().name, "cores": os.cpu_count(), "threads": threads,
           "load": " ".join(Path("/proc/loadavg").read_text().split()[:3]),

@@ -183,7 +183,9 @@ def _numba_target(flags: set[str]) -> Check:
         target = configure_numba()
     except Exception as exc:  # noqa: BLE001
         return Check("numba target", FAIL, f"numba/llvmlite do not import: {exc}", "pip install numba")
-    value = target.describe() + "; AMX is not used by Numba (torch's bf16 prefill matmuls use it)"
+    from ktlite.kernels.cpu.kernels import AMX
+
+    value = target.describe() + ("; the CPU experts' prefill runs on AMX-INT8 tiles" if AMX else "")
     wanted = ("avx512f", "avx512_vnni", "avx512_bf16")
     missing = [f for f in wanted if f in flags and not target.enabled(CPUINFO_TO_LLVM[f])]
     if missing:

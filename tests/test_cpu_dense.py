@@ -24,7 +24,7 @@ from ktlite.config import EngineConfig
 from ktlite.errors import ConfigError
 from ktlite.kernels.cpu import dense_linear
 from ktlite.kernels.cpu.dense_linear import QuantizedHeads, QuantizedLinear
-from ktlite.kernels.cpu.quant import dequantize, quantize
+from ktlite.kernels.cpu.quant import dequantize, int8_activation_values, quantize, relative_error
 from ktlite.runtime.cpu_dense import (GROUP_SIZE, apply_cpu_dense, eligible_linears, head_matrix_owners,
                                       planned_weight_bytes, quantize_dense)
 from ktlite.runtime.memory import WEIGHT_COMPONENTS, allocated_by_component
@@ -85,6 +85,17 @@ def test_quantized_heads_equal_per_head_dequantized_matmuls(method, tokens, tile
     assert got.dtype == torch.float32 and got.shape == (2, tokens, 5, 40)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     assert heads(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("method", ["INT8", "INT4"])
+def test_quantized_heads_int8_activations(method):
+    """Per-head matrices dotting int8 activations (with AVX512-VNNI: 4 x 4 tiles, each head's rows against its own
+    rows of x), against float64 math on the same quantized activations."""
+    g = torch.Generator().manual_seed(3)
+    heads = QuantizedHeads.from_matrices(torch.randn(5, 40, 100, generator=g), method, GROUP_SIZE, int8_activations=True)
+    x = torch.randn(6, 5, 100, generator=g)
+    want = torch.einsum("tgk,gnk->tgn", int8_activation_values(x), heads.dequantized().double())
+    assert relative_error(heads(x), want) < 1e-6
 
 
 def test_quantized_linear_tiles_and_leading_dims(monkeypatch):

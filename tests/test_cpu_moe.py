@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ktlite.errors import KtliteError
+from ktlite.kernels.cpu import kernels
 from ktlite.kernels.cpu import moe as moe_module
 from ktlite.kernels.cpu.moe import CPUMoE
 from ktlite.kernels.cpu.quant import dequantize, relative_error
@@ -96,17 +97,19 @@ def test_bf16_prefill_close(moe):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_default_prefill_dtype_follows_the_cpu(monkeypatch, native):
-    """bf16 GEMMs only where the CPU multiplies bf16 in hardware (elsewhere oneDNN's bf16 is ~3x its fp32)."""
-    monkeypatch.setattr(moe_module, "native_bf16_matmul", lambda: native)
+    """bf16 GEMMs only where they beat fp32 ones (without AVX512-BF16/AMX oneDNN's bf16 is ~3x its fp32)."""
+    monkeypatch.setattr(moe_module, "bf16_gemm_wins", lambda: native)
     with CPUMoE("INT8") as m:
         assert m.prefill_dtype == (torch.bfloat16 if native else torch.float32)
         # fp32 GEMMs (twice the dequantized bytes, half the speed) win only from more tokens per expert
         assert m.prefill_threshold == (moe_module.DEFAULT_PREFILL_THRESHOLD["INT8"] if native
                                        else moe_module.FP32_PREFILL_THRESHOLD)
-    # integer row dots on int8 activations stay faster for more tokens, against either GEMM
-    with CPUMoE("INT8", activations="int8") as m:
-        assert m.prefill_threshold == (moe_module.Q8_BF16_PREFILL_THRESHOLD if native
-                                       else moe_module.Q8_FP32_PREFILL_THRESHOLD)
+    # integer row dots on int8 activations stay faster for more tokens, against either GEMM; AMX tiles still more
+    with CPUMoE("INT8", 32, activations="int8") as m:  # groups of 32: no AMX tiles
+        fp32 = (moe_module.Q8_TILES_FP32_PREFILL_THRESHOLD if kernels.INT_TILES else moe_module.Q8_FP32_PREFILL_THRESHOLD)
+        assert m.prefill_threshold == (moe_module.Q8_BF16_PREFILL_THRESHOLD if native else fp32)
+    with CPUMoE("INT8", 64, activations="int8") as m, CPUMoE("INT8", 32, activations="int8") as no_amx:
+        assert m.prefill_threshold == (moe_module.Q8_AMX_PREFILL_THRESHOLD if kernels.AMX else no_amx.prefill_threshold)
 
 
 def bf16_reference(moe: CPUMoE, x, ids, w) -> torch.Tensor:

@@ -20,7 +20,7 @@ from ktlite.doctor import cpu_flags
 from ktlite.errors import ConfigError
 from ktlite.kernels.cpu import kernels
 from ktlite.kernels.cpu.dense_linear import QuantizedLinear
-from ktlite.kernels.cpu.moe import CPUMoE
+from ktlite.kernels.cpu.moe import AMX_MIN_TOKENS, CPUMoE
 from ktlite.kernels.cpu.quant import dequantize, int8_activation_values, quantize, relative_error
 
 # which integer dot this process compiles (the widest the CPU has); the others run in test_int_dot_path
@@ -65,6 +65,23 @@ def test_linear_rows_dot_the_quantized_activations(path, method, group, tokens):
     assert 1e-4 < relative_error(got, exact) < 0.01  # what the int8 activations add: ~0.5 %
 
 
+TILES = pytest.param(True, id="tiles") if kernels.INT_TILES else pytest.param(
+    True, id="tiles", marks=pytest.mark.skip(reason="CPU lacks avx512_vnni: the row dots run instead of tiles"))
+
+
+@pytest.mark.parametrize("tiles", [TILES])
+@pytest.mark.parametrize("method", ["INT4", "INT8"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("tokens", [2, 3, 4, 9])  # whole and partial 4-token tiles
+def test_tiles_dot_the_quantized_activations(tiles, method, group, tokens):
+    """The VNNI tiles (kernels.tile_dot_q8: linear_rows from 2 tokens on): 37 rows (a partial 4-row tile, whose
+    missing rows repeat the last one), K = 300 (padded rows), float64 math on the same int8 activations."""
+    w, qw = _linear(method, group, 37, 300, seed=tokens * group)
+    x = torch.randn(tokens, 300, generator=torch.Generator().manual_seed(2)) * 3
+    want = int8_activation_values(x) @ dequantize(qw).double().T
+    assert relative_error(_linear_rows_q8(qw, x), want) < 1e-6
+
+
 @pytest.mark.parametrize("method", ["INT4", "INT8"])
 def test_quantized_linear_int8_activations(method):
     layer = torch.nn.Linear(200, 64).requires_grad_(False)
@@ -80,21 +97,24 @@ def test_quantized_linear_int8_activations(method):
     assert q8.gemm_tokens[torch.float32] > exact.gemm_tokens[torch.float32]  # the integer dots win for longer
 
 
-def _moe_reference(moe: CPUMoE, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """float64 MoE on the stored weights, each matmul's input quantized as the kernels quantize it."""
+def _moe_reference(moe: CPUMoE, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                   blocks: dict[int, int] | None = None) -> torch.Tensor:
+    """float64 MoE on the stored weights, each matmul's input quantized as the kernels quantize it: per 32 values,
+    or per blocks[e] for expert e (the AMX tiles: per weight group)."""
     gu, dn = (dequantize(q).double() for q in (moe.layers[0].gate_up, moe.layers[0].down))
     inter = dn.shape[-1]
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
     for t in range(x.shape[0]):
         for e, weight in zip(ids[t].tolist(), w[t].tolist()):
-            h = int8_activation_values(x[t]) @ gu[e].T
+            block = (blocks or {}).get(e, 32)
+            h = int8_activation_values(x[t], block) @ gu[e].T
             act = torch.nn.functional.silu(h[:inter]) * h[inter:]
-            out[t] += weight * (int8_activation_values(act.float()) @ dn[e].T)
+            out[t] += weight * (int8_activation_values(act.float(), block) @ dn[e].T)
     return out
 
 
 @pytest.mark.parametrize("method", ["INT4", "INT8"])
-@pytest.mark.parametrize("tokens", [1, 4])  # 4: past DECODE_ONCE_TOKENS, which int8 activations never take
+@pytest.mark.parametrize("tokens", [1, 4, 9])  # 4: past DECODE_ONCE_TOKENS (never taken with int8); 9: tiles
 def test_cpu_moe_int8_activations(method, tokens):
     g = torch.Generator().manual_seed(7)
     gate, up = torch.randn(4, 96, 128, generator=g) * 0.1, torch.randn(4, 96, 128, generator=g) * 0.1
@@ -110,6 +130,37 @@ def test_cpu_moe_int8_activations(method, tokens):
         # act is rounded to int8 from fp32 here and from fp64 in the reference: a code may differ by one step
         assert relative_error(got, _moe_reference(q8, x, ids, w)) < 1e-4
         assert 1e-4 < relative_error(got, exact.forward(0, x, ids, w)) < 0.02
+
+
+AMX = pytest.param(True, id="amx") if kernels.AMX else pytest.param(True, id="amx", marks=pytest.mark.skip(
+    reason="CPU lacks AMX-INT8 (or Linux refused its tile state): the VNNI tiles or row dots run instead"))
+
+
+@pytest.mark.parametrize("amx", [AMX])
+@pytest.mark.parametrize("method", ["INT4", "INT8"])
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("tokens", [6, 40, 150])
+def test_cpu_moe_amx_tiles(amx, method, group, tokens, monkeypatch):
+    """The AMX tiles (kernels.moe_amx, experts with >= AMX_MIN_TOKENS[method] tokens): float64 math on the same int8
+    activations, quantized per weight group. I = 40 and H = 200 (Kp 256): blocks of 16 rows that overlap at
+    the end, padded rows; 4 experts, top 2: 1-75 tokens each, so partial, whole and more than
+    AMX_TOKEN_TILES activation tiles per weight block, and (6 tokens) experts left to the row dots."""
+    g = torch.Generator().manual_seed(tokens + group)
+    gate, up = torch.randn(4, 40, 200, generator=g) * 0.1, torch.randn(4, 40, 200, generator=g) * 0.1
+    down = torch.randn(4, 200, 40, generator=g) * 0.1
+    x = torch.randn(tokens, 200, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(tokens)])
+    w = torch.rand(tokens, 2, generator=g)
+    calls = []
+    amx_kernel = kernels.moe_amx
+    monkeypatch.setattr(kernels, "moe_amx", lambda *a: calls.append(a[1].size) or amx_kernel(*a))
+    with CPUMoE(method, group, activations="int8", prefill_threshold=10**6) as moe:
+        moe.add_layer(0, gate, up, down)
+        got = moe.forward(0, x, ids, w)
+        counts = torch.bincount(ids.flatten(), minlength=4).tolist()
+        on_amx = {e: group for e in range(4) if counts[e] >= AMX_MIN_TOKENS[method]}
+        assert calls == ([len(on_amx)] if on_amx else [])  # the experts with enough tokens, in one call
+        assert relative_error(got, _moe_reference(moe, x, ids, w, on_amx)) < 1e-4
 
 
 def test_cpu_activations_setting(tmp_path):

@@ -8,7 +8,7 @@ same, one matrix shared by T tokens):
 - few tokens (decode): kernels.linear_rows, vector row dots straight from the stored bytes, fp32 math (or
   integer dots with int8 activations, `int8_activations`), each weight read from RAM once per call;
 - more tokens (prefill): gemm.stored_matmul dequantizes tiles of at most TILE_WEIGHTS weights (into bf16
-  for bf16 x on a CPU that multiplies bf16 in hardware, else fp32) and multiplies with torch (oneDNN),
+  for bf16 x where oneDNN's bf16 GEMM beats its fp32 one, else fp32) and multiplies with torch (oneDNN),
   several times faster per token than the kernel's fp32 row dots once the dequantization is shared by
   enough tokens.
 
@@ -33,7 +33,7 @@ from torch import nn
 from ktlite.kernels.cpu import gemm, kernels
 from ktlite.kernels.cpu.moe import default_prefill_threshold
 from ktlite.kernels.cpu.quant import INT_DOT_METHODS, QuantizedWeight, dequantize, quantize
-from ktlite.kernels.cpu.target import native_bf16_matmul
+from ktlite.kernels.cpu.target import bf16_gemm_wins
 
 # weights per dequantized tile of the matmul path: bounds its buffer (16 MiB in fp32), where a whole
 # 129,280-row lm_head of hidden 7168 would take 3.7 GB
@@ -41,9 +41,9 @@ TILE_WEIGHTS = 1 << 22
 
 
 def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
-    """What the matmul path dequantizes into: bf16 for bf16 input where the CPU multiplies bf16 in hardware,
-    else fp32 (oneDNN's bf16 GEMM without it is ~3x its fp32)."""
-    return torch.bfloat16 if x.dtype == torch.bfloat16 and native_bf16_matmul() else torch.float32
+    """What the matmul path dequantizes into: bf16 for bf16 input where oneDNN's bf16 GEMM beats its fp32 one
+    (target.bf16_gemm_wins), else fp32."""
+    return torch.bfloat16 if x.dtype == torch.bfloat16 and bf16_gemm_wins() else torch.float32
 
 
 class _Scratch:

@@ -39,6 +39,9 @@ buffer and dots that with each token instead. Rows are split in chunks across th
 owns whole rows of `act`/`out`, so there are no races. For many tokens gemm.py's dequantize + oneDNN path is the faster one;
 `scatter_add_bf16` adds its bf16 expert outputs, weighted, into the fp32 result.
 
+`moe_amx` is moe_rows on AMX-INT8 tiles (CPUs with AMX, INT4/INT8 experts with groups of >= 64): per expert,
+blocks of 16 weight rows times tiles of 16 tokens' int8 activations (amx_block_dot, see AMX_ROWS below).
+
 `linear_rows` is the same GEMV for a stack of plain matrices, each with its own inputs: the device-side
 Linear layers (one matrix) and per-head matrices (MLA's W_UK / W_UV) of a CPU-only run (dense_linear.py).
 """
@@ -54,7 +57,7 @@ from numba.extending import intrinsic, overload
 
 from ktlite.kernels.cpu.fp8 import E4M3
 from ktlite.kernels.cpu.gguf_quants import BLOCKS
-from ktlite.kernels.cpu.target import configure_numba
+from ktlite.kernels.cpu.target import amx_permitted, configure_numba
 from ktlite.kernels.cpu.threads import ensure_threadsafe_layer
 
 ensure_threadsafe_layer()  # before the first parallel region of the process
@@ -353,6 +356,281 @@ def _int_row_dot(w_signed):
 
 _int4_row_qdot = _int_row_dot(False)
 _int8_row_qdot = _int_row_dot(True)
+
+
+# ---- int8 activations, several tokens: a tile of TILE_ROWS rows x up to TILE_TOKENS tokens ----------------
+# Row dots per token re-decode the row for every token and rebuild its scales (~12 vector ops per 64 weights
+# and token). A tile walks TILE_ROWS rows and n tokens together: each 64-byte piece of a row is decoded once
+# (INT4: nibbles minus 8, as signed bytes), each token's 64 activation bytes are loaded once, and a (row,
+# token) pair costs four ops: vpdpbusd, convert, scale multiply, FMA. vpdpbusd multiplies unsigned by signed
+# bytes, so the activations go in biased (xq + 128, an xor) and the accumulator starts at -128 * sum w (one
+# vpdpbusd per row piece, shared by the tile's tokens): exact integer sums, as the row dots.
+TILE_ROWS = 4  # 4 x 4 measured best of 2..8 x 2..8 (V2-Lite INT4/INT8 matrices, 48 tokens): 16 accumulators
+TILE_TOKENS = 4
+
+
+def int_tiles_in_hardware() -> bool:
+    """Whether the tile kernels run here: they need vpdpbusd (AVX512-VNNI); elsewhere the row dots run."""
+    return int_dot_path() == "avx512-vnni"
+
+
+def _int_tile_dot(w_signed, n_tokens):
+    """out[i, j] = row (r0 + i) . token row tix[j] for i < TILE_ROWS, j < n_tokens, from int8 activations
+    (xq [P, Kp] int8, xd [P, Kp / 32]) and INT8 (w_signed) or INT4 rows (q [N, bytes], s [N, groups]); rows
+    past N repeat the last one (their outputs are junk, never read)."""
+
+    def typer(typingctx, q, s, r0, xq, xd, tix, gs, out):
+        wdt = types.int8 if w_signed else types.uint8
+        two_d = [(q, wdt), (s, types.float32), (xq, types.int8), (xd, types.float32), (out, types.float32)]
+        if not (all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == d for a, d in two_d)
+                and _is_vec(tix, types.int64)):
+            return None
+        sig = types.void(q, s, types.int64, xq, xd, tix, types.int64, out)
+
+        def codegen(context, builder, sig, args):
+            arrs = [context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 3, 4, 5, 7)]
+            (qa, sa, xqa, xda, tixa, outa) = arrs
+            n_rows, nb = cgutils.unpack_tuple(builder, qa.shape)
+            n_groups = cgutils.unpack_tuple(builder, sa.shape)[1]
+            kp = cgutils.unpack_tuple(builder, xqa.shape)[1]
+            n_blocks = cgutils.unpack_tuple(builder, xda.shape)[1]
+            last = builder.sub(n_rows, _c64(1))
+            rows = []
+            for i in range(TILE_ROWS):
+                r = builder.add(args[2], _c64(i))
+                r = builder.select(builder.icmp_signed(">", r, last), last, r)
+                rows.append((builder.gep(qa.data, [builder.mul(r, nb)], inbounds=True),
+                             builder.gep(sa.data, [builder.mul(r, n_groups)], inbounds=True)))
+            toks = []
+            for j in range(n_tokens):
+                t = _load(builder, tixa.data, _c64(j))
+                toks.append((builder.gep(xqa.data, [builder.mul(t, kp)], inbounds=True),
+                             builder.gep(xda.data, [builder.mul(t, n_blocks)], inbounds=True)))
+            accs = [[cgutils.alloca_once_value(builder, _cvec(_VF, 0.0)) for _ in range(n_tokens)]
+                    for _ in range(TILE_ROWS)]
+            d16 = ir.VectorType(_I32, 16)
+            bias = _cvec(_B64, -128)  # 0x80 bytes: vpdpbusd reads them as unsigned 128
+
+            def dpbusd(acc, unsigned, signed):
+                return _call(builder, "llvm.x86.avx512.vpdpbusd.512", d16,
+                             [acc, builder.bitcast(unsigned, d16), builder.bitcast(signed, d16)])
+
+            def piece(ws, k, blk):  # signed weights ws[i] (64 each) against tokens' bytes k.., blocks blk, blk + 1
+                xs = []
+                for xqp, xdp in toks:
+                    xu = builder.xor(_vload(builder, xqp, k, _B64), bias)
+                    xs.append((xu, _halves(builder, _load(builder, xdp, blk),
+                                           _load(builder, xdp, builder.add(blk, _c64(1))))))
+                g0 = builder.lshr(builder.shl(blk, _c64(5)), args[6])
+                g1 = builder.lshr(builder.shl(builder.add(blk, _c64(1)), _c64(5)), args[6])
+                for (qp, sp), w, row_accs in zip(rows, ws, accs):
+                    neg = dpbusd(_cvec(d16, 0), bias, builder.sub(_cvec(_B64, 0), w))  # -128 * sum w per 4 bytes
+                    wsh = _halves(builder, _load(builder, sp, g0), _load(builder, sp, g1))
+                    for (xu, xdh), acc in zip(xs, row_accs):
+                        f = builder.sitofp(dpbusd(neg, xu, w), _VF)
+                        builder.store(_vfma(builder, f, builder.fmul(wsh, xdh), builder.load(acc)), acc)
+
+            with cgutils.for_range(builder, builder.lshr(nb, _c64(6))) as loop:  # 64 stored bytes a step
+                c = loop.index
+                b0 = builder.shl(c, _c64(6))
+                raws = []
+                for qp, _ in rows:
+                    _prefetch(builder, qp, b0)
+                    raws.append(_vload(builder, qp, b0, _B64))
+                if w_signed:
+                    piece(raws, b0, builder.shl(c, _c64(1)))
+                else:  # low nibbles: weights 128c.., blocks 4c, 4c + 1; high nibbles: 128c + 64.., 4c + 2, 4c + 3
+                    eight = _cvec(_B64, 8)
+                    k0 = builder.shl(c, _c64(7))
+                    c4 = builder.shl(c, _c64(2))
+                    piece([builder.sub(builder.and_(w, _cvec(_B64, 15)), eight) for w in raws], k0, c4)
+                    piece([builder.sub(builder.lshr(w, _cvec(_B64, 4)), eight) for w in raws],
+                          builder.add(k0, _c64(64)), builder.add(c4, _c64(2)))
+            n_tok_cols = cgutils.unpack_tuple(builder, outa.shape)[1]
+            for i, row_accs in enumerate(accs):
+                for j, acc in enumerate(row_accs):
+                    dst = builder.add(builder.mul(_c64(i), n_tok_cols), _c64(j))
+                    builder.store(_hsum(builder, builder.load(acc)), builder.gep(outa.data, [dst], inbounds=True))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return intrinsic(typer)
+
+
+_INT_TILES = {signed: tuple(_int_tile_dot(signed, n) for n in range(1, TILE_TOKENS + 1)) for signed in (False, True)}
+
+
+def tile_dot_q8(q, s, r0, xq, xd, tix, group_shift, out):  # pragma: no cover - replaced in jit code
+    raise NotImplementedError("tile_dot_q8 is only callable from numba-compiled code")
+
+
+@overload(tile_dot_q8, inline="always")
+def _tile_dot_q8_impl(q, s, r0, xq, xd, tix, group_shift, out):
+    """out[i, j] = (row r0 + i of q/s) . (int8 activation row tix[j]) for i < TILE_ROWS, j < len(tix) <= TILE_TOKENS."""
+    if not isinstance(q, types.Array):
+        return None
+    if q.dtype not in (types.uint8, types.int8):  # typed in kernels whose tile branch _tiled rules out for q
+
+        def unreachable(q, s, r0, xq, xd, tix, group_shift, out):
+            raise AssertionError("tiles take INT4/INT8 rows only")
+
+        return unreachable
+    t1, t2, t3, t4 = _INT_TILES[q.dtype == types.int8]
+
+    def impl(q, s, r0, xq, xd, tix, group_shift, out):
+        n = tix.shape[0]
+        if n >= 4:
+            t4(q, s, r0, xq, xd, tix, group_shift, out)
+        elif n == 3:
+            t3(q, s, r0, xq, xd, tix, group_shift, out)
+        elif n == 2:
+            t2(q, s, r0, xq, xd, tix, group_shift, out)
+        else:
+            t1(q, s, r0, xq, xd, tix, group_shift, out)
+
+    return impl
+
+
+# AMX (Sapphire Rapids on): a tile instruction multiplies a 16 x 64 int8 tile of weights (16 rows, 64 weights
+# each, loaded straight from the stored INT8 rows; INT4 rows are unpacked to signed bytes into a stack buffer
+# first) by a 64 x 16 int8 tile of activations (16 tokens) into 16 x 16 int32 sums: 16 K multiply-adds per
+# instruction, 64x a vpdpbusd. Activations are quantized per weight group for this (one scale per token and
+# group, not per 32 values: the int32 sums of a whole group then share one activation scale) and stored in
+# AMX's "VNNI" layout, row k/4 holding bytes 4(k/4)..+3 of each of the 16 tokens. After each weight group the
+# sums are stored and scaled (weight scale x activation scale) into fp32. The tiles' shapes are set per call
+# (ldtilecfg: tile state is per thread) and released after it; Linux grants a process the tile state once
+# (target.amx_permitted). Groups of 32 would need half-deep tiles: there the VNNI tiles run instead.
+AMX_ROWS = 16  # rows of an AMX tile: weight rows per block, and tokens per activation tile
+AMX_TOKEN_TILES = 4  # activation tiles one weight tile is multiplied by (their sums in tmm0-3)
+AMX_MIN_GROUP = 64  # weights per group at least (one tile is 64 weights deep)
+_TMM_A, _TMM_B = 4, 6  # tmm4/5: weight tiles (INT4: low and high nibbles), tmm6: an activation tile
+
+
+def amx_in_hardware() -> bool:
+    """Whether the AMX tiles run here: the compile target has AMX-INT8 and the OS granted the tile state."""
+    return configure_numba().enabled("amx-int8") and amx_permitted()
+
+
+def _tile_op(builder, name, *args):
+    _call(builder, f"llvm.x86.{name}", ir.VoidType(), [ir.Constant(_I8, a) if isinstance(a, int) else a for a in args])
+
+
+def _tile_config(builder):
+    """ldtilecfg for tmm0-3 (16 x 16 int32 sums), tmm4-5 (16 x 64 weight bytes), tmm6 (16 x 64 activation bytes)."""
+    cfg = cgutils.alloca_once(builder, ir.ArrayType(_I8, 64))
+    cfg.align = 64
+    ptr = builder.bitcast(cfg, _I8.as_pointer())
+    builder.store(ir.Constant(ir.ArrayType(_I8, 64), [1] + [0] * 63), cfg)  # palette 1, start row 0
+    for t in range(_TMM_B + 1):
+        builder.store(ir.Constant(_I16, 64), builder.bitcast(builder.gep(ptr, [_c64(16 + 2 * t)]), _I16.as_pointer()))
+        builder.store(ir.Constant(_I8, AMX_ROWS), builder.gep(ptr, [_c64(48 + t)]))
+    _tile_op(builder, "ldtilecfg", ptr)
+
+
+@intrinsic
+def amx_block_dot(typingctx, q, s, r0, xb, xdb, t0, nt, gs, out):
+    """out[j, i, c] = (row r0 + i of q/s) . (token c of activation tile t0 + j) for i, c < 16 and j < nt <=
+    AMX_TOKEN_TILES: q/s [N, ...] INT8 (int8) or INT4 (uint8) rows, N >= r0 + 16; xb [tiles, Kp / 4, 64] int8
+    activation tiles in VNNI layout, xdb [tiles, Kp >> gs, 16] their scales per group; out [>= nt, 16, 16]."""
+    ok = (isinstance(q, types.Array) and q.dtype in (types.int8, types.uint8)
+          and all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == d and a.ndim == n
+                  for a, d, n in ((q, q.dtype, 2), (s, types.float32, 2), (xb, types.int8, 3),
+                                  (xdb, types.float32, 3), (out, types.float32, 3))))
+    if not ok:
+        return None
+    w_signed = q.dtype == types.int8
+    sig = types.void(q, s, types.int64, xb, xdb, types.int64, types.int64, types.int64, out)
+
+    def codegen(context, builder, sig, args):
+        qa, sa, xba, xdba, outa = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 3, 4, 8))
+        r0, t0, nt, gs = args[2], args[5], args[6], args[7]
+        nb = cgutils.unpack_tuple(builder, qa.shape)[1]
+        n_groups = cgutils.unpack_tuple(builder, sa.shape)[1]
+        tile_bytes = builder.mul(cgutils.unpack_tuple(builder, xba.shape)[1], _c64(64))
+        bp = _I8.as_pointer()
+        sums = builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(_I32, AMX_ROWS * AMX_ROWS)), bp)
+        unpacked = builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(_I8, AMX_ROWS * 128)), bp)
+        qbase = builder.bitcast(builder.gep(qa.data, [builder.mul(r0, nb)], inbounds=True), bp)
+        tiles = [(builder.icmp_signed(">", nt, _c64(j)),
+                  builder.bitcast(builder.gep(xba.data, [builder.mul(builder.add(t0, _c64(j)), tile_bytes)]), bp),
+                  builder.gep(xdba.data, [builder.mul(builder.add(t0, _c64(j)), builder.mul(n_groups, _c64(16)))]),
+                  builder.gep(outa.data, [_c64(j * AMX_ROWS * AMX_ROWS)]))
+                 for j in range(AMX_TOKEN_TILES)]
+        row_scales = [builder.gep(sa.data, [builder.mul(builder.add(r0, _c64(i)), n_groups)]) for i in range(AMX_ROWS)]
+        for used, _, _, op in tiles:
+            with builder.if_then(used):
+                for i in range(AMX_ROWS):
+                    _vstore(builder, _cvec(_VF, 0.0), op, _c64(16 * i))
+        _tile_config(builder)
+        for j, (used, _, _, _) in enumerate(tiles):
+            with builder.if_then(used):
+                _tile_op(builder, "tilezero", j)
+        last = builder.sub(builder.shl(_c64(1), gs), _c64(64))  # k & (group - 1) of a group's last 64 weights
+
+        def flush(g):  # the sums of group g, scaled, into out; sums zeroed
+            ws = [_splat(builder, _load(builder, sp, g)) for sp in row_scales]
+            for j, (used, _, xdp, op) in enumerate(tiles):
+                with builder.if_then(used):
+                    _tile_op(builder, "tilestored64", j, sums, _c64(64))
+                    _tile_op(builder, "tilezero", j)
+                    xd = _vload(builder, xdp, builder.shl(g, _c64(4)), _VF)
+                    for i in range(AMX_ROWS):
+                        c = builder.sitofp(_vload(builder, sums, _c64(64 * i), _V32), _VF)
+                        acc = _vload(builder, op, _c64(16 * i), _VF)
+                        _vstore(builder, _vfma(builder, c, builder.fmul(ws[i], xd), acc), op, _c64(16 * i))
+
+        def step(tmm, k):  # the weight tile in tmm (weights k..k + 63) times each activation tile
+            for j, (used, xp, _, _) in enumerate(tiles):
+                with builder.if_then(used):
+                    _tile_op(builder, "tileloadd64", _TMM_B, builder.gep(xp, [builder.shl(k, _c64(4))]), _c64(64))
+                    _tile_op(builder, "tdpbssd", j, tmm, _TMM_B)
+            with builder.if_then(builder.icmp_unsigned("==", builder.and_(k, builder.add(last, _c64(63))), last)):
+                flush(builder.lshr(k, gs))
+
+        with cgutils.for_range(builder, builder.lshr(nb, _c64(6))) as loop:  # 64 stored bytes of each row a step
+            b0 = builder.shl(loop.index, _c64(6))
+            offs = [builder.add(b0, builder.mul(_c64(i), nb)) for i in range(AMX_ROWS)]
+            for off in offs:
+                _prefetch(builder, qbase, off)
+            if w_signed:
+                _tile_op(builder, "tileloadd64", _TMM_A, builder.gep(qbase, [b0]), nb)
+                step(_TMM_A, b0)
+            else:  # 128 weights: low nibbles are weights 0-63, high nibbles 64-127 (quant.py), minus 8
+                eight = _cvec(_B64, 8)
+                for i, off in enumerate(offs):
+                    w = _vload(builder, qbase, off, _B64)
+                    _vstore(builder, builder.sub(builder.and_(w, _cvec(_B64, 15)), eight), unpacked, _c64(128 * i))
+                    _vstore(builder, builder.sub(builder.lshr(w, _cvec(_B64, 4)), eight), unpacked, _c64(128 * i + 64))
+                k0 = builder.shl(loop.index, _c64(7))
+                _tile_op(builder, "tileloadd64", _TMM_A, unpacked, _c64(128))
+                _tile_op(builder, "tileloadd64", _TMM_A + 1, builder.gep(unpacked, [_c64(64)]), _c64(128))
+                step(_TMM_A, k0)
+                step(_TMM_A + 1, builder.add(k0, _c64(64)))
+        _tile_op(builder, "tilerelease")
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(nogil=True, cache=True)
+def pack_amx_tile(x, rows, group_shift, xb, xdb):
+    """Activation tile of x[rows[c]] (x [R, Kp] fp32, at most 16 rows): xb [Kp / 4, 64] int8 in VNNI layout
+    (xb[k // 4, 4 c + k % 4] = token c's value k), quantized per group of 2**group_shift values with scale
+    xdb[g, c] = max |x| / 127 (round to nearest even); tokens past len(rows) are zeros."""
+    gsize = 1 << group_shift
+    xb[:] = 0
+    xdb[:] = 0
+    for c in range(rows.shape[0]):
+        xr = x[rows[c]]
+        for g in range(xdb.shape[0]):
+            amax = np.float32(0.0)
+            for k in range(g * gsize, (g + 1) * gsize):
+                amax = max(amax, abs(xr[k]))
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            xdb[g, c] = amax / np.float32(127.0)
+            for k in range(g * gsize, (g + 1) * gsize):
+                xb[k >> 2, 4 * c + (k & 3)] = np.int8(np.rint(xr[k] * inv))
 
 
 _TWO_POW_120 = ir.Constant(_F32, 2.0**120)
@@ -799,12 +1077,18 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, 
     kp_i = act.shape[1]
     n_experts = slots.shape[0]
     xs, xq, xd, xo = _activation_views(x, q8)
+    tiles = np.empty((scratch.shape[0], 2, TILE_ROWS, TILE_TOKENS), np.float32)  # per thread, as scratch
     for c in prange((inter + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK):
         tid = get_thread_id()
         bg = scratch[tid, 0, :kp_h]
         bu = scratch[tid, 1, :kp_h]
+        r_lo, r_hi = c * ROWS_PER_CHUNK, min(inter, (c + 1) * ROWS_PER_CHUNK)
         for m in range(n_experts):
             e = slots[m]
+            if _tiled(q8, gu_q, tok_ptr[m + 1] - tok_ptr[m]):
+                _gate_up_tiles(gu_q[e], gu_s[e], r_lo, r_hi, xq, xd, tok_idx, tok_ptr[m], tok_ptr[m + 1], gu_shift,
+                               tiles[tid], act)
+                continue
             # the int8-activation dot is cheaper per token than an fp32 dot of a decoded row: never decode once
             once = not q8 and tok_ptr[m + 1] - tok_ptr[m] >= DECODE_ONCE_TOKENS
             for i in range(c * ROWS_PER_CHUNK, min(inter, (c + 1) * ROWS_PER_CHUNK)):
@@ -825,11 +1109,25 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, 
                         u = row_dot(uq, usc, x[t], xs[t], gu_shift)
                     act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * u
     acts, aq, ad, ao = _activation_views(act, q8)
+    pairs = np.arange(act.shape[0])  # the tiles' row indices into aq / ad
     for c in prange((hidden + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK):
-        bd = scratch[get_thread_id(), 0, :kp_i]
+        tid = get_thread_id()
+        bd = scratch[tid, 0, :kp_i]
         for m in range(n_experts):
             e = slots[m]
-            once = not q8 and tok_ptr[m + 1] - tok_ptr[m] >= DECODE_ONCE_TOKENS
+            p_lo, p_hi = tok_ptr[m], tok_ptr[m + 1]
+            if _tiled(q8, d_q, p_hi - p_lo):
+                tile = tiles[tid, 0]
+                h_hi = min(hidden, (c + 1) * ROWS_PER_CHUNK)
+                for h0 in range(c * ROWS_PER_CHUNK, h_hi, TILE_ROWS):
+                    for p0 in range(p_lo, p_hi, TILE_TOKENS):
+                        tix = pairs[p0:min(p_hi, p0 + TILE_TOKENS)]
+                        tile_dot_q8(d_q[e], d_s[e], h0, aq, ad, tix, d_shift, tile)
+                        for i in range(min(TILE_ROWS, h_hi - h0)):
+                            for j in range(tix.shape[0]):
+                                out[tok_idx[p0 + j], h0 + i] += tok_w[p0 + j] * tile[i, j]
+                continue
+            once = not q8 and p_hi - p_lo >= DECODE_ONCE_TOKENS
             for h in range(c * ROWS_PER_CHUNK, min(hidden, (c + 1) * ROWS_PER_CHUNK)):
                 dq, dsc = d_q[e, h], d_s[e, h]
                 if once:
@@ -842,6 +1140,45 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, 
                     else:
                         v = row_dot(dq, dsc, act[p], acts[p], d_shift)
                     out[tok_idx[p], h] += tok_w[p] * v
+
+
+# with INT_TILES an expert with this many tokens or more runs as tiles (one token: the row dot, as fast)
+TILE_MIN_TOKENS = 2
+INT_TILES = int_tiles_in_hardware()
+AMX = amx_in_hardware()
+
+
+def _int_rows(q):  # pragma: no cover - replaced in jit code
+    raise NotImplementedError("_int_rows is only callable from numba-compiled code")
+
+
+@overload(_int_rows, inline="always")
+def _int_rows_impl(q):
+    """Whether stored matrices q hold INT4/INT8 rows (a constant of q's type)."""
+    answer = q.dtype in (types.uint8, types.int8)
+    return lambda q: answer
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _tiled(q8, q, n_tokens):
+    """Whether n_tokens int8-activation dots against the rows of stored matrices q run as tiles (INT4/INT8 rows)."""
+    return INT_TILES and q8 and _int_rows(q) and n_tokens >= TILE_MIN_TOKENS
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _gate_up_tiles(q, s, r_lo, r_hi, xq, xd, tok_idx, p_lo, p_hi, group_shift, tiles, act):
+    """act[p, i] = SiLU(gate_i . x_t) * (up_i . x_t) for rows r_lo <= i < r_hi of one expert (q/s [2I, ...]: gate
+    rows, then up rows) and its pairs p_lo <= p < p_hi (token t = tok_idx[p]), as tiles; tiles [2, rows, tokens]."""
+    inter = q.shape[0] // 2
+    for r0 in range(r_lo, r_hi, TILE_ROWS):
+        for p0 in range(p_lo, p_hi, TILE_TOKENS):
+            tix = tok_idx[p0:min(p_hi, p0 + TILE_TOKENS)]
+            tile_dot_q8(q, s, r0, xq, xd, tix, group_shift, tiles[0])
+            tile_dot_q8(q, s, inter + r0, xq, xd, tix, group_shift, tiles[1])
+            for i in range(min(TILE_ROWS, r_hi - r0)):
+                for j in range(tix.shape[0]):
+                    g = tiles[0, i, j]
+                    act[p0 + j, r0 + i] = g / (np.float32(1.0) + np.exp(-g)) * tiles[1, i, j]
 
 
 @njit(nogil=True, cache=True)
@@ -878,13 +1215,29 @@ def linear_rows(x, q, s, group_shift, kp, q8, threads, out):
             xp[t * groups + g, :x.shape[2]] = x[t, g]
     xs, xq, xd, xo = _activation_views(xp, q8)
     once = not q8 and tokens >= DECODE_ONCE_TOKENS
+    tiled = _tiled(q8, q, tokens)
     # row buffers allocated before the parallel region (inside it they page-faulted: see moe_rows)
     scratch = np.empty((threads if once else 0, kp), np.float32)
+    tiles = np.empty((threads if tiled else 0, TILE_ROWS, TILE_TOKENS), np.float32)
+    xrow = np.empty((groups, tokens), np.int64)  # xrow[g, t]: the row of xp (xq, xd) with token t's input to W_g
+    for g in range(groups):
+        xrow[g] = np.arange(tokens) * groups + g
     chunks = (rows + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
     for task in prange(groups * chunks):
         g = task // chunks
         c = task - g * chunks
-        for n in range(c * ROWS_PER_CHUNK, min(rows, (c + 1) * ROWS_PER_CHUNK)):
+        n_hi = min(rows, (c + 1) * ROWS_PER_CHUNK)
+        if tiled:
+            tile = tiles[get_thread_id()]
+            for n0 in range(c * ROWS_PER_CHUNK, n_hi, TILE_ROWS):
+                for t0 in range(0, tokens, TILE_TOKENS):
+                    tix = xrow[g, t0:min(tokens, t0 + TILE_TOKENS)]
+                    tile_dot_q8(q[g], s[g], n0, xq, xd, tix, group_shift, tile)
+                    for i in range(min(TILE_ROWS, n_hi - n0)):
+                        for j in range(tix.shape[0]):
+                            out[t0 + j, g, n0 + i] = tile[i, j]
+            continue
+        for n in range(c * ROWS_PER_CHUNK, n_hi):
             qr, sr = q[g, n], s[g, n]
             if once:
                 buf = scratch[get_thread_id()]
@@ -899,6 +1252,76 @@ def linear_rows(x, q, s, group_shift, kp, q8, threads, out):
                 for t in range(tokens):
                     r = t * groups + g
                     out[t, g, n] = row_dot(qr, sr, xp[r], xs[r], group_shift)
+
+
+@njit(nogil=True, cache=True)
+def _token_tiles(tok_ptr):
+    """Expert m's pairs tok_ptr[m]:tok_ptr[m + 1] in tiles of AMX_ROWS: (tile_ptr [M + 1]: expert m's tiles are
+    tile_ptr[m]:tile_ptr[m + 1]; first, end: the pairs first[t]:end[t] of tile t)."""
+    n_experts = tok_ptr.shape[0] - 1
+    tile_ptr = np.zeros(n_experts + 1, np.int64)
+    for m in range(n_experts):
+        tile_ptr[m + 1] = tile_ptr[m] + (tok_ptr[m + 1] - tok_ptr[m] + AMX_ROWS - 1) // AMX_ROWS
+    first = np.empty(tile_ptr[n_experts], np.int64)
+    end = np.empty(tile_ptr[n_experts], np.int64)
+    for m in range(n_experts):
+        for t in range(tile_ptr[m], tile_ptr[m + 1]):
+            first[t] = tok_ptr[m] + (t - tile_ptr[m]) * AMX_ROWS
+            end[t] = min(first[t] + AMX_ROWS, tok_ptr[m + 1])
+    return tile_ptr, first, end
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _pack_tiles(x, rows, first, end, group_shift):
+    """The activation tiles (pack_amx_tile) of every expert: tile t holds x[rows[p]] for its pairs first[t]:end[t]."""
+    xb = np.empty((first.shape[0], x.shape[1] // 4, 64), np.int8)
+    xdb = np.empty((first.shape[0], x.shape[1] >> group_shift, AMX_ROWS), np.float32)
+    for t in prange(first.shape[0]):
+        pack_amx_tile(x, rows[first[t]:end[t]], group_shift, xb[t], xdb[t])
+    return xb, xdb
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def moe_amx(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act, out):
+    """moe_rows with int8 activations on AMX tiles (INT4/INT8 rows, groups of >= AMX_MIN_GROUP, I and H >= 16):
+    per expert, its pairs' activations in tiles of 16 tokens, 16-row weight blocks times up to AMX_TOKEN_TILES
+    of them at once; parallel over blocks of 16 output rows (a thread owns whole rows of act / out). The last
+    block of a matrix starts at N - 16 and writes only the rows no other block wrote. threads: numba's thread
+    count (per-thread sums); the other arguments as moe_rows."""
+    hidden = out.shape[1]
+    inter = gu_q.shape[1] // 2
+    n_experts = slots.shape[0]
+    tile_ptr, first, end = _token_tiles(tok_ptr)
+    sums = np.empty((threads, 2, AMX_TOKEN_TILES, AMX_ROWS, AMX_ROWS), np.float32)
+    xb, xdb = _pack_tiles(x, tok_idx, first, end, gu_shift)
+    for b in prange((inter + AMX_ROWS - 1) // AMX_ROWS):
+        tid = get_thread_id()
+        r0 = min(b * AMX_ROWS, inter - AMX_ROWS)
+        for m in range(n_experts):
+            e = slots[m]
+            for t0 in range(tile_ptr[m], tile_ptr[m + 1], AMX_TOKEN_TILES):
+                nt = min(AMX_TOKEN_TILES, tile_ptr[m + 1] - t0)
+                amx_block_dot(gu_q[e], gu_s[e], r0, xb, xdb, t0, nt, gu_shift, sums[tid, 0])
+                amx_block_dot(gu_q[e], gu_s[e], inter + r0, xb, xdb, t0, nt, gu_shift, sums[tid, 1])
+                for j in range(nt):
+                    p0 = first[t0 + j]
+                    for c in range(end[t0 + j] - p0):
+                        for i in range(b * AMX_ROWS - r0, AMX_ROWS):
+                            g = sums[tid, 0, j, i, c]
+                            act[p0 + c, r0 + i] = g / (np.float32(1.0) + np.exp(-g)) * sums[tid, 1, j, i, c]
+    ab, adb = _pack_tiles(act, np.arange(act.shape[0]), first, end, d_shift)
+    for b in prange((hidden + AMX_ROWS - 1) // AMX_ROWS):
+        tid = get_thread_id()
+        h0 = min(b * AMX_ROWS, hidden - AMX_ROWS)
+        for m in range(n_experts):
+            e = slots[m]
+            for t0 in range(tile_ptr[m], tile_ptr[m + 1], AMX_TOKEN_TILES):
+                nt = min(AMX_TOKEN_TILES, tile_ptr[m + 1] - t0)
+                amx_block_dot(d_q[e], d_s[e], h0, ab, adb, t0, nt, d_shift, sums[tid, 0])
+                for j in range(nt):
+                    for p in range(first[t0 + j], end[t0 + j]):
+                        for i in range(b * AMX_ROWS - h0, AMX_ROWS):
+                            out[tok_idx[p], h0 + i] += tok_w[p] * sums[tid, 0, j, i, p - first[t0 + j]]
 
 
 @njit(parallel=True, nogil=True, cache=True)

@@ -3,7 +3,7 @@
 API (what the runtime calls):
 
     moe = CPUMoE(method="INT4", group_size=64, num_threads=None, threadpool_count=1,
-                 prefill_threshold=None, prefill_dtype=None,  # None: bf16 where the CPU multiplies bf16
+                 prefill_threshold=None, prefill_dtype=None,  # None: bf16 where it beats fp32 here
                  activations="fp32")  # --cpu-activations: int8, fp32 or auto (quant.int8_activations)
     moe.add_layer(layer_idx, gate[E, I, H], up[E, I, H], down[E, H, I], cpu_experts=None)
     # or, streaming tensor by tensor (the loader / converted weights):
@@ -30,11 +30,13 @@ blocks as a checkpoint ships them; gate_up and down may differ, e.g. GGUF Q4_K a
 dispatch on the stored dtype. Paths, per expert and call: an expert with fewer than `prefill_threshold`
 tokens (default_prefill_threshold: per method, prefill dtype and activations) runs in the fused GEMV kernel (kernels.py: vector row dots straight
 from the stored bytes, fp32 math on the exact dequantized weights, or, with int8 `activations`, INT4/INT8 rows
-dotted with activations quantized per 32 values in integer math; decode is always this path); one
+dotted with activations quantized per 32 values in integer math, as 4-row x 4-token tiles for an expert with 2 or
+more tokens where the CPU has AVX512-VNNI, and where it has AMX, from AMX_MIN_TOKENS on, as AMX-INT8 tiles
+(kernels.moe_amx, activations quantized per weight group of >= 64); decode is always the row dots); one
 with more is dequantized once (into per-thread buffers reused across experts and calls) and runs
 torch.matmul in `prefill_dtype` (gemm.py; fp32 is the exact choice; bf16 halves the bytes and is the
-fast one where the CPU multiplies bf16 in hardware, AVX512-BF16 or AMX, and 3x slower than fp32 where
-oneDNN must convert: the default follows the CPU, target.native_bf16_matmul); those experts
+fast one with AMX and on some AVX512-BF16 cores, and 3x slower than fp32 where oneDNN must convert: the default
+follows the CPU, target.bf16_gemm_wins); those experts
 run in batches of at most PAIR_BATCH (token, expert) pairs, so the element-wise SiLU * mul and the
 weighted scatter-add are one call per batch, not one per expert. Choosing
 per expert rather than by T matters: at T=16, V2-Lite experts see ~1.5 tokens each, V3's ~16.
@@ -72,7 +74,7 @@ from ktlite.kernels.cpu.quant import (
     normalize_kt_method,
     quantize_into,
 )
-from ktlite.kernels.cpu.target import native_bf16_matmul
+from ktlite.kernels.cpu.target import bf16_gemm_wins
 from ktlite.kernels.cpu.threads import ExpertPools
 
 logger = logging.getLogger(__name__)
@@ -81,24 +83,41 @@ logger = logging.getLogger(__name__)
 # INT4 4 tokens 1.7 ms GEMV vs 1.9 ms, 6 tokens 2.6 vs 2.1 ms; the vectorized dequantize costs about one
 # T=1 GEMV, while the kernel's per-token fp32 dots run ~10x fewer FLOP/s than oneDNN's bf16 GEMM)
 DEFAULT_PREFILL_THRESHOLD = {"INT4": 5, "INT8": 5, "BF16": 4, "FP8": 5, "RAWINT4": 5, "LLAMAFILE": 4}
-# with fp32 GEMMs (a CPU without native bf16) the dequantized weights are twice the bytes and the GEMM
+# with fp32 GEMMs (a CPU whose bf16 GEMM loses) the dequantized weights are twice the bytes and the GEMM
 # half the speed: on a Zen 3 the fused kernel stayed faster up to ~32 tokens per expert (bench/RESULTS.md)
 FP32_PREFILL_THRESHOLD = 32
 # int8 activations against fp32 GEMMs: the integer row dots stayed faster up to 128 tokens per expert (Zen 3,
 # bench/RESULTS.md: V3 INT4 at 128 tokens 1.03 s vs 1.11 s, V2-Lite at ~48 tokens 0.86 s vs 1.00 s)
 Q8_FP32_PREFILL_THRESHOLD = 128
+# the AVX512-VNNI tiles against fp32 GEMMs (2-core Emerald Rapids VM, bench/RESULTS.md): tiles won at 48 tokens per
+# expert (V2-Lite T=512 411 vs 431 ms), lost at 128 (V3 T=512 2.41 vs 2.16 s)
+Q8_TILES_FP32_PREFILL_THRESHOLD = 64
 # against bf16 GEMMs (a 2-core AVX512-BF16 Xeon, bench/RESULTS.md): the AVX-512 integer row dots won at 12 tokens
-# per expert (V2-Lite INT4 168 vs 241 ms), tied at 32 (V3: 244-286 vs 252-269 ms), lost at 48 (682 vs 486 ms)
+# per expert (V2-Lite INT4 168 vs 241 ms), tied at 32 (V3: 244-286 vs 252-269 ms), lost at 48 (682 vs 486 ms).
+# Where bf16 GEMMs win over fp32 (AMX, Zen 5: 400+ GMAC/s, 4x the tiles' ~100) the tiles do not move this much.
 Q8_BF16_PREFILL_THRESHOLD = 24
 Q8_METHODS = (*INT_DOT_METHODS, "RAWINT4")  # --kt-method values stored as INT4/INT8 rows
+# with AMX an expert with this many tokens or more runs on AMX tiles (kernels.moe_amx); fewer: the row dots or VNNI
+# tiles, without the AMX tiles' fixed cost per 16 rows and weight group (2-core Sapphire Rapids VM, V2-Lite layer:
+# INT4 at ~6 tokens per expert 38 vs 40 ms, at 4.5 38 vs 32 ms; INT8 at 3 tokens 40 vs 42 ms, bench/RESULTS.md)
+AMX_MIN_TOKENS = {"INT4": 6, "INT8": 3}
+# the AMX tiles against bf16 (AMX) GEMMs, same VM: the tiles won at 48 tokens per expert (V2-Lite INT4 T=512 103 vs
+# 159 ms), lost at 128 (V3 INT4 T=512 465 vs 425 ms)
+Q8_AMX_PREFILL_THRESHOLD = 96
 
 
-def default_prefill_threshold(method: str, prefill_dtype: torch.dtype, int8_activations: bool = False) -> int:
-    """Tokens per expert (or per matrix) from which dequantize + torch.matmul beats the fused kernel."""
+def default_prefill_threshold(method: str, prefill_dtype: torch.dtype, int8_activations: bool = False,
+                              amx: bool = False) -> int:
+    """Tokens per expert (or per matrix) from which dequantize + torch.matmul beats the fused kernel; amx: the
+    fused kernel has AMX tiles for these weights (CPUMoE with groups of >= 64 on an AMX CPU)."""
     q8 = int8_activations and method in Q8_METHODS
+    if q8 and amx:
+        return Q8_AMX_PREFILL_THRESHOLD
     if prefill_dtype == torch.bfloat16:
         return Q8_BF16_PREFILL_THRESHOLD if q8 else DEFAULT_PREFILL_THRESHOLD[method]
-    return Q8_FP32_PREFILL_THRESHOLD if q8 else FP32_PREFILL_THRESHOLD
+    if q8:
+        return Q8_TILES_FP32_PREFILL_THRESHOLD if kernels.INT_TILES else Q8_FP32_PREFILL_THRESHOLD
+    return FP32_PREFILL_THRESHOLD
 # (token, expert) pairs per batch of the matmul path: bounds its buffers (V3: 4096 x 7168 bf16 = 58 MB)
 PAIR_BATCH = 4096
 Format = tuple[str, int]  # (storage format, group size) of a stored matrix, as quant.empty_quantized takes them
@@ -121,6 +140,12 @@ class ExpertLayer:
 
     def nbytes(self) -> int:
         return self.gate_up.nbytes() + self.down.nbytes()
+
+
+def amx_fits(layer: ExpertLayer) -> bool:
+    """Whether the layer's experts can run on AMX tiles here (kernels.moe_amx: INT4/INT8, groups >= 64, 16+ rows)."""
+    return (kernels.AMX and min(layer.gate_up.group_size, layer.down.group_size) >= kernels.AMX_MIN_GROUP
+            and min(layer.inter, layer.hidden) >= kernels.AMX_ROWS)
 
 
 @dataclass
@@ -241,11 +266,12 @@ class CPUMoE:
         # which also sets native_fill so dynamic placement refills a slot the same way
         self.native_fill: NativeFill | None = None
         if prefill_dtype is None:
-            prefill_dtype = torch.bfloat16 if native_bf16_matmul() else torch.float32
+            prefill_dtype = torch.bfloat16 if bf16_gemm_wins() else torch.float32
         if prefill_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"prefill_dtype must be torch.bfloat16 or torch.float32, got {prefill_dtype}")
         self.prefill_dtype = prefill_dtype
-        self.prefill_threshold = (default_prefill_threshold(self.method, prefill_dtype, self.int8_activations)
+        amx = kernels.AMX and self.group_size >= kernels.AMX_MIN_GROUP
+        self.prefill_threshold = (default_prefill_threshold(self.method, prefill_dtype, self.int8_activations, amx)
                                   if prefill_threshold is None
                                   else prefill_threshold)
         self.pools = ExpertPools(num_threads, threadpool_count)
@@ -403,11 +429,21 @@ class CPUMoE:
             # the row kernels read whole padded rows: x and act get zero columns up to Kp
             xp = np.zeros((x.shape[0], gu.kp), np.float32)
             xp[:, :layer.hidden] = x.float().numpy()
-            act = np.zeros((light.tok_idx.size, dn.kp), np.float32)
             q8 = self.int8_activations and {gu.method, dn.method} <= set(INT_DOT_METHODS)
-            kernels.moe_rows(xp, light.slots, light.tok_ptr, light.tok_idx, light.tok_w, gu.qweight, gu.scales,
-                             dn.qweight, dn.scales, gu.group_shift, dn.group_shift, q8, self._scratch(layer), act,
-                             out.numpy())
+            amx = q8 and amx_fits(layer)
+            tiles = np.diff(light.tok_ptr) >= AMX_MIN_TOKENS[gu.method] if amx else np.zeros(0, bool)
+            rows = light.select(~tiles) if tiles.any() else light
+            if rows.slots.size:
+                act = np.zeros((rows.tok_idx.size, dn.kp), np.float32)
+                kernels.moe_rows(xp, rows.slots, rows.tok_ptr, rows.tok_idx, rows.tok_w, gu.qweight, gu.scales,
+                                 dn.qweight, dn.scales, gu.group_shift, dn.group_shift, q8, self._scratch(layer), act,
+                                 out.numpy())
+            if tiles.any():
+                amx = light.select(tiles)
+                act = np.zeros((amx.tok_idx.size, dn.kp), np.float32)
+                kernels.moe_amx(xp, amx.slots, amx.tok_ptr, amx.tok_idx, amx.tok_w, gu.qweight, gu.scales,
+                                dn.qweight, dn.scales, gu.group_shift, dn.group_shift,
+                                numba.config.NUMBA_NUM_THREADS, act, out.numpy())
         if heavy.any():
             self._run_matmul(layer, work.select(heavy), x.to(self.prefill_dtype), out)
         return out

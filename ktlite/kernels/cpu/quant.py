@@ -248,11 +248,12 @@ def _dequantize_native(qw: QuantizedWeight) -> torch.Tensor:
     return torch.from_numpy(out).reshape(qw.shape)
 
 
-def int8_activation_values(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] -> the values the int8-activation kernels multiply (xq * xd per 32-block of the zero-padded
-    row, kernels.quantize_activations' fp32 arithmetic), in fp64 [..., K]: their reference."""
+def int8_activation_values(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [..., K] -> the values the int8-activation kernels multiply (xq * xd per `block` values of the zero-padded
+    row, kernels.quantize_activations' fp32 arithmetic; the AMX tiles quantize per weight group), in fp64
+    [..., K]: their reference."""
     k = x.shape[-1]
-    blocks = torch.nn.functional.pad(x.float(), (0, -k % 32)).reshape(*x.shape[:-1], -1, 32)
+    blocks = torch.nn.functional.pad(x.float(), (0, -k % block)).reshape(*x.shape[:-1], -1, block)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
     xd = amax / torch.tensor(127.0)

@@ -9,8 +9,8 @@ added, so a choice can only be slower, never illegal. NUMBA_CPU_NAME / NUMBA_CPU
 user win and are left alone.
 
 `configure_numba()` runs before the first kernel compiles (ktlite/kernels/cpu/__init__.py) and logs a
-wrong guess once; `ktlite version` and `ktlite doctor` print the target. `native_bf16_matmul()` says
-whether oneDNN's bf16 GEMMs run in hardware here (the CPU experts' prefill dtype follows it).
+wrong guess once; `ktlite version` and `ktlite doctor` print the target. `bf16_gemm_wins()` says
+whether oneDNN's bf16 GEMMs beat its fp32 ones here (the CPU GEMM paths' dtype follows it).
 """
 
 from __future__ import annotations
@@ -90,11 +90,56 @@ def choose_target(flags: set[str], vendor: str, llvm_name: str, llvm_features: d
     return NumbaTarget(name, features, llvm_name, added, user_set=False)
 
 
+# the probe's GEMM: one V2-Lite expert's gate/up rows times 48 tokens (its share of a 512-token prefill)
+_PROBE_SHAPE = (48, 2048, 2816)
+
+
 @functools.cache
-def native_bf16_matmul() -> bool:
-    """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16). Elsewhere oneDNN widens
-    bf16 to fp32 as it goes: on a Zen 3 its bf16 GEMM took 3.6x its fp32 time (bench/RESULTS.md)."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+def bf16_gemm_wins() -> bool:
+    """Whether torch's bf16 GEMM beats its fp32 one on this CPU (the dtype of the CPU GEMM paths follows it).
+    Without AVX512-BF16 or AMX-BF16 oneDNN widens bf16 as it goes (a Zen 3: 3.6x its fp32 time); with AMX it
+    is ~3x faster than fp32. With AVX512-BF16 alone it depends on the core (Zen 5: 819 vs 185 GFLOP/s; an
+    Emerald Rapids VM that hides AMX: 153 vs 205, bench/RESULTS.md), so there both are timed once (~30 ms)."""
+    flags = cpu_flags()
+    if "amx_bf16" in flags or "avx512_bf16" not in flags:
+        return "amx_bf16" in flags
+    import time
+
+    import torch
+
+    m, k, n = _PROBE_SHAPE
+    best = {}
+    for _ in range(4):  # interleaved, best of each: the first round warms oneDNN's kernels up
+        for dtype in (torch.bfloat16, torch.float32):
+            a, b = torch.ones(m, k, dtype=dtype), torch.ones(n, k, dtype=dtype)
+            start = time.perf_counter()
+            torch.matmul(a, b.T)
+            best[dtype] = min(best.get(dtype, float("inf")), time.perf_counter() - start)
+    wins = best[torch.bfloat16] < best[torch.float32]
+    logger.info("bf16 GEMM %.2f ms vs fp32 %.2f ms on this CPU: the CPU GEMM paths use %s", best[torch.bfloat16] * 1e3,
+                best[torch.float32] * 1e3, "bf16" if wins else "fp32")
+    return wins
+
+
+# Linux: the AMX tile data state is off until a process asks (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA));
+# a tile instruction before that is SIGILL, so the AMX kernels run only where this returned True
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+
+@functools.cache
+def amx_permitted() -> bool:
+    """Ask Linux (x86-64) for the AMX tile state, once per process; True where granted."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64" or "amx_tile" not in cpu_flags():
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    granted = libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    if not granted:
+        logger.warning("the kernel refused the AMX tile state (errno %d): the CPU experts run without AMX",
+                       ctypes.get_errno())
+    return granted
 
 
 @functools.cache
