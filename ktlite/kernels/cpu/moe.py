@@ -420,7 +420,8 @@ class CPUMoE:
 
     def _run_pool(self, layer: ExpertLayer, work: _PoolWork, x: torch.Tensor) -> torch.Tensor:
         """One pool's share (in the pool's thread, or the caller's for `forward`): experts with fewer than prefill_threshold
-        tokens go through the fused GEMV kernel, the others through dequantize + matmul."""
+        tokens go through the fused kernels (AMX tiles from AMX_MIN_TOKENS on where they fit, else the row dots / VNNI
+        tiles), the others through dequantize + matmul."""
         heavy = np.diff(work.tok_ptr) >= self.prefill_threshold
         out = torch.zeros(x.shape[0], layer.hidden)
         light = work.select(~heavy) if heavy.any() else work  # decode: no selection to build
@@ -430,8 +431,8 @@ class CPUMoE:
             xp = np.zeros((x.shape[0], gu.kp), np.float32)
             xp[:, :layer.hidden] = x.float().numpy()
             q8 = self.int8_activations and {gu.method, dn.method} <= set(INT_DOT_METHODS)
-            amx = q8 and amx_fits(layer)
-            tiles = np.diff(light.tok_ptr) >= AMX_MIN_TOKENS[gu.method] if amx else np.zeros(0, bool)
+            tiles = (np.diff(light.tok_ptr) >= AMX_MIN_TOKENS[gu.method] if q8 and amx_fits(layer)
+                     else np.zeros(0, bool))
             rows = light.select(~tiles) if tiles.any() else light
             if rows.slots.size:
                 act = np.zeros((rows.tok_idx.size, dn.kp), np.float32)
@@ -439,9 +440,9 @@ class CPUMoE:
                                  dn.qweight, dn.scales, gu.group_shift, dn.group_shift, q8, self._scratch(layer), act,
                                  out.numpy())
             if tiles.any():
-                amx = light.select(tiles)
-                act = np.zeros((amx.tok_idx.size, dn.kp), np.float32)
-                kernels.moe_amx(xp, amx.slots, amx.tok_ptr, amx.tok_idx, amx.tok_w, gu.qweight, gu.scales,
+                on_amx = light.select(tiles)
+                act = np.zeros((on_amx.tok_idx.size, dn.kp), np.float32)
+                kernels.moe_amx(xp, on_amx.slots, on_amx.tok_ptr, on_amx.tok_idx, on_amx.tok_w, gu.qweight, gu.scales,
                                 dn.qweight, dn.scales, gu.group_shift, dn.group_shift,
                                 numba.config.NUMBA_NUM_THREADS, act, out.numpy())
         if heavy.any():
