@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numba
 import pytest
 import torch
 
@@ -269,6 +270,18 @@ def test_group_sizes_both_paths(method, group):
         for t in (1, 4, 40):  # GEMV kernel (one and several tokens per expert), dequantize + matmul
             x, ids, w = routing(t, seed=t)
             assert relative_error(m.forward(0, x, ids, w), reference(*stored(m), x, ids, w)) < 1e-5
+
+
+def test_silu_mul_matches_torch():
+    """kernels.silu_mul (the AMX path's vector SiLU; run here on any CPU), on a 2-D array as moe_amx passes it:
+    g u / (1 + exp(-g)) to float rounding, also where exp(-g) leaves fp32's range (clamped: |g| > 87)."""
+    g = torch.cat([torch.linspace(-120.0, 120.0, 2392), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 87.0, -87.0, 300.0,
+                                                                       -300.0])]).reshape(150, 16)
+    u = torch.randn(150, 16, generator=torch.Generator().manual_seed(0))
+    got = g.numpy().copy()
+    numba.njit(lambda g, u: kernels.silu_mul(g, u))(got, u.numpy())  # an intrinsic: callable from jitted code only
+    want = torch.nn.functional.silu(g.double()) * u.double()
+    torch.testing.assert_close(torch.from_numpy(got).double(), want, rtol=1e-6, atol=1e-30)
 
 
 @pytest.mark.parametrize("pools", [1, 3])

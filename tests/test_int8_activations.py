@@ -142,7 +142,7 @@ AMX = pytest.param(True, id="amx") if kernels.AMX else pytest.param(True, id="am
 @pytest.mark.parametrize("tokens", [6, 40, 150])
 def test_cpu_moe_amx_tiles(amx, method, group, tokens, monkeypatch):
     """The AMX tiles (kernels.moe_amx, experts with >= AMX_MIN_TOKENS[method] tokens): float64 math on the same int8
-    activations, quantized per weight group. I = 40 and H = 200 (Kp 256): blocks of 16 rows that overlap at
+    activations, quantized per weight group. I = 40 and H = 200 (Kp 256): blocks of 32 rows that overlap at
     the end, padded rows; 4 experts, top 2: 1-75 tokens each, so partial, whole and more than
     AMX_TOKEN_TILES activation tiles per weight block, and (6 tokens) experts left to the row dots."""
     g = torch.Generator().manual_seed(tokens + group)

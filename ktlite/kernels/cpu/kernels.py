@@ -40,7 +40,7 @@ owns whole rows of `act`/`out`, so there are no races. For many tokens gemm.py's
 `scatter_add_bf16` adds its bf16 expert outputs, weighted, into the fp32 result.
 
 `moe_amx` is moe_rows on AMX-INT8 tiles (CPUs with AMX, INT4/INT8 experts with groups of >= 64): per expert,
-blocks of 16 weight rows times tiles of 16 tokens' int8 activations (amx_block_dot, see AMX_ROWS below).
+blocks of 32 weight rows times pairs of tiles of 16 tokens' int8 activations (amx_block_dot, see AMX_ROWS below).
 
 `linear_rows` is the same GEMV for a stack of plain matrices, each with its own inputs: the device-side
 Linear layers (one matrix) and per-head matrices (MLA's W_UK / W_UV) of a CPU-only run (dense_linear.py).
@@ -48,6 +48,7 @@ Linear layers (one matrix) and per-head matrices (MLA's W_UK / W_UV) of a CPU-on
 
 from __future__ import annotations
 
+import math
 import numba
 import numpy as np
 from llvmlite import ir
@@ -110,11 +111,11 @@ def _load(builder, base, off):
 PREFETCH_BYTES = 4096
 
 
-def _prefetch(builder, base, off):
-    """Hint that the bytes at base[off + PREFETCH_BYTES] are needed soon (llvm.prefetch: read, keep in all caches)."""
+def _prefetch(builder, base, off, ahead=PREFETCH_BYTES):
+    """Hint that the bytes at base[off + ahead] are needed soon (llvm.prefetch: read, keep in all caches)."""
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
-    ptr = builder.bitcast(builder.gep(base, [builder.add(off, _c64(PREFETCH_BYTES))]), _I8.as_pointer())
+    ptr = builder.bitcast(builder.gep(base, [builder.add(off, _c64(ahead))]), _I8.as_pointer())
     builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
 
 
@@ -493,18 +494,24 @@ def _tile_dot_q8_impl(q, s, r0, xq, xd, tix, group_shift, out):
 
 
 # AMX (Sapphire Rapids on): a tile instruction multiplies a 16 x 64 int8 tile of weights (16 rows, 64 weights
-# each, loaded straight from the stored INT8 rows; INT4 rows are unpacked to signed bytes into a stack buffer
-# first) by a 64 x 16 int8 tile of activations (16 tokens) into 16 x 16 int32 sums: 16 K multiply-adds per
-# instruction, 64x a vpdpbusd. Activations are quantized per weight group for this (one scale per token and
-# group, not per 32 values: the int32 sums of a whole group then share one activation scale) and stored in
-# AMX's "VNNI" layout, row k/4 holding bytes 4(k/4)..+3 of each of the 16 tokens. After each weight group the
-# sums are stored and scaled (weight scale x activation scale) into fp32. The tiles' shapes are set per call
-# (ldtilecfg: tile state is per thread) and released after it; Linux grants a process the tile state once
-# (target.amx_permitted). Groups of 32 would need half-deep tiles: there the VNNI tiles run instead.
-AMX_ROWS = 16  # rows of an AMX tile: weight rows per block, and tokens per activation tile
-AMX_TOKEN_TILES = 4  # activation tiles one weight tile is multiplied by (their sums in tmm0-3)
+# each; INT8 rows copied, INT4 rows unpacked to signed bytes, into a stack buffer) by a 64 x 16 int8 tile of
+# activations (16 tokens) into 16 x 16 int32 sums: 16 K multiply-adds per instruction, 64x a vpdpbusd.
+# Activations are quantized per weight group for this (one scale per token and group, not per 32 values: the int32
+# sums of a whole group then share one activation scale) and stored in AMX's "VNNI" layout, row k/4 holding bytes
+# 4(k/4)..+3 of each of the 16 tokens. A call runs 32 rows (two weight tiles) against two activation tiles: four
+# tiles of sums, one tile load per multiply (2-core Sapphire Rapids VM: a multiply alone 4.8 ns, with one load
+# 5.0 ns, and 1 x 4 tiles needed 1.25 loads per multiply). After each weight group the sums are stored and scaled
+# (weight scale x activation scale) into fp32: with groups of 64 that vector work, not the tiles, is most of the
+# time. Every tile load / store is from a 64-byte aligned address: a tile row across two cache lines made tile
+# loads 6x slower. The tiles' shapes are set per call (ldtilecfg: tile state is per thread) and released after it;
+# Linux grants a process the tile state once (target.amx_permitted). Groups of 32 would need half-deep tiles:
+# there the VNNI tiles run instead.
+AMX_ROWS = 16  # rows of an AMX tile: weight rows per tile, and tokens per activation tile
+AMX_BLOCK_ROWS = 2 * AMX_ROWS  # weight rows per amx_block_dot: two weight tiles
+AMX_TOKEN_TILES = 2  # activation tiles per amx_block_dot (2 x 2 tiles of sums in tmm0-3)
 AMX_MIN_GROUP = 64  # weights per group at least (one tile is 64 weights deep)
-_TMM_A, _TMM_B = 4, 6  # tmm4/5: weight tiles (INT4: low and high nibbles), tmm6: an activation tile
+# tmm4/5: the two weight tiles, tmm6/7: the two activation tiles
+_TMM_W, _TMM_X = 4, 6
 
 
 def amx_in_hardware() -> bool:
@@ -516,13 +523,21 @@ def _tile_op(builder, name, *args):
     _call(builder, f"llvm.x86.{name}", ir.VoidType(), [ir.Constant(_I8, a) if isinstance(a, int) else a for a in args])
 
 
+def _tile_buffer(builder, size):
+    """A stack buffer of size bytes for tile loads / stores: 64-byte aligned (a tile row that crosses a cache line
+    splits the load: 6x slower tile loads on Sapphire Rapids)."""
+    buf = cgutils.alloca_once(builder, ir.ArrayType(_I8, size))
+    buf.align = 64
+    return buf
+
+
 def _tile_config(builder):
-    """ldtilecfg for tmm0-3 (16 x 16 int32 sums), tmm4-5 (16 x 64 weight bytes), tmm6 (16 x 64 activation bytes)."""
+    """ldtilecfg for tmm0-7, each 16 rows x 64 bytes (int32 sums of 16 x 16, or 16 x 64 int8 operands)."""
     cfg = cgutils.alloca_once(builder, ir.ArrayType(_I8, 64))
     cfg.align = 64
     ptr = builder.bitcast(cfg, _I8.as_pointer())
     builder.store(ir.Constant(ir.ArrayType(_I8, 64), [1] + [0] * 63), cfg)  # palette 1, start row 0
-    for t in range(_TMM_B + 1):
+    for t in range(8):
         builder.store(ir.Constant(_I16, 64), builder.bitcast(builder.gep(ptr, [_c64(16 + 2 * t)]), _I16.as_pointer()))
         builder.store(ir.Constant(_I8, AMX_ROWS), builder.gep(ptr, [_c64(48 + t)]))
     _tile_op(builder, "ldtilecfg", ptr)
@@ -530,9 +545,9 @@ def _tile_config(builder):
 
 @intrinsic
 def amx_block_dot(typingctx, q, s, r0, xb, xdb, t0, nt, gs, out):
-    """out[j, i, c] = (row r0 + i of q/s) . (token c of activation tile t0 + j) for i, c < 16 and j < nt <=
-    AMX_TOKEN_TILES: q/s [N, ...] INT8 (int8) or INT4 (uint8) rows, N >= r0 + 16; xb [tiles, Kp / 4, 64] int8
-    activation tiles in VNNI layout, xdb [tiles, Kp >> gs, 16] their scales per group; out [>= nt, 16, 16]."""
+    """out[j, i, c] = (row r0 + i of q/s) . (token c of activation tile t0 + j) for i < 32, c < 16 and j < nt <=
+    AMX_TOKEN_TILES: q/s [N, ...] INT8 (int8) or INT4 (uint8) rows, N >= r0 + 32; xb [tiles, Kp / 4, 64] int8
+    activation tiles in VNNI layout, xdb [tiles, Kp >> gs, 16] their scales per group; out [>= nt, 32, 16]."""
     ok = (isinstance(q, types.Array) and q.dtype in (types.int8, types.uint8)
           and all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == d and a.ndim == n
                   for a, d, n in ((q, q.dtype, 2), (s, types.float32, 2), (xb, types.int8, 3),
@@ -549,53 +564,74 @@ def amx_block_dot(typingctx, q, s, r0, xb, xdb, t0, nt, gs, out):
         n_groups = cgutils.unpack_tuple(builder, sa.shape)[1]
         tile_bytes = builder.mul(cgutils.unpack_tuple(builder, xba.shape)[1], _c64(64))
         bp = _I8.as_pointer()
-        sums = builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(_I32, AMX_ROWS * AMX_ROWS)), bp)
-        unpacked = builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(_I8, AMX_ROWS * 128)), bp)
+        sums = builder.bitcast(_tile_buffer(builder, 4 * AMX_ROWS * 64), bp)
+        unpacked = builder.bitcast(_tile_buffer(builder, AMX_BLOCK_ROWS * 128), bp)
         qbase = builder.bitcast(builder.gep(qa.data, [builder.mul(r0, nb)], inbounds=True), bp)
+        # activation tile j: (used, its int8 bytes, its scales); sums tile 2 j + a: weight tile a x activation tile j
         tiles = [(builder.icmp_signed(">", nt, _c64(j)),
                   builder.bitcast(builder.gep(xba.data, [builder.mul(builder.add(t0, _c64(j)), tile_bytes)]), bp),
-                  builder.gep(xdba.data, [builder.mul(builder.add(t0, _c64(j)), builder.mul(n_groups, _c64(16)))]),
-                  builder.gep(outa.data, [_c64(j * AMX_ROWS * AMX_ROWS)]))
+                  builder.gep(xdba.data, [builder.mul(builder.add(t0, _c64(j)), builder.mul(n_groups, _c64(16)))]))
                  for j in range(AMX_TOKEN_TILES)]
-        row_scales = [builder.gep(sa.data, [builder.mul(builder.add(r0, _c64(i)), n_groups)]) for i in range(AMX_ROWS)]
-        for used, _, _, op in tiles:
+        row_scales = [builder.gep(sa.data, [builder.mul(builder.add(r0, _c64(i)), n_groups)])
+                      for i in range(AMX_BLOCK_ROWS)]
+        for j, (used, _, _) in enumerate(tiles):
             with builder.if_then(used):
-                for i in range(AMX_ROWS):
+                op = builder.gep(outa.data, [_c64(j * AMX_BLOCK_ROWS * AMX_ROWS)])
+                for i in range(AMX_BLOCK_ROWS):
                     _vstore(builder, _cvec(_VF, 0.0), op, _c64(16 * i))
         _tile_config(builder)
-        for j, (used, _, _, _) in enumerate(tiles):
+        for j, (used, _, _) in enumerate(tiles):
             with builder.if_then(used):
-                _tile_op(builder, "tilezero", j)
+                _tile_op(builder, "tilezero", 2 * j)
+                _tile_op(builder, "tilezero", 2 * j + 1)
         last = builder.sub(builder.shl(_c64(1), gs), _c64(64))  # k & (group - 1) of a group's last 64 weights
 
         def flush(g):  # the sums of group g, scaled, into out; sums zeroed
-            ws = [_splat(builder, _load(builder, sp, g)) for sp in row_scales]
-            for j, (used, _, xdp, op) in enumerate(tiles):
+            for j, (used, _, _) in enumerate(tiles):
                 with builder.if_then(used):
-                    _tile_op(builder, "tilestored64", j, sums, _c64(64))
-                    _tile_op(builder, "tilezero", j)
-                    xd = _vload(builder, xdp, builder.shl(g, _c64(4)), _VF)
-                    for i in range(AMX_ROWS):
-                        c = builder.sitofp(_vload(builder, sums, _c64(64 * i), _V32), _VF)
-                        acc = _vload(builder, op, _c64(16 * i), _VF)
-                        _vstore(builder, _vfma(builder, c, builder.fmul(ws[i], xd), acc), op, _c64(16 * i))
+                    for a in range(2):
+                        _tile_op(builder, "tilestored64", 2 * j + a, builder.gep(sums, [_c64(1024 * (2 * j + a))]),
+                                 _c64(64))
+                        _tile_op(builder, "tilezero", 2 * j + a)
 
-        def step(tmm, k):  # the weight tile in tmm (weights k..k + 63) times each activation tile
-            for j, (used, xp, _, _) in enumerate(tiles):
+            def scale(n_tiles):  # rows outer: one weight-scale broadcast live at a time (32 of them spilled)
+                xds = [_vload(builder, xdp, builder.shl(g, _c64(4)), _VF) for _, _, xdp in tiles[:n_tiles]]
+                for i in range(AMX_BLOCK_ROWS):  # sums tile 2 j + i // 16: row i at byte 2048 j + 64 i
+                    w = _splat(builder, _load(builder, row_scales[i], g))
+                    for j, xd in enumerate(xds):
+                        c = _vload(builder, sums, _c64(2048 * j + 64 * i), _V32)
+                        op = builder.gep(outa.data, [_c64(j * AMX_BLOCK_ROWS * AMX_ROWS + 16 * i)])
+                        _vstore(builder, _vfma(builder, builder.sitofp(c, _VF), builder.fmul(w, xd),
+                                               _vload(builder, op, _c64(0), _VF)), op, _c64(0))
+
+            with builder.if_else(tiles[1][0]) as (two, one):
+                with two:
+                    scale(2)
+                with one:
+                    scale(1)
+
+        def step(weights, stride, k):  # weight tiles at weights[0], weights[1] (weights k..k + 63) x activation tiles
+            for a, w in enumerate(weights):
+                _tile_op(builder, "tileloadd64", _TMM_W + a, w, stride)
+            for j, (used, xp, _) in enumerate(tiles):
                 with builder.if_then(used):
-                    _tile_op(builder, "tileloadd64", _TMM_B, builder.gep(xp, [builder.shl(k, _c64(4))]), _c64(64))
-                    _tile_op(builder, "tdpbssd", j, tmm, _TMM_B)
+                    _tile_op(builder, "tileloadd64", _TMM_X + j, builder.gep(xp, [builder.shl(k, _c64(4))]), _c64(64))
+                    for a in range(2):
+                        _tile_op(builder, "tdpbssd", 2 * j + a, _TMM_W + a, _TMM_X + j)
             with builder.if_then(builder.icmp_unsigned("==", builder.and_(k, builder.add(last, _c64(63))), last)):
                 flush(builder.lshr(k, gs))
 
         with cgutils.for_range(builder, builder.lshr(nb, _c64(6))) as loop:  # 64 stored bytes of each row a step
             b0 = builder.shl(loop.index, _c64(6))
-            offs = [builder.add(b0, builder.mul(_c64(i), nb)) for i in range(AMX_ROWS)]
-            for off in offs:
-                _prefetch(builder, qbase, off)
-            if w_signed:
-                _tile_op(builder, "tileloadd64", _TMM_A, builder.gep(qbase, [b0]), nb)
-                step(_TMM_A, b0)
+            offs = [builder.add(b0, builder.mul(_c64(i), nb)) for i in range(AMX_BLOCK_ROWS)]
+            # the block 32 rows on (contiguous, the next call but one for gate/up) read in order: 32 lines a step
+            ahead = builder.add(builder.mul(_c64(AMX_BLOCK_ROWS), nb), builder.shl(loop.index, _c64(11)))
+            for i in range(AMX_BLOCK_ROWS):
+                _prefetch(builder, qbase, ahead, 64 * i)
+            if w_signed:  # copied: stored rows start anywhere (numpy aligns 16 bytes), tile rows must not split lines
+                for i, off in enumerate(offs):
+                    _vstore(builder, _vload(builder, qbase, off, _B64), unpacked, _c64(64 * i))
+                step([builder.gep(unpacked, [_c64(64 * AMX_ROWS * a)]) for a in range(2)], _c64(64), b0)
             else:  # 128 weights: low nibbles are weights 0-63, high nibbles 64-127 (quant.py), minus 8
                 eight = _cvec(_B64, 8)
                 for i, off in enumerate(offs):
@@ -603,34 +639,92 @@ def amx_block_dot(typingctx, q, s, r0, xb, xdb, t0, nt, gs, out):
                     _vstore(builder, builder.sub(builder.and_(w, _cvec(_B64, 15)), eight), unpacked, _c64(128 * i))
                     _vstore(builder, builder.sub(builder.lshr(w, _cvec(_B64, 4)), eight), unpacked, _c64(128 * i + 64))
                 k0 = builder.shl(loop.index, _c64(7))
-                _tile_op(builder, "tileloadd64", _TMM_A, unpacked, _c64(128))
-                _tile_op(builder, "tileloadd64", _TMM_A + 1, builder.gep(unpacked, [_c64(64)]), _c64(128))
-                step(_TMM_A, k0)
-                step(_TMM_A + 1, builder.add(k0, _c64(64)))
+                for half in range(2):
+                    step([builder.gep(unpacked, [_c64(64 * half + 128 * AMX_ROWS * a)]) for a in range(2)], _c64(128),
+                         builder.add(k0, _c64(64 * half)))
         _tile_op(builder, "tilerelease")
         return context.get_dummy_value()
 
     return sig, codegen
 
 
-@njit(nogil=True, cache=True)
+@intrinsic
+def abs_max(typingctx, x):
+    """max |x| of a C-contiguous fp32 vector whose length is a multiple of 16, 16 lanes at a time (numba's loop
+    of max(m, abs(v)) stays scalar: ~1 ns a value, most of the activation quantizer's time)."""
+    if not _is_vec(x, types.float32):
+        return None
+    sig = types.float32(x)
+
+    def codegen(context, builder, sig, args):
+        (xp, n), = _arrays(context, builder, sig, args, 1)
+        m = cgutils.alloca_once_value(builder, _cvec(_VF, 0.0))
+        with cgutils.for_range(builder, builder.lshr(n, _c64(4))) as loop:
+            v = _call(builder, "llvm.fabs.v16f32", _VF, [_vload(builder, xp, builder.shl(loop.index, _c64(4)), _VF)])
+            builder.store(_call(builder, "llvm.maxnum.v16f32", _VF, [builder.load(m), v]), m)
+        return _call(builder, "llvm.vector.reduce.fmax.v16f32", _F32, [builder.load(m)])
+
+    return sig, codegen
+
+
+_EXP_TAYLOR = [1.0 / math.factorial(i) for i in range(7)]  # e^r = sum r^i / i!, |r| <= ln 2 / 2: error ~1e-7
+_LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 in two parts (Cody-Waite): n ln2_hi exact for |n| <= 126
+
+
+@intrinsic
+def silu_mul(typingctx, g, u):
+    """g = SiLU(g) * u = g u / (1 + exp(-g)) elementwise, 16 lanes at a time (g, u C-contiguous fp32 of the same
+    size, a multiple of 16). numba's np.exp is one libm call per value (no SVML): here exp(-g) = 2^n e^r with n =
+    round(-g log2 e), r = -g - n ln 2 (in two parts, so r keeps fp32 precision), e^r a degree-6 Taylor polynomial,
+    g clamped to +-87 (exp(-g) in fp32's normal range; the product is ~0 or g u there anyway)."""
+    if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float32 for a in (g, u)):
+        return None
+    sig = types.void(g, u)
+
+    def codegen(context, builder, sig, args):
+        ga, ua = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args, args))
+        with cgutils.for_range(builder, builder.lshr(ga.nitems, _c64(4))) as loop:
+            k = builder.shl(loop.index, _c64(4))
+            gv = _vload(builder, ga.data, k, _VF)
+            neg = builder.fneg(_call(builder, "llvm.minnum.v16f32", _VF, [
+                _call(builder, "llvm.maxnum.v16f32", _VF, [gv, _cvec(_VF, -87.0)]), _cvec(_VF, 87.0)]))
+            n = _call(builder, "llvm.rint.v16f32", _VF, [builder.fmul(neg, _cvec(_VF, math.log2(math.e)))])
+            r = _vfma(builder, n, _cvec(_VF, -_LN2_LO), _vfma(builder, n, _cvec(_VF, -_LN2_HI), neg))
+            poly = _cvec(_VF, _EXP_TAYLOR[-1])
+            for c in reversed(_EXP_TAYLOR[:-1]):
+                poly = _vfma(builder, poly, r, _cvec(_VF, c))
+            two_n = builder.bitcast(builder.shl(builder.add(builder.fptosi(n, _V32), _cvec(_V32, 127)),
+                                                _cvec(_V32, 23)), _VF)
+            denom = _vfma(builder, poly, two_n, _cvec(_VF, 1.0))
+            _vstore(builder, builder.fdiv(builder.fmul(gv, _vload(builder, ua.data, k, _VF)), denom), ga.data, k)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(nogil=True, cache=True, fastmath=True)
 def pack_amx_tile(x, rows, group_shift, xb, xdb):
     """Activation tile of x[rows[c]] (x [R, Kp] fp32, at most 16 rows): xb [Kp / 4, 64] int8 in VNNI layout
     (xb[k // 4, 4 c + k % 4] = token c's value k), quantized per group of 2**group_shift values with scale
-    xdb[g, c] = max |x| / 127 (round to nearest even); tokens past len(rows) are zeros."""
+    xdb[g, c] = max |x| / 127 (round to nearest even); tokens past len(rows) are zeros. A token's values are
+    quantized into a row first (vector code), then moved as 4-byte words: word k // 4 of token c is the
+    tile's int32 [k // 4, c]."""
     gsize = 1 << group_shift
     xb[:] = 0
     xdb[:] = 0
+    words = xb.view(np.int32)
+    q = np.empty(x.shape[1], np.int8)
+    q_words = q.view(np.int32)
     for c in range(rows.shape[0]):
         xr = x[rows[c]]
         for g in range(xdb.shape[0]):
-            amax = np.float32(0.0)
-            for k in range(g * gsize, (g + 1) * gsize):
-                amax = max(amax, abs(xr[k]))
+            amax = abs_max(xr[g * gsize:(g + 1) * gsize])
             inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
             xdb[g, c] = amax / np.float32(127.0)
             for k in range(g * gsize, (g + 1) * gsize):
-                xb[k >> 2, 4 * c + (k & 3)] = np.int8(np.rint(xr[k] * inv))
+                q[k] = np.int8(np.rint(xr[k] * inv))
+        for kk in range(q_words.shape[0]):
+            words[kk, c] = q_words[kk]
 
 
 _TWO_POW_120 = ir.Constant(_F32, 2.0**120)
@@ -1042,9 +1136,7 @@ def quantize_activations(x, xq, xd, xo):
     xq = round(x * 127 / max |x|) (to nearest even), xo[b] = 8 xd[b] sum_b xq (INT4's offset term)."""
     for b in range(xd.shape[0]):
         xb = x[XS_BLOCK * b:XS_BLOCK * (b + 1)]
-        amax = np.float32(0.0)
-        for j in range(XS_BLOCK):
-            amax = max(amax, abs(xb[j]))
+        amax = abs_max(xb)
         inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
         total = 0
         for j in range(XS_BLOCK):
@@ -1271,10 +1363,19 @@ def _token_tiles(tok_ptr):
     return tile_ptr, first, end
 
 
+@njit(nogil=True, cache=True)
+def _aligned_tiles(tiles, rows):
+    """np.empty((tiles, rows, 64), int8) starting on a cache line (numpy's own start 16 bytes into one: every
+    tile row then straddles two lines, and tile loads are 6x slower)."""
+    buf = np.empty(tiles * rows * 64 + 64, np.int8)
+    start = -buf.ctypes.data & 63
+    return buf[start:start + tiles * rows * 64].reshape((tiles, rows, 64))
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def _pack_tiles(x, rows, first, end, group_shift):
     """The activation tiles (pack_amx_tile) of every expert: tile t holds x[rows[p]] for its pairs first[t]:end[t]."""
-    xb = np.empty((first.shape[0], x.shape[1] // 4, 64), np.int8)
+    xb = _aligned_tiles(first.shape[0], x.shape[1] // 4)
     xdb = np.empty((first.shape[0], x.shape[1] >> group_shift, AMX_ROWS), np.float32)
     for t in prange(first.shape[0]):
         pack_amx_tile(x, rows[first[t]:end[t]], group_shift, xb[t], xdb[t])
@@ -1283,45 +1384,47 @@ def _pack_tiles(x, rows, first, end, group_shift):
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def moe_amx(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act, out):
-    """moe_rows with int8 activations on AMX tiles (INT4/INT8 rows, groups of >= AMX_MIN_GROUP, I and H >= 16):
-    per expert, its pairs' activations in tiles of 16 tokens, 16-row weight blocks times up to AMX_TOKEN_TILES
-    of them at once; parallel over blocks of 16 output rows (a thread owns whole rows of act / out). The last
-    block of a matrix starts at N - 16 and writes only the rows no other block wrote. threads: numba's thread
+    """moe_rows with int8 activations on AMX tiles (INT4/INT8 rows, groups of >= AMX_MIN_GROUP, I and H >= 32):
+    per expert, its pairs' activations in tiles of 16 tokens, 32-row weight blocks times AMX_TOKEN_TILES of them
+    at once. Each of `threads` tasks owns a contiguous share of the blocks of each matrix (whole rows of act /
+    out) and runs every expert over it, so an expert's activation tiles stay in cache across the share. The last
+    block of a matrix starts at N - 32 and writes only the rows no other block wrote. threads: numba's thread
     count (per-thread sums); the other arguments as moe_rows."""
     hidden = out.shape[1]
     inter = gu_q.shape[1] // 2
-    n_experts = slots.shape[0]
     tile_ptr, first, end = _token_tiles(tok_ptr)
-    sums = np.empty((threads, 2, AMX_TOKEN_TILES, AMX_ROWS, AMX_ROWS), np.float32)
+    sums = np.empty((threads, 2, AMX_TOKEN_TILES, AMX_BLOCK_ROWS, AMX_ROWS), np.float32)
     xb, xdb = _pack_tiles(x, tok_idx, first, end, gu_shift)
-    for b in prange((inter + AMX_ROWS - 1) // AMX_ROWS):
+    share = (inter + threads * AMX_BLOCK_ROWS - 1) // (threads * AMX_BLOCK_ROWS)  # blocks per task
+    for task in prange(threads):
         tid = get_thread_id()
-        r0 = min(b * AMX_ROWS, inter - AMX_ROWS)
-        for m in range(n_experts):
-            e = slots[m]
-            for t0 in range(tile_ptr[m], tile_ptr[m + 1], AMX_TOKEN_TILES):
-                nt = min(AMX_TOKEN_TILES, tile_ptr[m + 1] - t0)
-                amx_block_dot(gu_q[e], gu_s[e], r0, xb, xdb, t0, nt, gu_shift, sums[tid, 0])
-                amx_block_dot(gu_q[e], gu_s[e], inter + r0, xb, xdb, t0, nt, gu_shift, sums[tid, 1])
-                for j in range(nt):
-                    p0 = first[t0 + j]
-                    for c in range(end[t0 + j] - p0):
-                        for i in range(b * AMX_ROWS - r0, AMX_ROWS):
-                            g = sums[tid, 0, j, i, c]
-                            act[p0 + c, r0 + i] = g / (np.float32(1.0) + np.exp(-g)) * sums[tid, 1, j, i, c]
+        for m in range(slots.shape[0]):
+            for b in range(task * share, min((inter + AMX_BLOCK_ROWS - 1) // AMX_BLOCK_ROWS, (task + 1) * share)):
+                r0 = min(b * AMX_BLOCK_ROWS, inter - AMX_BLOCK_ROWS)
+                for t0 in range(tile_ptr[m], tile_ptr[m + 1], AMX_TOKEN_TILES):
+                    nt = min(AMX_TOKEN_TILES, tile_ptr[m + 1] - t0)
+                    amx_block_dot(gu_q[slots[m]], gu_s[slots[m]], r0, xb, xdb, t0, nt, gu_shift, sums[tid, 0])
+                    amx_block_dot(gu_q[slots[m]], gu_s[slots[m]], inter + r0, xb, xdb, t0, nt, gu_shift, sums[tid, 1])
+                    for j in range(nt):
+                        silu_mul(sums[tid, 0, j], sums[tid, 1, j])
+                        p0 = first[t0 + j]
+                        for c in range(end[t0 + j] - p0):
+                            for i in range(b * AMX_BLOCK_ROWS - r0, AMX_BLOCK_ROWS):
+                                act[p0 + c, r0 + i] = sums[tid, 0, j, i, c]
     ab, adb = _pack_tiles(act, np.arange(act.shape[0]), first, end, d_shift)
-    for b in prange((hidden + AMX_ROWS - 1) // AMX_ROWS):
+    share = (hidden + threads * AMX_BLOCK_ROWS - 1) // (threads * AMX_BLOCK_ROWS)
+    for task in prange(threads):
         tid = get_thread_id()
-        h0 = min(b * AMX_ROWS, hidden - AMX_ROWS)
-        for m in range(n_experts):
-            e = slots[m]
-            for t0 in range(tile_ptr[m], tile_ptr[m + 1], AMX_TOKEN_TILES):
-                nt = min(AMX_TOKEN_TILES, tile_ptr[m + 1] - t0)
-                amx_block_dot(d_q[e], d_s[e], h0, ab, adb, t0, nt, d_shift, sums[tid, 0])
-                for j in range(nt):
-                    for p in range(first[t0 + j], end[t0 + j]):
-                        for i in range(b * AMX_ROWS - h0, AMX_ROWS):
-                            out[tok_idx[p], h0 + i] += tok_w[p] * sums[tid, 0, j, i, p - first[t0 + j]]
+        for m in range(slots.shape[0]):
+            for b in range(task * share, min((hidden + AMX_BLOCK_ROWS - 1) // AMX_BLOCK_ROWS, (task + 1) * share)):
+                h0 = min(b * AMX_BLOCK_ROWS, hidden - AMX_BLOCK_ROWS)
+                for t0 in range(tile_ptr[m], tile_ptr[m + 1], AMX_TOKEN_TILES):
+                    nt = min(AMX_TOKEN_TILES, tile_ptr[m + 1] - t0)
+                    amx_block_dot(d_q[slots[m]], d_s[slots[m]], h0, ab, adb, t0, nt, d_shift, sums[tid, 0])
+                    for j in range(nt):
+                        for p in range(first[t0 + j], end[t0 + j]):
+                            for i in range(b * AMX_BLOCK_ROWS - h0, AMX_BLOCK_ROWS):
+                                out[tok_idx[p], h0 + i] += tok_w[p] * sums[tid, 0, j, i, p - first[t0 + j]]
 
 
 @njit(parallel=True, nogil=True, cache=True)

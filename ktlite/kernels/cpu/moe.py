@@ -98,12 +98,13 @@ Q8_TILES_FP32_PREFILL_THRESHOLD = 64
 Q8_BF16_PREFILL_THRESHOLD = 24
 Q8_METHODS = (*INT_DOT_METHODS, "RAWINT4")  # --kt-method values stored as INT4/INT8 rows
 # with AMX an expert with this many tokens or more runs on AMX tiles (kernels.moe_amx); fewer: the row dots or VNNI
-# tiles, without the AMX tiles' fixed cost per 16 rows and weight group (2-core Sapphire Rapids VM, V2-Lite layer:
-# INT4 at ~6 tokens per expert 38 vs 40 ms, at 4.5 38 vs 32 ms; INT8 at 3 tokens 40 vs 42 ms, bench/RESULTS.md)
-AMX_MIN_TOKENS = {"INT4": 6, "INT8": 3}
-# the AMX tiles against bf16 (AMX) GEMMs, same VM: the tiles won at 48 tokens per expert (V2-Lite INT4 T=512 103 vs
-# 159 ms), lost at 128 (V3 INT4 T=512 465 vs 425 ms)
-Q8_AMX_PREFILL_THRESHOLD = 96
+# tiles, without the AMX tiles' fixed cost per 32 rows and weight group (2-core Sapphire Rapids VM, V2-Lite layer,
+# every expert on one path: INT4 at 3 tokens per expert 27.4 vs 27.4 ms, at 4 29.6 vs 32.9 ms; INT8 at 2 36.9 vs
+# 37.6 ms, at 3 39.9 vs 45.0 ms)
+AMX_MIN_TOKENS = {"INT4": 4, "INT8": 2}
+# the AMX tiles against bf16 (AMX) GEMMs, same VM, V3 layer: the tiles won at 128 tokens per expert (INT4 360 vs
+# 507 ms, INT8 402 vs 507 ms), tied at 256 (INT4 732 vs 698 ms, INT8 749 vs 750 ms)
+Q8_AMX_PREFILL_THRESHOLD = 256
 
 
 def default_prefill_threshold(method: str, prefill_dtype: torch.dtype, int8_activations: bool = False,
@@ -143,9 +144,9 @@ class ExpertLayer:
 
 
 def amx_fits(layer: ExpertLayer) -> bool:
-    """Whether the layer's experts can run on AMX tiles here (kernels.moe_amx: INT4/INT8, groups >= 64, 16+ rows)."""
+    """Whether the layer's experts can run on AMX tiles here (kernels.moe_amx: INT4/INT8, groups >= 64, 32+ rows)."""
     return (kernels.AMX and min(layer.gate_up.group_size, layer.down.group_size) >= kernels.AMX_MIN_GROUP
-            and min(layer.inter, layer.hidden) >= kernels.AMX_ROWS)
+            and min(layer.inter, layer.hidden) >= kernels.AMX_BLOCK_ROWS)
 
 
 @dataclass
@@ -435,13 +436,13 @@ class CPUMoE:
                      else np.zeros(0, bool))
             rows = light.select(~tiles) if tiles.any() else light
             if rows.slots.size:
-                act = np.zeros((rows.tok_idx.size, dn.kp), np.float32)
+                act = self._act_buffer(rows.tok_idx.size, layer)
                 kernels.moe_rows(xp, rows.slots, rows.tok_ptr, rows.tok_idx, rows.tok_w, gu.qweight, gu.scales,
                                  dn.qweight, dn.scales, gu.group_shift, dn.group_shift, q8, self._scratch(layer), act,
                                  out.numpy())
             if tiles.any():
                 on_amx = light.select(tiles)
-                act = np.zeros((on_amx.tok_idx.size, dn.kp), np.float32)
+                act = self._act_buffer(on_amx.tok_idx.size, layer)
                 kernels.moe_amx(xp, on_amx.slots, on_amx.tok_ptr, on_amx.tok_idx, on_amx.tok_w, gu.qweight, gu.scales,
                                 dn.qweight, dn.scales, gu.group_shift, dn.group_shift,
                                 numba.config.NUMBA_NUM_THREADS, act, out.numpy())
@@ -490,14 +491,22 @@ class CPUMoE:
             buf = self._scratch_bufs[key] = np.empty((numba.config.NUMBA_NUM_THREADS, 2, size), np.float32)
         return buf
 
-    def _buffer(self, name: str, size: int) -> torch.Tensor:
-        """A reused flat buffer of >= `size` elements in prefill_dtype, per calling (pool) thread and name:
-        fresh 10-60 MB arrays per expert page-faulted on first touch, which cost as much as the work."""
+    def _buffer(self, name: str, size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A reused flat buffer of >= `size` elements in dtype (default prefill_dtype), per calling (pool) thread
+        and name: fresh 10-60 MB arrays per expert page-faulted on first touch, which cost as much as the work."""
+        dtype = dtype or self.prefill_dtype
         key = (threading.get_ident(), name)
         buf = self._bufs.get(key)
-        if buf is None or buf.numel() < size or buf.dtype != self.prefill_dtype:
-            buf = self._bufs[key] = torch.empty(size, dtype=self.prefill_dtype)
+        if buf is None or buf.numel() < size or buf.dtype != dtype:
+            buf = self._bufs[key] = torch.empty(size, dtype=dtype)
         return buf[:size]
+
+    def _act_buffer(self, pairs: int, layer: ExpertLayer) -> np.ndarray:
+        """The fused kernels' [pairs, Kp] fp32 intermediate: every row is written up to I, the padding read as
+        zeros (reused: at 512 tokens a fresh one is 17 MB of page faults per call)."""
+        act = self._buffer("fused_act", pairs * layer.down.kp, torch.float32).view(pairs, layer.down.kp).numpy()
+        act[:, layer.inter:] = 0.0
+        return act
 
     def warmup(self) -> None:
         """Compile (or load from numba's cache) and run both paths once in every pool, for every pair of
