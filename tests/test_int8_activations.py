@@ -163,6 +163,36 @@ def test_cpu_moe_amx_tiles(amx, method, group, tokens, monkeypatch):
         assert relative_error(got, _moe_reference(moe, x, ids, w, on_amx)) < 1e-4
 
 
+@pytest.mark.parametrize("amx", [AMX])
+def test_amx_int8_rows_from_unaligned_storage(amx):
+    """INT8 rows whose storage does not start on a cache line (not made by quant.empty_quantized: a view, another
+    loader's bytes) take amx_block_dot's copying path: the same sums as tile loads straight from aligned storage."""
+    g = torch.Generator().manual_seed(3)
+    with CPUMoE("INT8", 64, activations="int8") as moe:
+        moe.add_layer(0, *(torch.randn(4, *shape, generator=g) for shape in ((40, 200), (40, 200), (200, 40))))
+        gu, dn = moe.layers[0].gate_up, moe.layers[0].down
+
+    def off_line(a: np.ndarray) -> np.ndarray:  # a copy starting 16 bytes into a cache line, as numpy's arrays do
+        raw = np.empty(a.nbytes + 80, np.uint8)
+        start = (16 - raw.ctypes.data) % 64
+        copy = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+        copy[...] = a
+        return copy
+
+    x = np.zeros((40, gu.kp), np.float32)
+    x[:, :200] = torch.randn(40, 200, generator=g).numpy()
+    routing = (np.arange(4), np.arange(0, 41, 10), np.arange(40), np.ones(40, np.float32))  # 10 tokens per expert
+    outs = []
+    for gate_up, down in ((gu.qweight, dn.qweight), (off_line(gu.qweight), off_line(dn.qweight))):
+        out = np.zeros((40, 200), np.float32)
+        kernels.moe_amx(x, *routing, gate_up, gu.scales, down, dn.scales, gu.group_shift, dn.group_shift,
+                        kernels.numba.config.NUMBA_NUM_THREADS, np.zeros((40, dn.kp), np.float32), out)
+        outs.append((gate_up.ctypes.data % 64, out))
+    (line_a, out_a), (line_b, out_b) = outs
+    assert (line_a, line_b) == (0, 16) and np.abs(out_a).max() > 0
+    np.testing.assert_array_equal(out_a, out_b)
+
+
 def test_cpu_activations_setting(tmp_path):
     cfg = lambda **kw: EngineConfig.from_kwargs(str(tmp_path), **kw)
     assert cfg(cpu_activations="fp32").cpu_int8_activations is False

@@ -494,8 +494,8 @@ def _tile_dot_q8_impl(q, s, r0, xq, xd, tix, group_shift, out):
 
 
 # AMX (Sapphire Rapids on): a tile instruction multiplies a 16 x 64 int8 tile of weights (16 rows, 64 weights
-# each; INT8 rows copied, INT4 rows unpacked to signed bytes, into a stack buffer) by a 64 x 16 int8 tile of
-# activations (16 tokens) into 16 x 16 int32 sums: 16 K multiply-adds per instruction, 64x a vpdpbusd.
+# each; INT8 rows straight from aligned storage, INT4 rows unpacked to signed bytes on the stack) by a 64 x 16 tile of
+# int8 activations (16 tokens) into 16 x 16 int32 sums: 16 K multiply-adds per instruction, 64x a vpdpbusd.
 # Activations are quantized per weight group for this (one scale per token and group, not per 32 values: the int32
 # sums of a whole group then share one activation scale) and stored in AMX's "VNNI" layout, row k/4 holding bytes
 # 4(k/4)..+3 of each of the 16 tokens. A call runs 32 rows (two weight tiles) against two activation tiles: four
@@ -628,10 +628,16 @@ def amx_block_dot(typingctx, q, s, r0, xb, xdb, t0, nt, gs, out):
             ahead = builder.add(builder.mul(_c64(AMX_BLOCK_ROWS), nb), builder.shl(loop.index, _c64(11)))
             for i in range(AMX_BLOCK_ROWS):
                 _prefetch(builder, qbase, ahead, 64 * i)
-            if w_signed:  # copied: stored rows start anywhere (numpy aligns 16 bytes), tile rows must not split lines
-                for i, off in enumerate(offs):
-                    _vstore(builder, _vload(builder, qbase, off, _B64), unpacked, _c64(64 * i))
-                step([builder.gep(unpacked, [_c64(64 * AMX_ROWS * a)]) for a in range(2)], _c64(64), b0)
+            if w_signed:  # straight from storage when its rows start on cache lines (quant.empty_quantized's do),
+                # else copied first: a tile row across two lines loads 6x slower
+                aligned = builder.icmp_unsigned("==", builder.and_(builder.ptrtoint(qbase, _I64), _c64(63)), _c64(0))
+                with builder.if_else(aligned) as (direct, copied):
+                    with direct:
+                        step([builder.gep(qbase, [offs[AMX_ROWS * a]]) for a in range(2)], nb, b0)
+                    with copied:
+                        for i, off in enumerate(offs):
+                            _vstore(builder, _vload(builder, qbase, off, _B64), unpacked, _c64(64 * i))
+                        step([builder.gep(unpacked, [_c64(64 * AMX_ROWS * a)]) for a in range(2)], _c64(64), b0)
             else:  # 128 weights: low nibbles are weights 0-63, high nibbles 64-127 (quant.py), minus 8
                 eight = _cvec(_B64, 8)
                 for i, off in enumerate(offs):
@@ -1383,48 +1389,51 @@ def _pack_tiles(x, rows, first, end, group_shift):
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def _amx_matrices(q, s, group_shift, xb, xdb, slots, tile_ptr, first, end, threads, sums, act, tok_idx, tok_w, out):
+    """One matrix per expert on AMX tiles, pairs' activations in tiles (xb, xdb; tile_ptr, first, end as
+    _token_tiles gives them). With act (gate_up: q [E, 2I, ...], gate rows then up rows) act[p, i] = SiLU(gate_i .
+    x_p) * (up_i . x_p); without (act empty; down: q [E, H, ...]) out[tok_idx[p], h] += tok_w[p] * (row_h . x_p).
+    Each of `threads` tasks owns a contiguous share of the blocks of AMX_BLOCK_ROWS rows (whole columns of act /
+    out) and runs every expert over it, so an expert's activation tiles stay in cache across the share. The last
+    block starts at N - 32 and writes only the rows no other block wrote. sums [threads, 2, AMX_TOKEN_TILES, 32, 16]."""
+    gated = act.shape[0] > 0
+    rows = q.shape[1] // 2 if gated else q.shape[1]
+    blocks = (rows + AMX_BLOCK_ROWS - 1) // AMX_BLOCK_ROWS
+    share = (blocks + threads - 1) // threads
+    for task in prange(threads):
+        tid = get_thread_id()
+        for m in range(slots.shape[0]):
+            for b in range(task * share, min(blocks, (task + 1) * share)):
+                r0 = min(b * AMX_BLOCK_ROWS, rows - AMX_BLOCK_ROWS)
+                for t0 in range(tile_ptr[m], tile_ptr[m + 1], AMX_TOKEN_TILES):
+                    nt = min(AMX_TOKEN_TILES, tile_ptr[m + 1] - t0)
+                    amx_block_dot(q[slots[m]], s[slots[m]], r0, xb, xdb, t0, nt, group_shift, sums[tid, 0])
+                    if gated:
+                        amx_block_dot(q[slots[m]], s[slots[m]], rows + r0, xb, xdb, t0, nt, group_shift, sums[tid, 1])
+                    for j in range(nt):
+                        if gated:
+                            silu_mul(sums[tid, 0, j], sums[tid, 1, j])
+                        for p in range(first[t0 + j], end[t0 + j]):
+                            for i in range(b * AMX_BLOCK_ROWS - r0, AMX_BLOCK_ROWS):
+                                v = sums[tid, 0, j, i, p - first[t0 + j]]
+                                if gated:
+                                    act[p, r0 + i] = v
+                                else:
+                                    out[tok_idx[p], r0 + i] += tok_w[p] * v
+
+
+@njit(nogil=True, cache=True)
 def moe_amx(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act, out):
     """moe_rows with int8 activations on AMX tiles (INT4/INT8 rows, groups of >= AMX_MIN_GROUP, I and H >= 32):
     per expert, its pairs' activations in tiles of 16 tokens, 32-row weight blocks times AMX_TOKEN_TILES of them
-    at once. Each of `threads` tasks owns a contiguous share of the blocks of each matrix (whole rows of act /
-    out) and runs every expert over it, so an expert's activation tiles stay in cache across the share. The last
-    block of a matrix starts at N - 32 and writes only the rows no other block wrote. threads: numba's thread
-    count (per-thread sums); the other arguments as moe_rows."""
-    hidden = out.shape[1]
-    inter = gu_q.shape[1] // 2
+    at once (_amx_matrices). threads: numba's thread count (per-thread sums); the other arguments as moe_rows."""
     tile_ptr, first, end = _token_tiles(tok_ptr)
     sums = np.empty((threads, 2, AMX_TOKEN_TILES, AMX_BLOCK_ROWS, AMX_ROWS), np.float32)
     xb, xdb = _pack_tiles(x, tok_idx, first, end, gu_shift)
-    share = (inter + threads * AMX_BLOCK_ROWS - 1) // (threads * AMX_BLOCK_ROWS)  # blocks per task
-    for task in prange(threads):
-        tid = get_thread_id()
-        for m in range(slots.shape[0]):
-            for b in range(task * share, min((inter + AMX_BLOCK_ROWS - 1) // AMX_BLOCK_ROWS, (task + 1) * share)):
-                r0 = min(b * AMX_BLOCK_ROWS, inter - AMX_BLOCK_ROWS)
-                for t0 in range(tile_ptr[m], tile_ptr[m + 1], AMX_TOKEN_TILES):
-                    nt = min(AMX_TOKEN_TILES, tile_ptr[m + 1] - t0)
-                    amx_block_dot(gu_q[slots[m]], gu_s[slots[m]], r0, xb, xdb, t0, nt, gu_shift, sums[tid, 0])
-                    amx_block_dot(gu_q[slots[m]], gu_s[slots[m]], inter + r0, xb, xdb, t0, nt, gu_shift, sums[tid, 1])
-                    for j in range(nt):
-                        silu_mul(sums[tid, 0, j], sums[tid, 1, j])
-                        p0 = first[t0 + j]
-                        for c in range(end[t0 + j] - p0):
-                            for i in range(b * AMX_BLOCK_ROWS - r0, AMX_BLOCK_ROWS):
-                                act[p0 + c, r0 + i] = sums[tid, 0, j, i, c]
+    _amx_matrices(gu_q, gu_s, gu_shift, xb, xdb, slots, tile_ptr, first, end, threads, sums, act, tok_idx, tok_w, out)
     ab, adb = _pack_tiles(act, np.arange(act.shape[0]), first, end, d_shift)
-    share = (hidden + threads * AMX_BLOCK_ROWS - 1) // (threads * AMX_BLOCK_ROWS)
-    for task in prange(threads):
-        tid = get_thread_id()
-        for m in range(slots.shape[0]):
-            for b in range(task * share, min((hidden + AMX_BLOCK_ROWS - 1) // AMX_BLOCK_ROWS, (task + 1) * share)):
-                h0 = min(b * AMX_BLOCK_ROWS, hidden - AMX_BLOCK_ROWS)
-                for t0 in range(tile_ptr[m], tile_ptr[m + 1], AMX_TOKEN_TILES):
-                    nt = min(AMX_TOKEN_TILES, tile_ptr[m + 1] - t0)
-                    amx_block_dot(d_q[slots[m]], d_s[slots[m]], h0, ab, adb, t0, nt, d_shift, sums[tid, 0])
-                    for j in range(nt):
-                        for p in range(first[t0 + j], end[t0 + j]):
-                            for i in range(b * AMX_BLOCK_ROWS - h0, AMX_BLOCK_ROWS):
-                                out[tok_idx[p], h0 + i] += tok_w[p] * sums[tid, 0, j, i, p - first[t0 + j]]
+    _amx_matrices(d_q, d_s, d_shift, ab, adb, slots, tile_ptr, first, end, threads, sums, act[:0], tok_idx, tok_w,
+                  out)
 
 
 @njit(parallel=True, nogil=True, cache=True)
