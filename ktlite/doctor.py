@@ -185,7 +185,8 @@ def _numba_target(flags: set[str]) -> Check:
         return Check("numba target", FAIL, f"numba/llvmlite do not import: {exc}", "pip install numba")
     from ktlite.kernels.cpu.kernels import AMX
 
-    value = target.describe() + ("; the CPU experts' prefill runs on AMX-INT8 tiles" if AMX else "")
+    amx = "; prefill of the CPU experts and CPU-only dense layers runs on AMX-INT8 tiles"
+    value = target.describe() + (amx if AMX else "")
     wanted = ("avx512f", "avx512_vnni", "avx512_bf16")
     missing = [f for f in wanted if f in flags and not target.enabled(CPUINFO_TO_LLVM[f])]
     if missing:

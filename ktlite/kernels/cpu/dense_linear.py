@@ -7,6 +7,11 @@ by the token count T at the crossover of a CPU expert (moe.default_prefill_thres
 same, one matrix shared by T tokens):
 - few tokens (decode): kernels.linear_rows, vector row dots straight from the stored bytes, fp32 math (or
   integer dots with int8 activations, `int8_activations`), each weight read from RAM once per call;
+- on a CPU with AMX (int8 activations, groups of >= 64), from where the matmul path takes over without AMX up to
+  the experts' AMX crossover (moe.Q8_AMX_PREFILL_THRESHOLD): kernels.linear_amx, the experts' AMX tiles (2-4.7x
+  linear_rows' speed, 2-10x the matmul path's at 32-128 tokens). Not below that: AMX quantizes the activations
+  per weight group, the row dots per 32 values, and the row dots' results do not depend on how many tokens share
+  the call (a prompt's tokens, one decode token), which greedy outputs across prefix-cache hits rely on;
 - more tokens (prefill): gemm.stored_matmul dequantizes tiles of at most TILE_WEIGHTS weights (into bf16
   for bf16 x where oneDNN's bf16 GEMM beats its fp32 one, else fp32) and multiplies with torch (oneDNN),
   several times faster per token than the kernel's fp32 row dots once the dequantization is shared by
@@ -31,7 +36,7 @@ import torch
 from torch import nn
 
 from ktlite.kernels.cpu import gemm, kernels
-from ktlite.kernels.cpu.moe import default_prefill_threshold
+from ktlite.kernels.cpu.moe import Q8_AMX_PREFILL_THRESHOLD, default_prefill_threshold
 from ktlite.kernels.cpu.quant import INT_DOT_METHODS, QuantizedWeight, dequantize, quantize
 from ktlite.kernels.cpu.target import bf16_gemm_wins
 
@@ -101,9 +106,13 @@ class QuantizedHeads(nn.Module):
         self.workspace = workspace or DenseWorkspace()
         self.int8_activations = int8_activations  # the few-token path dots int8 activations (kernels.row_dot_q8)
         self._q8 = int8_activations and weight.method in INT_DOT_METHODS
-        # tokens from which the matmul path wins, by the dtype it would run in
-        self.gemm_tokens = {dt: default_prefill_threshold(weight.method, dt, int8_activations)
+        # tokens from which the row dots stop (and, without AMX, the matmul path wins), by the dtype it would run in
+        self.rows_tokens = {dt: default_prefill_threshold(weight.method, dt, int8_activations)
                             for dt in (torch.bfloat16, torch.float32)}
+        amx = (self._q8 and kernels.AMX and self.out_features >= kernels.AMX_BLOCK_ROWS
+               and weight.group_size >= kernels.AMX_MIN_GROUP)  # as for an expert's matrices (moe.amx_fits)
+        # tokens from which the matmul path wins: after the AMX tiles where they run, else after the row dots
+        self.gemm_tokens = {dt: max(n, Q8_AMX_PREFILL_THRESHOLD) if amx else n for dt, n in self.rows_tokens.items()}
 
     @classmethod
     def from_matrices(cls, w: torch.Tensor, method: str, group_size: int, workspace: DenseWorkspace | None = None,
@@ -126,16 +135,26 @@ class QuantizedHeads(nn.Module):
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, G, K] -> [T, G, N] in x's dtype, by the path that wins at T tokens."""
         dtype = _matmul_dtype(x)
-        return self._rows(x) if x.shape[0] < self.gemm_tokens[dtype] else self._matmul(x, dtype)
+        if x.shape[0] < self.rows_tokens[dtype]:
+            return self._rows(x)
+        return self._amx(x) if x.shape[0] < self.gemm_tokens[dtype] else self._matmul(x, dtype)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """Few tokens: the row-dot kernel on x in fp32 (it pads x to the stored row length itself)."""
-        w = self.stack
+        return self._fused(x, lambda xf, w, out: kernels.linear_rows(
+            xf, w.qweight, w.scales, w.group_shift, w.kp, self._q8, numba.config.NUMBA_NUM_THREADS, out))
+
+    def _amx(self, x: torch.Tensor) -> torch.Tensor:
+        """More tokens on an AMX CPU: the AMX tiles on x in fp32 (int8-quantized per weight group inside)."""
+        return self._fused(x, lambda xf, w, out: kernels.linear_amx(
+            xf, w.qweight, w.scales, w.group_shift, w.kp, numba.config.NUMBA_NUM_THREADS, out))
+
+    def _fused(self, x: torch.Tensor,
+               kernel: Callable[[np.ndarray, QuantizedWeight, np.ndarray], None]) -> torch.Tensor:
+        """x [T, G, K] -> [T, G, N] by one of the numba kernels reading the stored bytes, in fp32."""
         self.workspace.scratch()  # first call on a thread: sets its numba thread count (see _Scratch)
         out = torch.empty(x.shape[0], self.heads, self.out_features)
-        xf = x if x.dtype == torch.float32 else x.float()
-        kernels.linear_rows(xf.contiguous().numpy(), w.qweight, w.scales, w.group_shift, w.kp, self._q8,
-                            numba.config.NUMBA_NUM_THREADS, out.numpy())
+        kernel((x if x.dtype == torch.float32 else x.float()).contiguous().numpy(), self.stack, out.numpy())
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     def _matmul(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

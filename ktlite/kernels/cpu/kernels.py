@@ -1436,6 +1436,27 @@ def moe_amx(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d
                   out)
 
 
+@njit(nogil=True, cache=True)
+def linear_amx(x, q, s, group_shift, kp, threads, out):
+    """linear_rows' job (same arguments, int8 activations) on AMX tiles: INT4/INT8 rows, groups of >= AMX_MIN_GROUP,
+    N >= 32. Matrix g's tokens x[:, g] are its "pairs": _amx_matrices as for the experts' down projection, each
+    token weighted 1 into out (zeroed here) viewed as [T * G, N]."""
+    tokens, groups = x.shape[0], x.shape[1]
+    xp = np.zeros((tokens * groups, kp), np.float32)  # row t * groups + g: token t's input to matrix g
+    rows = np.empty(tokens * groups, np.int64)  # pair g * tokens + t (matrix g's t-th) reads row t * groups + g
+    for t in range(tokens):
+        for g in range(groups):
+            xp[t * groups + g, :x.shape[2]] = x[t, g]
+            rows[g * tokens + t] = t * groups + g
+    tile_ptr, first, end = _token_tiles(np.arange(groups + 1) * tokens)
+    xb, xdb = _pack_tiles(xp, rows, first, end, group_shift)
+    flat = out.reshape((tokens * groups, out.shape[2]))
+    flat[:] = 0.0
+    sums = np.empty((threads, 2, AMX_TOKEN_TILES, AMX_BLOCK_ROWS, AMX_ROWS), np.float32)
+    _amx_matrices(q, s, group_shift, xb, xdb, np.arange(groups), tile_ptr, first, end, threads, sums,
+                  np.empty((0, 0), np.float32), rows, np.ones(tokens * groups, np.float32), flat)
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def dequant_rows_f32(q, s, group_shift, kp, scratch, out):
     """q/s [N, ...] one stored INT8/INT4 matrix -> out fp32 [N, K] (K <= kp); scratch [threads, 2,

@@ -100,8 +100,9 @@ Q8_METHODS = (*INT_DOT_METHODS, "RAWINT4")  # --kt-method values stored as INT4/
 # with AMX an expert with this many tokens or more runs on AMX tiles (kernels.moe_amx); fewer: the row dots or VNNI
 # tiles, without the AMX tiles' fixed cost per 32 rows and weight group (2-core Sapphire Rapids VM, V2-Lite layer,
 # every expert on one path: INT4 at 3 tokens per expert 27.4 vs 27.4 ms, at 4 29.6 vs 32.9 ms; INT8 at 2 36.9 vs
-# 37.6 ms, at 3 39.9 vs 45.0 ms)
-AMX_MIN_TOKENS = {"INT4": 4, "INT8": 2}
+# 37.6 ms, at 3 39.9 vs 45.0 ms). Not from a tie on: the AMX tiles quantize activations per weight group, the row
+# dots per 32 values, so an expert's output depends on how many tokens share it from here on.
+AMX_MIN_TOKENS = {"INT4": 4, "INT8": 3}
 # the AMX tiles against bf16 (AMX) GEMMs, same VM, V3 layer: the tiles won at 128 tokens per expert (INT4 360 vs
 # 507 ms, INT8 402 vs 507 ms), tied at 256 (INT4 732 vs 698 ms, INT8 749 vs 750 ms)
 Q8_AMX_PREFILL_THRESHOLD = 256
