@@ -594,7 +594,7 @@ def amx_block_dot(typingctx, q, s, r0, xb, xdb, t0, nt, gs, out):
                                  _c64(64))
                         _tile_op(builder, "tilezero", 2 * j + a)
 
-            def scale(n_tiles):  # rows outer: one weight-scale broadcast live at a time (32 of them spilled)
+            def scale(n_tiles):  # rows outer: one weight-scale broadcast live at a time (all 32 at once spilled)
                 xds = [_vload(builder, xdp, builder.shl(g, _c64(4)), _VF) for _, _, xdp in tiles[:n_tiles]]
                 for i in range(AMX_BLOCK_ROWS):  # sums tile 2 j + i // 16: row i at byte 2048 j + 64 i
                     w = _splat(builder, _load(builder, row_scales[i], g))
