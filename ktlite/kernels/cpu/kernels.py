@@ -225,6 +225,7 @@ def _int8_row_dot(typingctx, q, s, x, gs):
 # two blocks' scales, one FMA.
 
 _B32, _W16, _D8, _F8 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8), ir.VectorType(_F32, 8)
+_F2 = ir.VectorType(_F32, 2)
 _B64, _W32 = ir.VectorType(_I8, 64), ir.VectorType(_I16, 32)
 
 
@@ -321,32 +322,60 @@ def _int_row_dot(w_signed):
                 f = _block_dot(builder, w, _vload(builder, xqp, builder.shl(blk, _c64(5)), _B32), w_signed)
                 builder.store(_vfma(builder, f, _splat(builder, block_scale(blk), _F8), builder.load(acc)), acc)
 
-            def add_pair(w, blk, acc):  # 64 weights of blocks blk, blk + 1
-                f = _wide_block_dot(builder, w, _vload(builder, xqp, builder.shl(blk, _c64(5)), _B64), w_signed)
-                scales = _halves(builder, block_scale(blk), block_scale(builder.add(blk, _c64(1))))
-                builder.store(_vfma(builder, f, scales, builder.load(acc)), acc)
+            off2 = cgutils.alloca_once_value(builder, _cvec(_F2, 0.0))  # the offset term's shared-scale part
 
-            with cgutils.for_range(builder, builder.lshr(nb, _c64(6))) as loop:  # 64 bytes a step
-                c = loop.index
-                b0 = builder.shl(c, _c64(6))
-                _prefetch(builder, qp, b0)
-                if wide:  # INT8: blocks 2c, 2c + 1; INT4: low nibbles 4c, 4c + 1, high nibbles 4c + 2, 4c + 3
-                    raw = _vload(builder, qp, b0, _B64)
-                    if w_signed:
-                        add_pair(raw, builder.shl(c, _c64(1)), accs[0])
-                    else:
-                        c4 = builder.shl(c, _c64(2))
-                        add_pair(builder.and_(raw, _cvec(_B64, 15)), c4, accs[0])
-                        add_pair(builder.lshr(raw, _cvec(_B64, 4)), builder.add(c4, _c64(2)), accs[1])
-                else:
-                    for h in range(2):  # 32 bytes a half
-                        raw = _vload(builder, qp, builder.add(b0, _c64(32 * h)), _B32)
+            def pair_scales(blk):  # 16 lanes: weight scale x xd of block blk (lanes 0-7) and blk + 1 (8-15)
+                return _halves(builder, block_scale(blk), block_scale(builder.add(blk, _c64(1))))
+
+            def shared_pair_scales(blk):  # the same where both blocks are in one group (groups >= 64): one scale
+                # load and vector work in place of two scalar chains (INT4 decode was bound by them, not by memory)
+                sc = _load(builder, sp, builder.lshr(builder.shl(blk, _c64(5)), gs))
+                if not w_signed:
+                    xo = _vload(builder, xop, blk, _F2)
+                    builder.store(_vfma(builder, _splat(builder, sc, _F2), xo, builder.load(off2)), off2)
+                xd = _vload(builder, xdp, blk, _F2)
+                lanes = builder.shuffle_vector(xd, xd, ir.Constant(ir.VectorType(_I32, _LANES), [0] * 8 + [1] * 8))
+                return builder.fmul(_splat(builder, sc), lanes)
+
+            def add_pair(w, blk, acc, scales):  # 64 weights of blocks blk, blk + 1
+                f = _wide_block_dot(builder, w, _vload(builder, xqp, builder.shl(blk, _c64(5)), _B64), w_signed)
+                builder.store(_vfma(builder, f, scales(blk), builder.load(acc)), acc)
+
+            def row_loop(scales):
+                with cgutils.for_range(builder, builder.lshr(nb, _c64(6))) as loop:  # 64 bytes a step
+                    c = loop.index
+                    b0 = builder.shl(c, _c64(6))
+                    _prefetch(builder, qp, b0)
+                    if wide:  # INT8: blocks 2c, 2c + 1; INT4: low nibbles 4c, 4c + 1, high nibbles 4c + 2, 4c + 3
+                        raw = _vload(builder, qp, b0, _B64)
                         if w_signed:
-                            add_block(raw, builder.add(builder.shl(c, _c64(1)), _c64(h)), accs[h])
+                            add_pair(raw, builder.shl(c, _c64(1)), accs[0], scales)
                         else:
                             c4 = builder.shl(c, _c64(2))
-                            add_block(builder.and_(raw, _cvec(_B32, 15)), builder.add(c4, _c64(h)), accs[0])
-                            add_block(builder.lshr(raw, _cvec(_B32, 4)), builder.add(c4, _c64(2 + h)), accs[1])
+                            add_pair(builder.and_(raw, _cvec(_B64, 15)), c4, accs[0], scales)
+                            add_pair(builder.lshr(raw, _cvec(_B64, 4)), builder.add(c4, _c64(2)), accs[1], scales)
+                    else:
+                        for h in range(2):  # 32 bytes a half
+                            raw = _vload(builder, qp, builder.add(b0, _c64(32 * h)), _B32)
+                            if w_signed:
+                                add_block(raw, builder.add(builder.shl(c, _c64(1)), _c64(h)), accs[h])
+                            else:
+                                c4 = builder.shl(c, _c64(2))
+                                add_block(builder.and_(raw, _cvec(_B32, 15)), builder.add(c4, _c64(h)), accs[0])
+                                add_block(builder.lshr(raw, _cvec(_B32, 4)), builder.add(c4, _c64(2 + h)), accs[1])
+
+            if wide:
+                with builder.if_else(builder.icmp_signed(">=", gs, _c64(6))) as (shared, per_block):
+                    with shared:
+                        row_loop(shared_pair_scales)
+                    with per_block:
+                        row_loop(pair_scales)
+            else:
+                row_loop(None)
+            o2 = builder.load(off2)
+            extra = builder.fadd(builder.extract_element(o2, ir.Constant(_I32, 0)),
+                                 builder.extract_element(o2, ir.Constant(_I32, 1)))
+            builder.store(builder.fadd(builder.load(off), extra), off)
             tot = _hsum(builder, builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
             return tot if w_signed else builder.fsub(tot, builder.load(off))
 
