@@ -1325,6 +1325,17 @@ def _activation_views(x, q8):
     return xs, xq, xd, xo
 
 
+@njit(nogil=True, cache=True)
+def _stacked_inputs(x, kp):
+    """x [T, G, K] -> [T * G, kp] fp32, row t * G + g token t's input to matrix g, zeros past K."""
+    tokens, groups = x.shape[0], x.shape[1]
+    xp = np.zeros((tokens * groups, kp), np.float32)
+    for t in range(tokens):
+        for g in range(groups):
+            xp[t * groups + g, :x.shape[2]] = x[t, g]
+    return xp
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def linear_rows(x, q, s, group_shift, kp, q8, threads, out):
     """out [T, G, N] fp32: out[t, g] = W_g @ x[t, g] for G stacked matrices W_g (q/s [G, N, ...], any storage
@@ -1336,10 +1347,7 @@ def linear_rows(x, q, s, group_shift, kp, q8, threads, out):
     fp32 and dotted from there."""
     tokens, groups = x.shape[0], x.shape[1]
     rows = q.shape[1]
-    xp = np.zeros((tokens * groups, kp), np.float32)  # row t * groups + g: token t's input to matrix g
-    for t in range(tokens):
-        for g in range(groups):
-            xp[t * groups + g, :x.shape[2]] = x[t, g]
+    xp = _stacked_inputs(x, kp)
     xs, xq, xd, xo = _activation_views(xp, q8)
     once = not q8 and tokens >= DECODE_ONCE_TOKENS
     tiled = _tiled(q8, q, tokens)
@@ -1399,18 +1407,18 @@ def _token_tiles(tok_ptr):
 
 
 @njit(nogil=True, cache=True)
-def _aligned_tiles(tiles, rows):
-    """np.empty((tiles, rows, 64), int8) starting on a cache line (numpy's own start 16 bytes into one: every
-    tile row then straddles two lines, and tile loads are 6x slower)."""
-    buf = np.empty(tiles * rows * 64 + 64, np.int8)
+def cache_line_bytes(n):
+    """np.empty(n, uint8) starting on a 64-byte cache line (numpy's own start 16 bytes into one): the arrays AMX
+    tiles load from, whose tile rows must not straddle two lines (tile loads 6x slower)."""
+    buf = np.empty(n + 64, np.uint8)
     start = -buf.ctypes.data & 63
-    return buf[start:start + tiles * rows * 64].reshape((tiles, rows, 64))
+    return buf[start:start + n]
 
 
 @njit(parallel=True, nogil=True, cache=True)
 def _pack_tiles(x, rows, first, end, group_shift):
     """The activation tiles (pack_amx_tile) of every expert: tile t holds x[rows[p]] for its pairs first[t]:end[t]."""
-    xb = _aligned_tiles(first.shape[0], x.shape[1] // 4)
+    xb = cache_line_bytes(first.shape[0] * x.shape[1] * 16).view(np.int8).reshape((first.shape[0], x.shape[1] // 4, 64))
     xdb = np.empty((first.shape[0], x.shape[1] >> group_shift, AMX_ROWS), np.float32)
     for t in prange(first.shape[0]):
         pack_amx_tile(x, rows[first[t]:end[t]], group_shift, xb[t], xdb[t])
@@ -1471,11 +1479,10 @@ def linear_amx(x, q, s, group_shift, kp, threads, out):
     N >= 32. Matrix g's tokens x[:, g] are its "pairs": _amx_matrices as for the experts' down projection, each
     token weighted 1 into out (zeroed here) viewed as [T * G, N]."""
     tokens, groups = x.shape[0], x.shape[1]
-    xp = np.zeros((tokens * groups, kp), np.float32)  # row t * groups + g: token t's input to matrix g
+    xp = _stacked_inputs(x, kp)
     rows = np.empty(tokens * groups, np.int64)  # pair g * tokens + t (matrix g's t-th) reads row t * groups + g
     for t in range(tokens):
         for g in range(groups):
-            xp[t * groups + g, :x.shape[2]] = x[t, g]
             rows[g * tokens + t] = t * groups + g
     tile_ptr, first, end = _token_tiles(np.arange(groups + 1) * tokens)
     xb, xdb = _pack_tiles(xp, rows, first, end, group_shift)

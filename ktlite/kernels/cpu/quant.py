@@ -161,12 +161,13 @@ class QuantizedWeight:
 
 
 def _zeros_on_cache_lines(shape: tuple[int, ...], dtype: type) -> np.ndarray:
-    """np.zeros whose data starts on a 64-byte line (numpy's own start 16 bytes into one): AMX tile loads read
-    INT8 rows straight from storage, and a tile row across two lines loads 6x slower (kernels.amx_block_dot)."""
-    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    raw = np.zeros(size + 64, np.uint8)
-    start = -raw.ctypes.data % 64
-    return raw[start:start + size].view(dtype).reshape(shape)
+    """np.zeros starting on a cache line (kernels.cache_line_bytes): AMX tile loads read INT8 rows straight from
+    storage (kernels.amx_block_dot)."""
+    from ktlite.kernels.cpu.kernels import cache_line_bytes  # numba code: imported on use only
+
+    q = cache_line_bytes(int(np.prod(shape)) * np.dtype(dtype).itemsize).view(dtype).reshape(shape)
+    q[...] = 0
+    return q
 
 
 def empty_quantized(method: str, group_size: int, lead: tuple[int, ...], n: int, k: int) -> QuantizedWeight:
