@@ -8,8 +8,9 @@ same, one matrix shared by T tokens):
 - few tokens (decode): kernels.linear_rows, vector row dots straight from the stored bytes, fp32 math (or
   integer dots with int8 activations, `int8_activations`), each weight read from RAM once per call;
 - on a CPU with AMX (int8 activations, groups of >= 64), from where the matmul path takes over without AMX up to
-  the experts' AMX crossover (moe.Q8_AMX_PREFILL_THRESHOLD): kernels.linear_amx, the experts' AMX tiles (2-4.7x
-  linear_rows' speed, 1.6-21x the matmul path's at 32-128 tokens). Not below that: AMX quantizes the activations
+  the experts' AMX crossover (moe.Q8_AMX_PREFILL_THRESHOLD) for bf16 inputs, AMX_FP32_GEMM_TOKENS for fp32 ones:
+  kernels.linear_amx, the experts' AMX tiles (2-4.7x linear_rows' speed, 1.6-21x the matmul path's at 32-128
+  tokens, 2.1-2.7x its fp32 GEMM at 512). Not below that: AMX quantizes the activations
   per weight group, the row dots per 32 values, and the row dots' results do not depend on how many tokens share
   the call (a prompt's tokens, one decode token), which greedy outputs across prefix-cache hits rely on;
 - more tokens (prefill): gemm.stored_matmul dequantizes tiles of at most TILE_WEIGHTS weights (into bf16
@@ -43,6 +44,10 @@ from ktlite.kernels.cpu.target import bf16_gemm_wins
 # weights per dequantized tile of the matmul path: bounds its buffer (16 MiB in fp32), where a whole
 # 129,280-row lm_head of hidden 7168 would take 3.7 GB
 TILE_WEIGHTS = 1 << 22
+# fp32 inputs (a CPU-only run's default dtype) go to the AMX tiles up to this many tokens, where the matmul path
+# would run oneDNN's fp32 GEMM: INT4 3072 x 2048 / 2048 x 1408 matrices on Sapphire Rapids (2 cores), AMX 2.7x /
+# 2.1x faster at 512 tokens, 1.3x / 1.2x at 4096, 0.94x (2048 x 1408) at 8192
+AMX_FP32_GEMM_TOKENS = 4096
 
 
 def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
@@ -111,8 +116,10 @@ class QuantizedHeads(nn.Module):
                             for dt in (torch.bfloat16, torch.float32)}
         amx = (self._q8 and kernels.AMX and self.out_features >= kernels.AMX_BLOCK_ROWS
                and weight.group_size >= kernels.AMX_MIN_GROUP)  # as for an expert's matrices (moe.amx_fits)
-        # tokens from which the matmul path wins: after the AMX tiles where they run, else after the row dots
-        self.gemm_tokens = {dt: max(n, Q8_AMX_PREFILL_THRESHOLD) if amx else n for dt, n in self.rows_tokens.items()}
+        # tokens from which the matmul path wins: after the AMX tiles where they run (against oneDNN's bf16 GEMM as
+        # for the experts, its fp32 one much later), else after the row dots
+        amx_until = {torch.bfloat16: Q8_AMX_PREFILL_THRESHOLD, torch.float32: AMX_FP32_GEMM_TOKENS}
+        self.gemm_tokens = {dt: max(n, amx_until[dt]) if amx else n for dt, n in self.rows_tokens.items()}
 
     @classmethod
     def from_matrices(cls, w: torch.Tensor, method: str, group_size: int, workspace: DenseWorkspace | None = None,
