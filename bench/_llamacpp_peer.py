@@ -4,7 +4,7 @@ Never imports ktlite (the underscore keeps it out of `ktlite bench`: it is a pee
 runs under a python with llama-cpp-python (a side venv), as a subprocess
 of bench/e2e.py --llamacpp-gguf, and prints one JSON line.
 
-    # the side venv: PyPI has only llama-cpp-python's sdist, built here (~25 min on 2 cores); its
+    # the side venv: PyPI has only llama-cpp-python's sdist, built here (5-25 min on 2 cores); its
     # vendor/llama.cpp folder has the converter (pip download --no-deps llama-cpp-python; tar -xzf it)
     python3 -m venv SIDE && CMAKE_ARGS="-DGGML_NATIVE=ON" SIDE/bin/pip install llama-cpp-python==0.3.36 gguf
     # HF checkpoint -> bf16 GGUF, with the user's llama.cpp converter (any python with torch + transformers)
@@ -12,11 +12,15 @@ of bench/e2e.py --llamacpp-gguf, and prints one JSON line.
     # bf16 GGUF -> Q4_0 / Q8_0 (llama.cpp's own type mix for that file type; side venv)
     python bench/_llamacpp_peer.py quantize OUT.bf16.gguf OUT.Q4_0.gguf --type Q4_0
     python bench/_llamacpp_peer.py bench OUT.Q4_0.gguf --threads 2 --prompt-len 64 --prefill-len 512 --gen 24
+
+On a CPU where llama.cpp built its AMX buffer, `bench` keeps the weights out of it (_without_amx_buffer: on
+DeepSeek-V2's MLA it aborts) and says where they went in its JSON ("weights_in").
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import runpy
@@ -82,12 +86,74 @@ def gguf_summary(path: Path) -> dict:
             "weights_per_token": int(weights), "bytes_per_token": int(nbytes)}
 
 
+# weights llama.cpp's CPU_REPACK buffer takes (its interleaved layouts for the AVX-512 / AVX2 kernels): every
+# matrix but the token embedding (rows are looked up) and MLA's 3-D attn_k_b / attn_v_b (no repacked matmul)
+_REPACKED = rb"(_exps|attn_q|attn_kv_a_mqa|attn_output|ffn_gate|ffn_up|ffn_down|_shexp)\.weight"
+_KEEP_ALIVE: list = []  # the override arrays llama.cpp's model parameters point to
+
+
+def _cpu_buffer_types(llama_cpp) -> dict[str, int]:
+    """The CPU device's buffer types by name ("CPU", and its extra ones: "CPU_REPACK", "AMX" where built)."""
+    import ctypes
+
+    lib = Path(llama_cpp.__file__).parent / "lib"
+    ggml, base = ctypes.CDLL(str(lib / "libggml.so")), ctypes.CDLL(str(lib / "libggml-base.so"))
+    vp = ctypes.c_void_p
+    ggml.ggml_backend_dev_by_name.restype, ggml.ggml_backend_dev_by_name.argtypes = vp, [ctypes.c_char_p]
+    for name, res, args in (("ggml_backend_dev_backend_reg", vp, [vp]), ("ggml_backend_dev_buffer_type", vp, [vp]),
+                            ("ggml_backend_reg_get_proc_address", vp, [vp, ctypes.c_char_p]),
+                            ("ggml_backend_buft_name", ctypes.c_char_p, [vp])):
+        getattr(base, name).restype, getattr(base, name).argtypes = res, args
+    dev = ggml.ggml_backend_dev_by_name(b"CPU")
+    get_extra = ctypes.CFUNCTYPE(ctypes.POINTER(vp), vp)(base.ggml_backend_reg_get_proc_address(
+        base.ggml_backend_dev_backend_reg(dev), b"ggml_backend_dev_get_extra_bufts"))
+    found = {"CPU": base.ggml_backend_dev_buffer_type(dev)}
+    extra = get_extra(dev)
+    for i in itertools.takewhile(lambda i: extra[i], itertools.count()):
+        found[base.ggml_backend_buft_name(extra[i]).decode()] = extra[i]
+    return found
+
+
+def _without_amx_buffer(llama_cpp, file_type: str) -> str:
+    """Where llama.cpp has its AMX buffer (an AMX CPU), load the weights without it: on DeepSeek-V2's MLA it aborts
+    (`GGML_ASSERT(*cur_backend_id != -1)`: the AMX buffer takes attn_k_b / attn_v_b but has no op for them, and
+    the 3-D experts; 2-D matrices alone in it segfault in this wheel). Q4_0 matrices go to CPU_REPACK (its best
+    working path there), the rest to CPU, through the model parameters' tensor_buft_overrides; Q8_0 matrices in
+    CPU_REPACK segfault at load in this wheel, so Q8_0 stays in CPU buffers. Returns where the weights went."""
+    import ctypes
+
+    llama_cpp.llama_backend_init()
+    bufts = _cpu_buffer_types(llama_cpp)
+    if "AMX" not in bufts:
+        return "its default buffers"
+
+    class Override(ctypes.Structure):  # struct llama_model_tensor_buft_override
+        _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+    repack = file_type == "Q4_0"
+    overrides = (Override * 3)(*([Override(_REPACKED, bufts["CPU_REPACK"])] if repack else []),
+                               Override(b".", bufts["CPU"]), Override())
+    defaults = llama_cpp.llama_cpp.llama_model_default_params  # what Llama() builds its parameters from
+
+    def params():
+        p = defaults()
+        p.use_extra_bufts = False
+        p.tensor_buft_overrides = ctypes.addressof(overrides)
+        return p
+
+    llama_cpp.llama_cpp.llama_model_default_params = params
+    _KEEP_ALIVE.append(overrides)
+    return (f"its {'CPU_REPACK' if repack else 'CPU'} buffers, not its AMX one (which aborts on MLA"
+            + ("" if repack else "; Q8_0 in CPU_REPACK segfaults") + ")")
+
+
 def bench(path: Path, threads: int, prompt_len: int, prefill_len: int, gen: int, flash_attn: bool) -> dict:
     """Prefill tok/s of `prefill_len` tokens into an empty KV cache, and batch-1 greedy decode tok/s of
     `gen` tokens after a `prompt_len` prompt (the prompt not counted), each after a warm-up pass."""
     import llama_cpp
     import numpy as np
 
+    buffers = _without_amx_buffer(llama_cpp, gguf_summary(path)["file_type"])
     llm = llama_cpp.Llama(str(path), n_ctx=max(prefill_len, prompt_len + gen) + 16, n_batch=max(prefill_len, 512),
                           n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn, verbose=False)
     vocab = llm.n_vocab()
@@ -116,8 +182,8 @@ def bench(path: Path, threads: int, prompt_len: int, prefill_len: int, gen: int,
     decode(ids(prompt_len))
     decode_s, tokens = decode(ids(prompt_len))
     return {"gguf": str(path), **gguf_summary(path), "prefill_tok_s": prefill_len / prefill_s,
-            "decode_tok_s": gen / decode_s, "threads": threads, "flash_attn": flash_attn, "greedy_tokens": tokens,
-            "llama_cpp": llama_cpp.__version__}
+            "decode_tok_s": gen / decode_s, "weights_in": buffers, "threads": threads, "flash_attn": flash_attn,
+            "greedy_tokens": tokens, "llama_cpp": llama_cpp.__version__}
 
 
 def main() -> None:

@@ -237,7 +237,8 @@ def main() -> None:
             f"{per_token / 1e6:.0f} MB, so the bandwidth bound for batch-1 decode is {bw * 1e9 / per_token:.1f} tok/s.\n")
     if peers:
         head += (f"llama.cpp: llama-cpp-python {peers[0]['llama_cpp']}, {threads} threads, on GGUFs converted from this "
-                 f"checkpoint (bench/_llamacpp_peer.py); bits/weight = bytes one decode token reads x 8 / the weights it "
+                 f"checkpoint (bench/_llamacpp_peer.py), weights in {peers[0]['weights_in']}; bits/weight = bytes one "
+                 f"decode token reads x 8 / the weights it "
                  f"reads (routed experts at top-k, no embedding), for both sides.\n")
     table = ["| what | shape | ktlite | note |", "|---|---|---|---|"] + [f"| {' | '.join(r)} |" for r in rows]
     text = head + "\n" + "\n".join(table) + "\n"
