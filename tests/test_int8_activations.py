@@ -196,15 +196,17 @@ def test_amx_int8_rows_from_unaligned_storage(amx):
 @pytest.mark.parametrize("amx", [AMX])
 @pytest.mark.parametrize("method", ["INT4", "INT8"])
 @pytest.mark.parametrize("group", [64, 128])
-@pytest.mark.parametrize("past_rows", [0, 37])
+@pytest.mark.parametrize("past_rows", [0, 37, 200])
 def test_quantized_heads_amx_tiles(amx, method, group, past_rows, monkeypatch):
     """The CPU-only device side on AMX tiles (kernels.linear_amx, from where the row dots stop up to the matmul
     path): 3 stacked matrices of 40 rows (blocks of 32 overlapping) x 200 (padded to 256), float64 math on the
-    same per-group int8 activations; one token fewer stays on the row dots."""
+    same per-group int8 activations; one token fewer stays on the row dots. fp32 inputs stay on the tiles past
+    the bf16 inputs' crossover (200 past the row dots: 264 tokens), where the matmul path's fp32 GEMM is slower."""
     g = torch.Generator().manual_seed(past_rows + group)
     heads = QuantizedHeads.from_matrices(torch.randn(3, 40, 200, generator=g), method, group, int8_activations=True)
     tokens = heads.rows_tokens[torch.float32] + past_rows
     assert tokens < heads.gemm_tokens[torch.float32]
+    assert past_rows < 200 or heads.gemm_tokens[torch.bfloat16] <= tokens
     calls = []
     amx_kernel = kernels.linear_amx
     monkeypatch.setattr(kernels, "linear_amx", lambda *a: calls.append(a[0].shape) or amx_kernel(*a))
