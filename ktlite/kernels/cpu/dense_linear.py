@@ -10,7 +10,7 @@ same, one matrix shared by T tokens):
 - on a CPU with AMX (int8 activations, groups of >= 64), from where the matmul path takes over without AMX up to
   the experts' AMX crossover (moe.Q8_AMX_PREFILL_THRESHOLD) for bf16 inputs, AMX_FP32_GEMM_TOKENS for fp32 ones:
   kernels.linear_amx, the experts' AMX tiles (2-4.7x linear_rows' speed, 1.6-21x the matmul path's at 32-128
-  tokens, 2.1-2.7x its fp32 GEMM at 512). Not below that: AMX quantizes the activations
+  tokens, 2.1-3.3x its fp32 GEMM at 512). Not below that: AMX quantizes the activations
   per weight group, the row dots per 32 values, and the row dots' results do not depend on how many tokens share
   the call (a prompt's tokens, one decode token), which greedy outputs across prefix-cache hits rely on;
 - more tokens (prefill): gemm.stored_matmul dequantizes tiles of at most TILE_WEIGHTS weights (into bf16

@@ -1196,7 +1196,7 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, 
     with its own group shift; q8: INT4/INT8 rows dot int8 activations (x and act quantized per 32-block,
     row_dot_q8) instead of fp32 ones; scratch [threads, 2, >= max
     Kp] fp32 row buffers (one pair per thread: allocating them inside prange page-faulted and ran up to
-    20x slower); act [P, Kp(inter)] fp32 scratch, zero beyond I (only act[:, :I] is written);
+    20x slower; `threads` is also the number of parallel tasks, each a share of the rows); act [P, Kp(inter)] fp32 scratch, zero beyond I (only act[:, :I] is written);
     out [T, H] fp32, accumulated into."""
     hidden = out.shape[1]
     inter = gu_q.shape[1] // 2
