@@ -372,12 +372,13 @@ def _int_row_dot(w_signed):
                         row_loop(pair_scales)
             else:
                 row_loop(None)
-            o2 = builder.load(off2)
+            tot = _hsum(builder, builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
+            if w_signed:
+                return tot
+            o2 = builder.load(off2)  # INT4's offset term: per-block part in off, shared-scale part in off2
             extra = builder.fadd(builder.extract_element(o2, ir.Constant(_I32, 0)),
                                  builder.extract_element(o2, ir.Constant(_I32, 1)))
-            builder.store(builder.fadd(builder.load(off), extra), off)
-            tot = _hsum(builder, builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
-            return tot if w_signed else builder.fsub(tot, builder.load(off))
+            return builder.fsub(tot, builder.fadd(builder.load(off), extra))
 
         return sig, codegen
 
@@ -1194,10 +1195,10 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, 
     pairs tok_ptr[m]:tok_ptr[m+1] of expert m are tokens tok_idx[p] with weights tok_w[p];
     gu_q/gu_s [E, 2I, ...] (gate rows then up rows), d_q/d_s [E, H, ...], each in its own storage format
     with its own group shift; q8: INT4/INT8 rows dot int8 activations (x and act quantized per 32-block,
-    row_dot_q8) instead of fp32 ones; scratch [threads, 2, >= max
-    Kp] fp32 row buffers (one pair per thread: allocating them inside prange page-faulted and ran up to
-    20x slower; `threads` is also the number of parallel tasks, each a share of the rows); act [P, Kp(inter)] fp32 scratch, zero beyond I (only act[:, :I] is written);
-    out [T, H] fp32, accumulated into."""
+    row_dot_q8) instead of fp32 ones; scratch [threads, 2, >= max Kp] fp32 row buffers (one pair per thread:
+    allocating them inside prange page-faulted and ran up to 20x slower; `threads` is also the number of parallel
+    tasks, each a share of the rows); act [P, Kp(inter)] fp32 scratch, zero beyond I (only act[:, :I] is
+    written); out [T, H] fp32, accumulated into."""
     hidden = out.shape[1]
     inter = gu_q.shape[1] // 2
     kp_h = x.shape[1]
