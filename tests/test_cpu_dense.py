@@ -12,6 +12,7 @@ from __future__ import annotations
 import weakref
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -22,15 +23,17 @@ from ktlite import Engine
 from ktlite.cli import main
 from ktlite.config import EngineConfig
 from ktlite.errors import ConfigError
-from ktlite.kernels.cpu import dense_linear
+from ktlite.kernels.cpu import dense_linear, mla_block
 from ktlite.kernels.cpu.dense_linear import QuantizedHeads, QuantizedLinear
 from ktlite.kernels.cpu.quant import dequantize, int8_activation_values, quantize, relative_error
-from ktlite.runtime.cpu_dense import (GROUP_SIZE, apply_cpu_dense, eligible_linears, head_matrix_owners,
+from ktlite.runtime.cpu_dense import (GROUP_SIZE, apply_cpu_dense, eligible_linears, fused_groups, head_matrix_owners,
                                       planned_weight_bytes, quantize_dense)
+from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.memory import WEIGHT_COMPONENTS, allocated_by_component
 from ktlite.runtime.models import build, load_config
 from ktlite.runtime.models.base import Embedding
-from ktlite.runtime.models.layers import Router
+from ktlite.runtime.models.layers import MLP, RMSNorm, Router
+from ktlite.runtime.models.rope import apply_rope
 from ktlite.runtime.models.tp_layers import TPContext, VocabParallelEmbedding
 from ktlite.runtime.tiny_model import write_tiny_model
 
@@ -175,6 +178,8 @@ def test_engine_quantizes_the_device_side_and_equals_its_dequantized_weights(cas
         for attn in mla:
             c = attn.cfg
             assert attn.kv_b_proj is None
+            # the query's first projection and the latent's, one matrix (fused_linears)
+            assert isinstance(attn.q_kv_a_proj, QuantizedLinear) and attn.kv_a_proj_with_mqa is None
             assert (attn.uk_heads.heads, attn.uk_heads.out_features, attn.uk_heads.in_features) == (
                 c.num_attention_heads, c.kv_lora_rank, c.qk_nope_head_dim)
             assert (attn.uv_heads.heads, attn.uv_heads.out_features, attn.uv_heads.in_features) == (
@@ -188,6 +193,8 @@ def test_engine_quantizes_the_device_side_and_equals_its_dequantized_weights(cas
             if shared is not None:
                 assert not any(isinstance(m, nn.Linear) for m in shared.modules())
                 assert any(isinstance(m, QuantizedLinear) for m in shared.modules())
+                if isinstance(shared, MLP):
+                    assert isinstance(shared.gate_up_proj, QuantizedLinear) and shared.gate_proj is None
         # the bytes the memory plan would count for this method, from the meta-built model
         meta = build(load_config(path), "meta", torch.float32, routed_experts=False)
         planned = planned_weight_bytes(meta, method)
@@ -206,6 +213,65 @@ def test_engine_quantizes_the_device_side_and_equals_its_dequantized_weights(cas
     assert_same_function(got, want)
     assert_same_function(got_one, want_one)
     assert got_tokens == want_tokens
+
+
+@pytest.mark.parametrize("interleave", [True, False], ids=["rope-pairs", "rope-halves"])
+def test_compiled_block_rope_and_norm_equal_the_modules(interleave):
+    """mla_block's RoPE (both layouts: the DeepSeek tests' checkpoints cover only one) and RMSNorm against rope.py's
+    and RMSNorm's."""
+    g = torch.Generator().manual_seed(0)
+    x, angles = torch.randn(64, generator=g), torch.randn(32, generator=g)
+    rotated = np.empty(64, np.float32)
+    mla_block._rotated(x.numpy(), angles.cos().numpy(), angles.sin().numpy(), interleave, rotated)
+    torch.testing.assert_close(torch.from_numpy(rotated), apply_rope(x, angles.cos(), angles.sin(), interleave))
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=g))
+    normed = np.empty(64, np.float32)
+    mla_block._rms_scaled(x.numpy(), norm.weight.detach().numpy(), np.float32(norm.eps), normed)
+    torch.testing.assert_close(torch.from_numpy(normed), norm(x).detach())
+
+
+@pytest.mark.parametrize("case", ["deepseek_v2-INT4", "deepseek_v3-INT8", "deepseek_v3-INT4", "qwen3_moe-INT8"])
+def test_compiled_decode_blocks_equal_the_modules(case, tiny_arch, monkeypatch):
+    """A decode step on a CPU device runs MLA's attention (mla_block) and each quantized SwiGLU MLP (swiglu_rows) as
+    one compiled call each: its logits and the latents it stores equal the torch modules' (KTLITE_FORCE_TORCH_KERNELS
+    sends both back to them) on the same weights, with and without a query LoRA (V2 / V3)."""
+    arch, method = case.split("-")
+    calls = {"attention": 0, "mlp": 0}
+
+    def counted(name, fn):
+        def run(*args):
+            calls[name] += 1
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(mla_block, "mla_decode_block", counted("attention", mla_block.mla_decode_block))
+    monkeypatch.setattr(dense_linear, "_swiglu_rows", counted("mlp", dense_linear._swiglu_rows))
+    with Engine(str(tiny_arch(arch)), **{**FLAGS, "cpu_dense_method": method}) as eng:
+        runner, model = eng.runtime.runner, eng.runtime.runner.model
+        ids = prompts(eng.runtime.vocab_size)
+        pool = runner.kv_pool
+        rows = [pool.alloc_request() for _ in ids]
+        slots = [pool.alloc_tokens(r, len(p)) for r, p in zip(rows, ids)]
+        runner.forward(ForwardBatch.build(ids, [0] * len(rows), rows, slots, [True] * len(rows), runner.device))
+        new = [pool.alloc_tokens(r, 1) for r in rows]
+        decode = ForwardBatch.build([[7], [11]], [len(p) for p in ids], rows, new, [True] * len(rows), runner.device)
+        mla = "latent" in pool.buffers
+        stored = (lambda: pool.buffer("latent", 1)[torch.cat(new)].clone()) if mla else (lambda: None)
+        before = dict(calls)
+        got, got_latents = runner.forward(decode), stored()
+        ran = {name: calls[name] - before[name] for name in calls}
+        monkeypatch.setenv("KTLITE_FORCE_TORCH_KERNELS", "1")
+        want, want_latents = runner.forward(decode), stored()  # the same slots, rewritten by the modules
+        assert calls == {name: before[name] + ran[name] for name in calls}  # the modules ran: no compiled call
+    layers = len(model.model.layers)
+    assert ran == {"attention": layers if mla else 0,
+                   "mlp": sum(isinstance(m, MLP) and m.gate_up_proj is not None for m in model.modules())}
+    assert ran["mlp"] > 0
+    assert_same_function(got, want)
+    if mla:
+        torch.testing.assert_close(got_latents, want_latents, rtol=1e-5, atol=1e-5)
 
 
 def assert_same_function(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -257,22 +323,28 @@ def test_tensor_parallel_ranks_quantize_their_shards(tiny_v3):
 
 
 def test_quantize_dense_frees_each_weight_as_it_goes(tiny_v3, monkeypatch):
-    """Peak RAM while quantizing: the full-precision model plus one layer's quantized copy, not two models;
-    kv_b_proj, stored as per-head W_UK / W_UV, is freed too."""
+    """Peak RAM while quantizing: the full-precision model plus one layer's (or fused group's) quantized copy,
+    not two models; kv_b_proj, stored as per-head W_UK / W_UV, is freed too."""
     model = build(load_config(tiny_v3), "cpu", torch.float32, routed_experts=False)
     old = [weakref.ref(layer.weight) for _, _, _, layer in eligible_linears(model)]
     head_sources = [weakref.ref(m.kv_b_proj.weight) for _, m, _ in head_matrix_owners(model)]
+    groups = [len(names) for _, _, names in fused_groups(model)]
     alive = []
-    from_linear = QuantizedLinear.from_linear
+    init = QuantizedLinear.__init__
 
-    def counting(*args, **kwargs):
+    def counting(self, *args, **kwargs):
         alive.append(sum(ref() is not None for ref in old))
-        return from_linear(*args, **kwargs)
+        init(self, *args, **kwargs)
 
-    monkeypatch.setattr(QuantizedLinear, "from_linear", counting)
+    monkeypatch.setattr(QuantizedLinear, "__init__", counting)
     assert quantize_dense(model, "INT8") == len(old) + 2 * len(head_sources)  # W_UK and W_UV per MLA layer
-    assert alive == list(range(len(old), 0, -1))  # each replaced weight freed before the next is quantized
+    # a fused group's parts are dropped once stacked, before quantizing; a single Linear is freed once replaced
+    fused = [len(old) - sum(groups[: i + 1]) for i in range(len(groups))]
+    singles = list(range(fused[-1], 0, -1))
+    assert alive == fused + singles
     assert all(ref() is None for ref in old + head_sources) and len(head_sources) == 3
+    # MLA's query and latent projections in 3 layers; gate and up of layer 0's dense MLP and 2 layers' shared experts
+    assert groups == [2] * 6
 
 
 # ---- switching it off, and the flag ------------------------------------------------------------------

@@ -40,6 +40,7 @@ from ktlite.kernels.cpu import gemm, kernels
 from ktlite.kernels.cpu.moe import Q8_AMX_PREFILL_THRESHOLD, default_prefill_threshold
 from ktlite.kernels.cpu.quant import INT_DOT_METHODS, QuantizedWeight, dequantize, quantize
 from ktlite.kernels.cpu.target import bf16_gemm_wins
+from ktlite.kernels.triton import forced_torch
 
 # weights per dequantized tile of the matmul path: bounds its buffer (16 MiB in fp32), where a whole
 # 129,280-row lm_head of hidden 7168 would take 3.7 GB
@@ -48,6 +49,11 @@ TILE_WEIGHTS = 1 << 22
 # would run oneDNN's fp32 GEMM: INT4 3072 x 2048 / 2048 x 1408 matrices on Sapphire Rapids (2 cores), AMX 2.7x /
 # 2.1x faster at 512 tokens, 1.3x / 1.2x at 4096, 0.94x (2048 x 1408) at 8192
 AMX_FP32_GEMM_TOKENS = 4096
+
+
+# one stored matrix stack as the row-dot kernel takes it (QuantizedHeads.row_weights, kernels.project_rows):
+# (qweight [G, N, ·], scales [G, N, ·], group_shift, kp, q8)
+RowWeights = tuple[np.ndarray, np.ndarray, int, int, bool]
 
 
 def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
@@ -111,6 +117,8 @@ class QuantizedHeads(nn.Module):
         self.workspace = workspace or DenseWorkspace()
         self.int8_activations = int8_activations  # the few-token path dots int8 activations (kernels.row_dot_q8)
         self._q8 = int8_activations and weight.method in INT_DOT_METHODS
+        # what the row-dot kernel takes besides input and output (kept here for a compiled caller: mla_block)
+        self.row_weights: RowWeights = (weight.qweight, weight.scales, weight.group_shift, weight.kp, self._q8)
         # tokens from which the row dots stop (and, without AMX, the matmul path wins), by the dtype it would run in
         self.rows_tokens = {dt: default_prefill_threshold(weight.method, dt, int8_activations)
                             for dt in (torch.bfloat16, torch.float32)}
@@ -139,6 +147,10 @@ class QuantizedHeads(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x.reshape(-1, self.heads, self.in_features)).reshape(*x.shape[:-1], self.out_features)
 
+    def on_rows(self, tokens: int) -> bool:
+        """Whether `tokens` fp32 tokens go through the row-dot kernel (row_weights)."""
+        return tokens < self.rows_tokens[torch.float32]
+
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, G, K] -> [T, G, N] in x's dtype, by the path that wins at T tokens."""
         dtype = _matmul_dtype(x)
@@ -148,8 +160,8 @@ class QuantizedHeads(nn.Module):
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """Few tokens: the row-dot kernel on x in fp32 (it pads x to the stored row length itself)."""
-        return self._fused(x, lambda xf, w, out: kernels.linear_rows(
-            xf, w.qweight, w.scales, w.group_shift, w.kp, self._q8, numba.config.NUMBA_NUM_THREADS, out))
+        return self._fused(x, lambda xf, w, out: kernels.linear_rows(xf, *self.row_weights,
+                                                                     numba.config.NUMBA_NUM_THREADS, out))
 
     def _amx(self, x: torch.Tensor) -> torch.Tensor:
         """More tokens on an AMX CPU: the AMX tiles on x in fp32 (int8-quantized per weight group inside)."""
@@ -225,3 +237,31 @@ class QuantizedLinear(QuantizedHeads):
         if self.bias is not None:
             y.add_(self.bias)
         return y if self.output_op is None else self.output_op(y)
+
+
+@numba.njit(nogil=True, cache=True)
+def _swiglu_rows(x, gate_up, down, threads):  # pragma: no cover - compiled
+    tokens = x.shape[0]
+    both = kernels.project_rows(x.reshape(tokens, 1, x.shape[1]), gate_up, threads)
+    inter = both.shape[2] // 2
+    act = np.empty((tokens, 1, inter), np.float32)
+    for t in range(tokens):
+        for i in range(inter):
+            gate = both[t, 0, i]
+            act[t, 0, i] = gate / (np.float32(1.0) + np.exp(-gate)) * both[t, 0, inter + i]
+    return kernels.project_rows(act, down, threads)[:, 0]
+
+
+def swiglu_rows(x: torch.Tensor, gate_up: nn.Module, down: nn.Module) -> torch.Tensor | None:
+    """down(SiLU(gate) * up) for x [T, K] where gate_up stacks gate's rows over up's, as one compiled call: both
+    projections on their row path back to back, so the second's worker thread is still awake (a parallel region
+    after some Python waits ~20 us for it on a 2-core VM). None where that path does not take x (not few fp32
+    tokens on a CPU, a layer not quantized or with a bias, KTLITE_FORCE_TORCH_KERNELS): the caller runs the modules."""
+    tokens = x.shape[0]
+    if forced_torch() or not (
+            x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and isinstance(gate_up, QuantizedLinear)
+            and isinstance(down, QuantizedLinear) and gate_up.bias is None and down.bias is None
+            and gate_up.on_rows(tokens) and down.on_rows(tokens)):
+        return None
+    return torch.from_numpy(_swiglu_rows(x.contiguous().numpy(), gate_up.row_weights, down.row_weights,
+                                         numba.config.NUMBA_NUM_THREADS))

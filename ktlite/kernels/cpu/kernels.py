@@ -1397,6 +1397,16 @@ def linear_rows(x, q, s, group_shift, kp, q8, threads, out):
 
 
 @njit(nogil=True, cache=True)
+def project_rows(x, w, threads):
+    """linear_rows for a compiled caller: x [T, G, K] (C-contiguous) through stored matrices w = (qweight, scales,
+    group_shift, kp, q8) -> a fresh [T, G, N] fp32 array."""
+    q, s, group_shift, kp, q8 = w
+    out = np.empty((x.shape[0], q.shape[0], q.shape[1]), np.float32)
+    linear_rows(x, q, s, group_shift, kp, q8, threads, out)
+    return out
+
+
+@njit(nogil=True, cache=True)
 def _token_tiles(tok_ptr):
     """Expert m's pairs tok_ptr[m]:tok_ptr[m + 1] in tiles of AMX_ROWS: (tile_ptr [M + 1]: expert m's tiles are
     tile_ptr[m]:tile_ptr[m + 1]; first, end: the pairs first[t]:end[t] of tile t)."""

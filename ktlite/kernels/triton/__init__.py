@@ -7,7 +7,8 @@ never picks an implementation itself:
 - otherwise (CPU, no interpreter) -> torch twin, chosen without touching Triton: a launch there
   would raise "0 active drivers"; MLA decode in fp32 has a compiled CPU kernel instead
   (ktlite/kernels/cpu/attention.py: one call where the twin makes ~10 small torch ops per layer);
-- KTLITE_FORCE_TORCH_KERNELS=1 -> always the twin (debugging).
+- KTLITE_FORCE_TORCH_KERNELS=1 -> always the twin (debugging), and a CPU device's decode runs its modules one by
+  one instead of the compiled blocks (kernels/cpu/mla_block.py, dense_linear.swiglu_rows).
 Kernel modules are imported on first Triton use, so importing this package never needs a GPU.
 Note triton.jit decides "interpreted or compiled" when a kernel module is first imported: set
 TRITON_INTERPRET before the first Triton call in a process, not in between.
@@ -58,13 +59,13 @@ __all__ = [
 ]
 
 
-def _forced_torch() -> bool:
+def forced_torch() -> bool:
     return os.environ.get("KTLITE_FORCE_TORCH_KERNELS", "0") == "1"
 
 
 def use_triton(t: torch.Tensor) -> bool:
     """Whether a call on tensor t goes to the Triton kernel (rules in the module docstring)."""
-    if _forced_torch():
+    if forced_torch():
         return False
     return t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -106,7 +107,7 @@ def mla_decode(
         return _kernels("decode_attn").mla_decode_triton(
             q, kv_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, kv_lora_rank
         )
-    if not _forced_torch() and cpu_attention.handles(q, kv_buffer):
+    if not forced_torch() and cpu_attention.handles(q, kv_buffer):
         return cpu_attention.mla_decode(q, kv_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, kv_lora_rank)
     return mla_decode_torch(q, kv_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, kv_lora_rank)
 

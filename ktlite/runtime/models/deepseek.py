@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ktlite.kernels.cpu import mla_block
+from ktlite.kernels.cpu.dense_linear import QuantizedHeads
 from ktlite.kernels.triton import mla_decode, mla_extend
 from ktlite.kernels.triton.kv_fp8 import is_packed
 from ktlite.runtime.forward_batch import ForwardBatch
@@ -83,6 +85,11 @@ class MLAttention(nn.Module):
         # (head_matrices); until then they are read from kv_b_proj
         self.uk_heads: nn.Module | None = None
         self.uv_heads: nn.Module | None = None
+        # the query's first projection and kv_a_proj_with_mqa both read the layer input: a CPU device stores them
+        # as one matrix (cpu_dense.py), one kernel call
+        first = "q_proj" if cfg.q_lora_rank is None else "q_a_proj"
+        self.fused_linears = {"q_kv_a_proj": (first, "kv_a_proj_with_mqa")}
+        self.q_kv_a_proj: nn.Module | None = None
 
     def shard(self, prefix: str, tp, shards: dict) -> None:
         """Tensor parallel: heads split (q / kv_b column-parallel, o_proj row-parallel); q_a_proj,
@@ -95,15 +102,24 @@ class MLAttention(nn.Module):
         column(self, "kv_b_proj", prefix, heads * (c.qk_nope_head_dim + c.v_head_dim), tp, shards)
         row(self, "o_proj", prefix, heads * c.v_head_dim, tp, shards)
 
-    def query(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., hidden] -> q [..., heads, qk_head_dim] (rope part not yet rotated)."""
-        q = self.q_proj(x) if self.cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(*x.shape[:-1], self.num_heads, self.cfg.qk_head_dim)
+    def input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., hidden] -> (q_proj(x), or q_a_proj(x) with a query LoRA; kv_a_proj_with_mqa(x))."""
+        if self.q_kv_a_proj is None:
+            first = self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
+            return first(x), self.kv_a_proj_with_mqa(x)
+        both = self.q_kv_a_proj(x)
+        return both.split([both.shape[-1] - self.cfg.kv_latent_dim, self.cfg.kv_latent_dim], dim=-1)
 
-    def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [..., hidden] -> the per-token cache entry [..., kv_lora_rank + qk_rope_head_dim]."""
+    def query(self, q_in: torch.Tensor) -> torch.Tensor:
+        """input_projections' first output [..., ·] -> q [..., heads, qk_head_dim] (rope part not yet rotated)."""
+        q = q_in if self.cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_in))
+        return q.view(*q_in.shape[:-1], self.num_heads, self.cfg.qk_head_dim)
+
+    def latent(self, kv_in: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """input_projections' second output [..., kv_latent_dim] -> the per-token cache entry
+        [..., kv_lora_rank + qk_rope_head_dim] (the compressed KV normalised, the shared key rotated)."""
         c = self.cfg
-        compressed, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        compressed, k_pe = kv_in.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         k_pe = self.rotary(k_pe.unsqueeze(-2), cos, sin).squeeze(-2)
         return torch.cat((self.kv_a_layernorm(compressed), k_pe), dim=-1)
 
@@ -152,8 +168,14 @@ class MLAttention(nn.Module):
                       layer_idx: int) -> torch.Tensor:
         """Absorbed MLA over the KV pool's latents: h [N, hidden] -> this rank's partial output [N, hidden]."""
         c, pool = self.cfg, ctx.kv_pool
-        self.store(pool, "latent", layer_idx, batch.out_cache_loc, self.latent(h, cos, sin))
-        q = self.absorbed_query(self.query(h), cos, sin)  # [N, heads, kv_lora_rank + rope]
+        if batch.is_decode and mla_block.runs(h, pool.buffer("latent", layer_idx)):
+            weights = self.compiled_decode_weights(h.shape[0])
+            if weights is not None:
+                return self.compiled_decode(h, cos, sin, batch, pool.buffer("latent", layer_idx), pool.req_to_token,
+                                            weights)
+        q_in, kv_in = self.input_projections(h)
+        self.store(pool, "latent", layer_idx, batch.out_cache_loc, self.latent(kv_in, cos, sin))
+        q = self.absorbed_query(self.query(q_in), cos, sin)  # [N, heads, kv_lora_rank + rope]
         latents = pool.buffer("latent", layer_idx)
         if batch.is_decode:
             o = mla_decode(q, latents, pool.req_to_token, batch.req_pool_indices, batch.prefix_lens + 1,
@@ -162,6 +184,32 @@ class MLAttention(nn.Module):
             o = mla_extend(q, latents, pool.req_to_token, batch.req_pool_indices, batch.prefix_lens,
                            batch.extend_lens, c.softmax_scale, c.kv_lora_rank)
         return self.output(o)
+
+    def compiled_decode_weights(self, tokens: int) -> tuple[mla_block.RowWeights, ...] | None:
+        """(q_kv_a, q_b, W_UK, W_UV, o_proj) as mla_block takes them where every projection is stored quantized
+        and runs `tokens` tokens on its row path (a CPU device's decode: cpu_dense.py), else None."""
+        lora = self.cfg.q_lora_rank is not None
+        parts = (self.q_kv_a_proj, self.q_b_proj if lora else self.q_kv_a_proj, self.uk_heads, self.uv_heads,
+                 self.o_proj)
+        if all(isinstance(p, QuantizedHeads) and p.on_rows(tokens) for p in parts) and self.o_proj.bias is None:
+            return tuple(p.row_weights for p in parts)
+        return None
+
+    def compiled_decode(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                        latents: torch.Tensor, req_to_token: torch.Tensor,
+                        weights: tuple[mla_block.RowWeights, ...]) -> torch.Tensor:
+        """forward_batch of a decode batch as one compiled call (mla_block): the same steps from the same stored
+        weights."""
+        c = self.cfg
+        q_kv_a, q_b, uk, uv, o = weights
+        q_a_norm = self.q_a_layernorm.weight if c.q_lora_rank is not None else self.kv_a_layernorm.weight[:0]
+        out = mla_block.mla_decode_block(
+            h.contiguous().numpy(), q_kv_a, q_a_norm.detach().numpy(), q_b, uk, uv, o,
+            self.kv_a_layernorm.weight.detach().numpy(), self.kv_a_layernorm.eps, cos.numpy(), sin.numpy(),
+            self.rotary.cfg.interleave, self.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank,
+            latents.numpy(), batch.out_cache_loc.numpy(), req_to_token.numpy(), batch.req_pool_indices.numpy(),
+            batch.prefix_lens.numpy(), c.softmax_scale)
+        return torch.from_numpy(out)
 
     def forward(
         self,
@@ -174,8 +222,9 @@ class MLAttention(nn.Module):
         """x [B, T, hidden] at positions [B, T] (the cache holds positions 0..cache.length-1)."""
         c = self.cfg
         cos, sin = self.rotary.cos_sin(positions)  # [B, T, rope/2]
-        q = self.query(x)  # [B, T, heads, qk_head_dim]
-        new_latent = self.latent(x, cos, sin)  # [B, T, D]
+        q_in, kv_in = self.input_projections(x)
+        q = self.query(q_in)  # [B, T, heads, qk_head_dim]
+        new_latent = self.latent(kv_in, cos, sin)  # [B, T, D]
         past = cache.length if cache is not None else 0
         latents = cache.write(layer_idx, new_latent) if cache is not None else new_latent  # [B, S, D]
         t, s = x.shape[1], latents.shape[1]

@@ -131,8 +131,9 @@ class SparseMLAttention(MLAttention):
     def forward_batch(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, ctx,
                       layer_idx: int) -> torch.Tensor:
         c, pool = self.cfg, ctx.kv_pool
-        self.store(pool, "latent", layer_idx, batch.out_cache_loc, self.latent(h, cos, sin))
-        q_resid = self.q_a_layernorm(self.q_a_proj(h))
+        q_in, kv_in = self.input_projections(h)
+        self.store(pool, "latent", layer_idx, batch.out_cache_loc, self.latent(kv_in, cos, sin))
+        q_resid = self.q_a_layernorm(q_in)
         q = self.q_b_proj(q_resid).view(*h.shape[:-1], self.num_heads, c.qk_head_dim)
         if self.indexer is None:
             slots = self.reuses[0].last_slots

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ktlite.kernels.cpu.dense_linear import swiglu_rows
 from ktlite.runtime.models.config import RouterSpec
 from ktlite.runtime.models.router import select_experts
 
@@ -47,15 +48,25 @@ class MLP(nn.Module):
     """SwiGLU MLP: dense layers, each routed expert and the shared experts."""
 
     plan_component = "dense_mlp"
+    # gate and up read the same input: a CPU device stores them as one matrix (cpu_dense.py), one kernel call
+    fused_linears = {"gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            compiled = swiglu_rows(x, self.gate_up_proj, self.down_proj)  # a CPU device's decode: one call
+            if compiled is not None:
+                return compiled
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Router(nn.Module):
