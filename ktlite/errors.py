@@ -9,6 +9,10 @@ class ConfigError(KtliteError, ValueError):
     """A model config.json or a flag has a value ktlite cannot serve."""
 
 
+class EngineFailure(KtliteError):
+    """The engine stopped serving (a forward step raised, or a tensor-parallel rank died): every request ends."""
+
+
 class CheckpointError(KtliteError):
     """A checkpoint folder is missing a file or tensor, or a tensor has the wrong shape."""
 

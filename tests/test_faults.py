@@ -292,3 +292,22 @@ async def test_graceful_shutdown_ends_streams(tiny_v3, tmp_path, sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_forward_error_ends_every_request_with_it(tiny_v3, monkeypatch):
+    """A forward step that raises stops the scheduler: the requests in flight, and any sent later, get an
+    EngineFailure naming the error, instead of waiting forever for a loop that no longer runs."""
+    from ktlite.errors import EngineFailure
+
+    with Engine(str(tiny_v3), **SMALL) as eng:
+        def broken(batch):
+            raise RuntimeError("a kernel failed")
+
+        monkeypatch.setattr(eng.runtime.runner, "forward", broken)
+        started = time.monotonic()
+        with pytest.raises(EngineFailure, match="a kernel failed"):
+            eng.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params=GREEDY)
+        with pytest.raises(EngineFailure, match="a kernel failed"):
+            eng.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+        assert time.monotonic() - started < 30
+        monkeypatch.undo()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ktlite.config import EngineConfig
-from ktlite.errors import RequestError
+from ktlite.errors import EngineFailure, RequestError
 from ktlite.runtime.assembly import Runtime, assemble
 from ktlite.runtime.host_cache import make_host_cache
 from ktlite.runtime.knobs import choose_knobs
@@ -64,7 +64,7 @@ class Engine:
         # before the tensor-parallel branch, since the rank count is one of them
         self.config, self.knobs = choose_knobs(self.config, load_config(self.config.model_path))
         self.tokenizer = Tokenizer(self.config.model_path)
-        self._failure: str | None = None  # set when a tensor-parallel rank dies
+        self._failure: EngineFailure | None = None  # set when the scheduler stops on an error or a TP rank dies
         if self.config.tensor_parallel_size > 1:  # ranks 1..N-1 in their own processes
             from ktlite.runtime.parallel import launch
 
@@ -89,6 +89,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="ktlite-engine", daemon=True)
         self._thread.start()
         self._task = asyncio.run_coroutine_threadsafe(self.scheduler.run(), self._loop)
+        self._task.add_done_callback(self._on_scheduler_stop)
         self._closed = False
 
     def _prefix_cache(self) -> RadixCache | None:
@@ -191,14 +192,25 @@ class Engine:
     # ---- lifecycle ----------------------------------------------------------------------------
     def _on_rank_failure(self, message: str) -> None:
         """A tensor-parallel rank died (called from the watcher thread): end every request."""
-        self._failure = message
+        from ktlite.runtime.parallel import RankFailure
+
+        self._failure = RankFailure(f"{message}; the engine has shut down")
         self._loop.call_soon_threadsafe(self.scheduler.close)
+
+    def _on_scheduler_stop(self, task) -> None:
+        """The scheduler's loop ended (on the engine's loop thread). If by an error (a forward step raised), end
+        every request with it: their callers would otherwise wait for events from a loop that no longer runs."""
+        error = None if task.cancelled() else task.exception()
+        if error is None or self._failure is not None:
+            return
+        logger.error("the scheduler stopped: %r", error, exc_info=error)
+        self._failure = EngineFailure(f"the engine stopped on an error in its forward step ({error!r}); "
+                                      "it has shut down: restart it")
+        self.scheduler.close()
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
-            from ktlite.runtime.parallel import RankFailure
-
-            raise RankFailure(f"{self._failure}; the engine has shut down")
+            raise self._failure
 
     def shutdown(self) -> None:
         if self._closed:

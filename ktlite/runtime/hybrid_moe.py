@@ -84,6 +84,7 @@ class HybridMoE:
         self.remote = torch.zeros(self.num_experts, dtype=torch.bool, device=device)
         if remote_gpu_experts:
             self.remote[torch.tensor(list(remote_gpu_experts), dtype=torch.int64)] = True
+        self.has_remote = bool(remote_gpu_experts)
 
     def _install(self, slot: int, expert: int) -> None:
         if isinstance(self.w13, QuantizedWeight):  # the checkpoint's codes and scales, copied as they are
@@ -145,6 +146,9 @@ class HybridMoE:
 
     def _hybrid(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 defer: int) -> tuple[torch.Tensor, object | None]:
+        if x.device.type == "cpu" and self.cpu is not None and not (self.gpu_experts or self.has_remote or defer > 0):
+            # a CPU device: every expert is a CPU expert, nothing to mask, split or overlap
+            return self.cpu.forward(self.layer_idx, x, topk_ids, topk_weights), None
         on_gpu = self.on_gpu
         now_ids, later_ids = (topk_ids, None) if defer <= 0 else self._split_deferred(topk_ids, topk_weights, defer)
         cpu_out = handle = deferred = None

@@ -70,7 +70,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ktlite.config import EngineConfig
-from ktlite.errors import ConfigError, KtliteError
+from ktlite.errors import ConfigError, EngineFailure
 from ktlite.runtime.assembly import Runtime, assemble, plan_inputs
 from ktlite.runtime.host_cache import make_host_cache
 from ktlite.runtime.memory import allocated_by_component, make_plan
@@ -85,7 +85,7 @@ STARTUP_TIMEOUT_S = float(os.environ.get("KTLITE_TP_STARTUP_TIMEOUT", 1800))
 _FORWARD, _STOP = "forward", "stop"
 
 
-class RankFailure(KtliteError):
+class RankFailure(EngineFailure):
     """A tensor-parallel rank died or a collective failed; the engine cannot continue."""
 
 

@@ -229,6 +229,23 @@ def _group_pairs(ids: np.ndarray, weights: np.ndarray, slot_of: np.ndarray, pool
 _NO_SKIP = np.zeros(0, np.bool_)
 
 
+@numba.njit(nogil=True, cache=True)
+def _rows_call(x, ids, weights, slot_of, pool_of, skip, n_pools, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, kp_h, kp_i, q8,
+               scratch):  # pragma: no cover - compiled
+    """A few tokens' whole layer in one call (CPUMoE.forward's decode path): the pairs grouped (_group_pairs, every
+    pool's in one list), x [T, H] padded to kp_h, every expert through moe_rows -> (out [T, H] fp32, the id of an
+    expert neither stored nor skipped, else -1: nothing is computed then)."""
+    slots, tok_ptr, tok_idx, tok_w, _, missing = _group_pairs(ids, weights, slot_of, pool_of, skip, n_pools)
+    out = np.zeros((x.shape[0], x.shape[1]), np.float32)
+    if missing >= 0 or slots.size == 0:
+        return out, missing
+    xp = np.zeros((x.shape[0], kp_h), np.float32)
+    xp[:, :x.shape[1]] = x
+    act = np.zeros((tok_idx.shape[0], kp_i), np.float32)
+    kernels.moe_rows(xp, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, q8, scratch, act, out)
+    return out, missing
+
+
 def _summed(parts: list[torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
     """The pools' fp32 outputs summed, in hidden's dtype and device (zeros if no pool had work)."""
     out = torch.zeros(hidden.shape[0], hidden.shape[1]) if not parts else parts[0]
@@ -383,9 +400,34 @@ class CPUMoE:
                 skip_mask: torch.Tensor | None = None) -> torch.Tensor:
         """submit(...).wait(), computed on the calling thread (ExpertPools.run_here): for a caller with
         nothing to overlap."""
+        layer = self._layer(layer_idx)
+        if self._in_one_call(layer, hidden):
+            return self.pools.run_here(self._one_call, layer, hidden, topk_ids, topk_weights, skip_mask)
         layer, works, x = self._prepare(layer_idx, hidden, topk_ids, topk_weights, skip_mask)
         parts = [self.pools.run_here(self._run_pool, layer, w, x) for w in works if w.slots.size]
         return _summed(parts, hidden)
+
+    def _in_one_call(self, layer: ExpertLayer, hidden: torch.Tensor) -> bool:
+        """Whether `forward` takes `hidden` in one compiled call (_rows_call): too few tokens for any expert to
+        reach the matmul path or the AMX tiles, so every pool's work is the row kernel's anyway (a decode step;
+        the general path spends ~15 numpy / torch operations a layer choosing that, ~130 us on a 2-core VM)."""
+        tokens = hidden.shape[0]
+        below_tiles = not (self._int8_dots(layer) and amx_fits(layer)) or tokens < AMX_MIN_TOKENS[layer.gate_up.method]
+        return (hidden.dim() == 2 and hidden.shape[1] == layer.hidden and tokens < self.prefill_threshold
+                and below_tiles)
+
+    def _one_call(self, layer: ExpertLayer, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  skip_mask: torch.Tensor | None) -> torch.Tensor:
+        gu, dn = layer.gate_up, layer.down
+        skip = _NO_SKIP if skip_mask is None else skip_mask.detach().to("cpu", torch.bool).numpy()
+        out, missing = _rows_call(
+            hidden.detach().to("cpu", torch.float32).contiguous().numpy(), topk_ids.detach().to("cpu", torch.int64).contiguous().numpy(),
+            topk_weights.detach().to("cpu", torch.float32).contiguous().numpy(), layer.slot_of, layer.pool_of, skip,
+            self.pools.count, gu.qweight, gu.scales, dn.qweight, dn.scales, gu.group_shift, dn.group_shift, gu.kp, dn.kp,
+            self._int8_dots(layer), self._scratch(layer))
+        if missing >= 0:
+            self._route(layer, topk_ids, topk_weights, skip_mask)  # raises, naming the experts
+        return torch.from_numpy(out).to(device=hidden.device, dtype=hidden.dtype)
 
     def submit(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                skip_mask: torch.Tensor | None = None) -> CPUMoEHandle:
@@ -420,6 +462,10 @@ class CPUMoE:
             works.append(_PoolWork(slots[a:b], tok_ptr[a:b + 1] - lo, tok_idx[lo:hi], tok_w[lo:hi]))
         return works
 
+    def _int8_dots(self, layer: ExpertLayer) -> bool:
+        """Whether the layer's row kernels dot int8 activations (asked for, and both its formats take them)."""
+        return self.int8_activations and {layer.gate_up.method, layer.down.method} <= set(INT_DOT_METHODS)
+
     def _run_pool(self, layer: ExpertLayer, work: _PoolWork, x: torch.Tensor) -> torch.Tensor:
         """One pool's share (in the pool's thread, or the caller's for `forward`): experts with fewer than prefill_threshold
         tokens go through the fused kernels (AMX tiles from AMX_MIN_TOKENS on where they fit, else the row dots / VNNI
@@ -432,7 +478,7 @@ class CPUMoE:
             # the row kernels read whole padded rows: x and act get zero columns up to Kp
             xp = np.zeros((x.shape[0], gu.kp), np.float32)
             xp[:, :layer.hidden] = x.float().numpy()
-            q8 = self.int8_activations and {gu.method, dn.method} <= set(INT_DOT_METHODS)
+            q8 = self._int8_dots(layer)
             tiles = (np.diff(light.tok_ptr) >= AMX_MIN_TOKENS[gu.method] if q8 and amx_fits(layer)
                      else np.zeros(0, bool))
             rows = light.select(~tiles) if tiles.any() else light
