@@ -501,10 +501,12 @@ def _tile_dot_q8_impl(q, s, r0, xq, xd, tix, group_shift, out):
     """out[i, j] = (row r0 + i of q/s) . (int8 activation row tix[j]) for i < TILE_ROWS, j < len(tix) <= TILE_TOKENS."""
     if not isinstance(q, types.Array):
         return None
-    if q.dtype not in (types.uint8, types.int8):  # typed in kernels whose tile branch _tiled rules out for q
+    if q.dtype not in (types.uint8, types.int8):
+        # typed in kernels whose tile branch _tiled rules out for q (BF16, FP8, GGUF rows): a no-op, not a raise,
+        # since a raise inside a prange body is a second exit from it and numba then runs that loop on one thread
 
         def unreachable(q, s, r0, xq, xd, tix, group_shift, out):
-            raise AssertionError("tiles take INT4/INT8 rows only")
+            pass
 
         return unreachable
     t1, t2, t3, t4 = _INT_TILES[q.dtype == types.int8]
