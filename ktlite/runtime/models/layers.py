@@ -41,6 +41,9 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and not self.unit_offset:
+            # the same products in one call (a CPU device's fp32 decode: ~14 -> ~9 us a norm, 17 norms a step)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.scale(self.normalize(x), x.dtype)
 
 
