@@ -23,7 +23,7 @@ from ktlite import Engine
 from ktlite.cli import main
 from ktlite.config import EngineConfig
 from ktlite.errors import ConfigError
-from ktlite.kernels.cpu import dense_linear, mla_block
+from ktlite.kernels.cpu import dense_linear, kernels, mla_block
 from ktlite.kernels.cpu.dense_linear import QuantizedHeads, QuantizedLinear
 from ktlite.kernels.cpu.quant import dequantize, int8_activation_values, quantize, relative_error
 from ktlite.runtime.cpu_dense import (GROUP_SIZE, apply_cpu_dense, eligible_linears, fused_groups, head_matrix_owners,
@@ -217,18 +217,18 @@ def test_engine_quantizes_the_device_side_and_equals_its_dequantized_weights(cas
 
 @pytest.mark.parametrize("interleave", [True, False], ids=["rope-pairs", "rope-halves"])
 def test_compiled_block_rope_and_norm_equal_the_modules(interleave):
-    """mla_block's RoPE (both layouts: the DeepSeek tests' checkpoints cover only one) and RMSNorm against rope.py's
+    """The compiled block's RoPE (both layouts: the DeepSeek tests' checkpoints cover only one) and RMSNorm against rope.py's
     and RMSNorm's."""
     g = torch.Generator().manual_seed(0)
     x, angles = torch.randn(64, generator=g), torch.randn(32, generator=g)
     rotated = np.empty(64, np.float32)
-    mla_block._rotated(x.numpy(), angles.cos().numpy(), angles.sin().numpy(), interleave, rotated)
+    kernels.rope_rotated(x.numpy(), angles.cos().numpy(), angles.sin().numpy(), interleave, rotated)
     torch.testing.assert_close(torch.from_numpy(rotated), apply_rope(x, angles.cos(), angles.sin(), interleave))
     norm = RMSNorm(64, 1e-6)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(64, generator=g))
     normed = np.empty(64, np.float32)
-    mla_block._rms_scaled(x.numpy(), norm.weight.detach().numpy(), np.float32(norm.eps), normed)
+    kernels.rms_scaled(x.numpy(), norm.weight.detach().numpy(), np.float32(norm.eps), normed)
     torch.testing.assert_close(torch.from_numpy(normed), norm(x).detach())
 
 
@@ -247,7 +247,7 @@ def test_compiled_decode_blocks_equal_the_modules(case, tiny_arch, monkeypatch):
         return run
 
     monkeypatch.setattr(mla_block, "mla_decode_block", counted("attention", mla_block.mla_decode_block))
-    monkeypatch.setattr(dense_linear, "_swiglu_rows", counted("mlp", dense_linear._swiglu_rows))
+    monkeypatch.setattr(kernels, "swiglu_rows", counted("mlp", kernels.swiglu_rows))
     with Engine(str(tiny_arch(arch)), **{**FLAGS, "cpu_dense_method": method}) as eng:
         runner, model = eng.runtime.runner, eng.runtime.runner.model
         ids = prompts(eng.runtime.vocab_size)

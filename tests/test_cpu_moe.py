@@ -298,7 +298,7 @@ def test_pairs_grouped_by_pool_then_slot_then_token(pools):
     weights = torch.rand(9, 4, generator=g)
     skip = torch.zeros(n_experts, dtype=torch.bool)
     skip[[4, 8]] = True
-    slots, tok_ptr, tok_idx, tok_w, pool_ptr, missing = moe_module._group_pairs(
+    slots, tok_ptr, tok_idx, tok_w, pool_ptr, missing = kernels.group_pairs(
         ids.numpy(), weights.numpy(), slot_of.numpy(), pool_of.numpy(), skip.numpy(), pools)
     assert missing == -1
     expected = {}  # slot -> [(token, weight)]
@@ -315,7 +315,7 @@ def test_pairs_grouped_by_pool_then_slot_then_token(pools):
            for m, s in enumerate(slots)}
     assert got == {s: [(t, pytest.approx(w)) for t, w in pairs] for s, pairs in expected.items()}
     skip[4] = False  # expert 4 is selected, not stored, not skipped: reported
-    assert moe_module._group_pairs(ids.numpy(), weights.numpy(), slot_of.numpy(), pool_of.numpy(), skip.numpy(),
+    assert kernels.group_pairs(ids.numpy(), weights.numpy(), slot_of.numpy(), pool_of.numpy(), skip.numpy(),
                                    pools)[-1] == 4
 
 

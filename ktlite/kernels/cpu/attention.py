@@ -2,7 +2,7 @@
 
 On a CPU-only run the torch twin spends ~10 small torch ops per layer and decode step (gather, two
 matmuls, mask, softmax, copies): per-op dispatch, not arithmetic, at decode's few tokens. This is one
-compiled call. Each request's positions are split into `splits` runs so that batch-1 decode still
+compiled call (kernels.mla_decode_latents: numba code that other kernels call lives in kernels.py). Each request's positions are split into `splits` runs so that batch-1 decode still
 uses every thread (flash-decoding: each run keeps its max, exp-sum and weighted sum per head, and a
 second pass merges the runs); a run reads each cached latent once for all heads.
 
@@ -17,9 +17,9 @@ import math
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
 
-MIN_SPLIT = 64  # positions per run below which splitting a request costs more than it spreads
+from ktlite.kernels.cpu import kernels
+from ktlite.kernels.cpu.kernels import MIN_SPLIT
 
 
 def handles(q: torch.Tensor, kv_buffer: torch.Tensor) -> bool:
@@ -42,56 +42,7 @@ def mla_decode(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token: torch.Ten
     lens = seq_lens.to(torch.int64).numpy()
     runs = splits or default_splits(q.shape[0], int(lens.max()) if lens.size else 1)
     out = torch.empty(q.shape[0], q.shape[1], kv_lora_rank)
-    _decode(q.contiguous().numpy(), kv_buffer.numpy(), req_to_token.numpy(), req_pool_indices.to(torch.int64).numpy(),
-            lens, np.float32(sm_scale), kv_lora_rank, runs, out.numpy())
+    kernels.mla_decode_latents(q.contiguous().numpy(), kv_buffer.numpy(), req_to_token.numpy(),
+                               req_pool_indices.to(torch.int64).numpy(), lens, np.float32(sm_scale), kv_lora_rank, runs,
+                               out.numpy())
     return out
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _decode(q, kv, req_to_token, rows, lens, sm_scale, kv_lora, runs, out):  # pragma: no cover - compiled
-    batch, heads, width = q.shape
-    run_max = np.full((batch, runs, heads), -np.inf, np.float32)
-    run_sum = np.zeros((batch, runs, heads), np.float32)
-    run_out = np.zeros((batch, runs, heads, kv_lora), np.float32)
-    for item in prange(batch * runs):
-        b, r = item // runs, item % runs
-        length = (lens[b] + runs - 1) // runs
-        lo, hi = r * length, min(lens[b], (r + 1) * length)
-        if lo >= hi:
-            continue
-        scores = np.empty((heads, hi - lo), np.float32)
-        for i in range(lo, hi):
-            slot = req_to_token[rows[b], i]
-            for h in range(heads):
-                acc = np.float32(0.0)
-                for d in range(width):
-                    acc += q[b, h, d] * kv[slot, d]
-                scores[h, i - lo] = acc * sm_scale
-        for h in range(heads):
-            top = scores[h].max()
-            total = np.float32(0.0)
-            for i in range(hi - lo):
-                scores[h, i] = np.exp(scores[h, i] - top)
-                total += scores[h, i]
-            run_max[b, r, h], run_sum[b, r, h] = top, total
-        for i in range(lo, hi):
-            slot = req_to_token[rows[b], i]
-            for h in range(heads):
-                p = scores[h, i - lo]
-                for d in range(kv_lora):
-                    run_out[b, r, h, d] += p * kv[slot, d]
-    for item in prange(batch * heads):  # merge the runs: rescale each to the overall max
-        b, h = item // heads, item % heads
-        top = run_max[b, :, h].max()
-        total = np.float32(0.0)
-        for d in range(kv_lora):
-            out[b, h, d] = 0.0
-        for r in range(runs):
-            if run_sum[b, r, h] == 0.0:
-                continue
-            scale = np.exp(run_max[b, r, h] - top)
-            total += scale * run_sum[b, r, h]
-            for d in range(kv_lora):
-                out[b, h, d] += scale * run_out[b, r, h, d]
-        for d in range(kv_lora):
-            out[b, h, d] /= total

@@ -239,19 +239,6 @@ class QuantizedLinear(QuantizedHeads):
         return y if self.output_op is None else self.output_op(y)
 
 
-@numba.njit(nogil=True, cache=True)
-def _swiglu_rows(x, gate_up, down, threads):  # pragma: no cover - compiled
-    tokens = x.shape[0]
-    both = kernels.project_rows(x.reshape(tokens, 1, x.shape[1]), gate_up, threads)
-    inter = both.shape[2] // 2
-    act = np.empty((tokens, 1, inter), np.float32)
-    for t in range(tokens):
-        for i in range(inter):
-            gate = both[t, 0, i]
-            act[t, 0, i] = gate / (np.float32(1.0) + np.exp(-gate)) * both[t, 0, inter + i]
-    return kernels.project_rows(act, down, threads)[:, 0]
-
-
 def swiglu_rows(x: torch.Tensor, gate_up: nn.Module, down: nn.Module) -> torch.Tensor | None:
     """down(SiLU(gate) * up) for x [T, K] where gate_up stacks gate's rows over up's, as one compiled call: both
     projections on their row path back to back, so the second's worker thread is still awake (a parallel region
@@ -263,5 +250,5 @@ def swiglu_rows(x: torch.Tensor, gate_up: nn.Module, down: nn.Module) -> torch.T
             and isinstance(down, QuantizedLinear) and gate_up.bias is None and down.bias is None
             and gate_up.on_rows(tokens) and down.on_rows(tokens)):
         return None
-    return torch.from_numpy(_swiglu_rows(x.contiguous().numpy(), gate_up.row_weights, down.row_weights,
-                                         numba.config.NUMBA_NUM_THREADS))
+    return torch.from_numpy(kernels.swiglu_rows(x.contiguous().numpy(), gate_up.row_weights, down.row_weights,
+                                                numba.config.NUMBA_NUM_THREADS))

@@ -44,6 +44,11 @@ blocks of 32 weight rows times pairs of tiles of 16 tokens' int8 activations (am
 
 `linear_rows` is the same GEMV for a stack of plain matrices, each with its own inputs: the device-side
 Linear layers (one matrix) and per-head matrices (MLA's W_UK / W_UV) of a CPU-only run (dense_linear.py).
+
+A CPU device's decode step runs whole blocks as one call each, so the parallel regions inside follow each other
+with the worker threads still awake (one woken after Python code waits ~20 us on a 2-core VM): `mla_attention_rows`
+(MLA attention from normalised input to o_proj, mla_block.py), `swiglu_rows` (a quantized SwiGLU MLP,
+dense_linear.py) and `moe_rows_routed` (the router's ids grouped by expert and moe_rows, moe.py).
 """
 
 from __future__ import annotations
@@ -1577,3 +1582,201 @@ def scatter_add_bf16(ys, tok_idx, tok_w, out):
         c1 = min(hidden, c0 + SCATTER_COLS)
         for p in range(ys.shape[0]):
             _bf16_axpy(out[tok_idx[p], c0:c1], tok_w[p], ys[p, c0:c1])
+
+
+# ---- a decode step's blocks in one call each (a CPU device: attention.py, moe.py, dense_linear.py) ----
+
+MIN_SPLIT = 64  # positions per run below which splitting a request's attention costs more than it spreads
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def mla_decode_latents(q, kv, req_to_token, rows, lens, sm_scale, kv_lora, runs, out):  # pragma: no cover - compiled
+    """Absorbed-MLA decode attention over a latent pool (attention.mla_decode's kernel): out [B, H, kv_lora] from
+    q [B, H, kv_lora + rope], kv [slots, kv_lora + rope], each request's positions split into `runs` runs."""
+    batch, heads, width = q.shape
+    run_max = np.full((batch, runs, heads), -np.inf, np.float32)
+    run_sum = np.zeros((batch, runs, heads), np.float32)
+    run_out = np.zeros((batch, runs, heads, kv_lora), np.float32)
+    for item in prange(batch * runs):
+        b, r = item // runs, item % runs
+        length = (lens[b] + runs - 1) // runs
+        lo, hi = r * length, min(lens[b], (r + 1) * length)
+        if lo >= hi:
+            continue
+        scores = np.empty((heads, hi - lo), np.float32)
+        for i in range(lo, hi):
+            slot = req_to_token[rows[b], i]
+            for h in range(heads):
+                acc = np.float32(0.0)
+                for d in range(width):
+                    acc += q[b, h, d] * kv[slot, d]
+                scores[h, i - lo] = acc * sm_scale
+        for h in range(heads):
+            top = scores[h].max()
+            total = np.float32(0.0)
+            for i in range(hi - lo):
+                scores[h, i] = np.exp(scores[h, i] - top)
+                total += scores[h, i]
+            run_max[b, r, h], run_sum[b, r, h] = top, total
+        for i in range(lo, hi):
+            slot = req_to_token[rows[b], i]
+            for h in range(heads):
+                p = scores[h, i - lo]
+                for d in range(kv_lora):
+                    run_out[b, r, h, d] += p * kv[slot, d]
+    for item in prange(batch * heads):  # merge the runs: rescale each to the overall max
+        b, h = item // heads, item % heads
+        top = run_max[b, :, h].max()
+        total = np.float32(0.0)
+        for d in range(kv_lora):
+            out[b, h, d] = 0.0
+        for r in range(runs):
+            if run_sum[b, r, h] == 0.0:
+                continue
+            scale = np.exp(run_max[b, r, h] - top)
+            total += scale * run_sum[b, r, h]
+            for d in range(kv_lora):
+                out[b, h, d] += scale * run_out[b, r, h, d]
+        for d in range(kv_lora):
+            out[b, h, d] /= total
+
+
+@njit(nogil=True, cache=True)
+def group_pairs(ids, weights, slot_of, pool_of, skip, n_pools):
+    """The (token, weight) pairs of ids [T, k] / weights [T, k] grouped by slot, slots ascending within each
+    pool, pools in order, tokens ascending within a slot: (slots, tok_ptr, tok_idx, tok_w, pool_ptr), pool p's
+    slots being slots[pool_ptr[p]:pool_ptr[p + 1]]; or, if an expert is neither stored nor skipped, that
+    expert's id as the last value (else -1). Ids outside [0, E) and experts with skip[e] (when skip is
+    not empty) are left out. One compiled pass: the numpy version cost ~15 small array ops per layer."""
+    n_slots = pool_of.size
+    counts = np.zeros(n_slots, np.int64)
+    missing = -1
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            if e < 0 or e >= slot_of.size or (skip.size > 0 and skip[e]):
+                continue
+            if slot_of[e] < 0:
+                missing = e
+            else:
+                counts[slot_of[e]] += 1
+    order = np.empty(n_slots, np.int64)  # used slots, by pool then slot
+    pool_ptr = np.zeros(n_pools + 1, np.int64)
+    m = 0
+    for p in range(n_pools):
+        for slot in range(n_slots):
+            if pool_of[slot] == p and counts[slot] > 0:
+                order[m] = slot
+                m += 1
+        pool_ptr[p + 1] = m
+    slots = order[:m].copy()
+    tok_ptr = np.zeros(m + 1, np.int64)
+    start = np.full(n_slots, -1, np.int64)  # next free pair position of each used slot
+    for i in range(m):
+        tok_ptr[i + 1] = tok_ptr[i] + counts[slots[i]]
+        start[slots[i]] = tok_ptr[i]
+    tok_idx = np.empty(tok_ptr[m], np.int64)
+    tok_w = np.empty(tok_ptr[m], np.float32)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            if e < 0 or e >= slot_of.size or (skip.size > 0 and skip[e]) or slot_of[e] < 0:
+                continue
+            at = start[slot_of[e]]
+            tok_idx[at], tok_w[at] = t, weights[t, j]
+            start[slot_of[e]] = at + 1
+    return slots, tok_ptr, tok_idx, tok_w, pool_ptr, missing
+
+
+
+
+@njit(nogil=True, cache=True)
+def moe_rows_routed(x, ids, weights, slot_of, pool_of, skip, n_pools, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, kp_h, kp_i,
+                    q8, scratch):  # pragma: no cover - compiled
+    """A few tokens' whole layer in one call (CPUMoE.forward's decode path): the pairs grouped (group_pairs, every
+    pool's in one list), x [T, H] padded to kp_h, every expert through moe_rows -> (out [T, H] fp32, the id of an
+    expert neither stored nor skipped, else -1: nothing is computed then)."""
+    slots, tok_ptr, tok_idx, tok_w, _, missing = group_pairs(ids, weights, slot_of, pool_of, skip, n_pools)
+    out = np.zeros((x.shape[0], x.shape[1]), np.float32)
+    if missing >= 0 or slots.size == 0:
+        return out, missing
+    xp = np.zeros((x.shape[0], kp_h), np.float32)
+    xp[:, :x.shape[1]] = x
+    act = np.zeros((tok_idx.shape[0], kp_i), np.float32)
+    moe_rows(xp, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, q8, scratch, act, out)
+    return out, missing
+
+
+@njit(nogil=True, cache=True)
+def rms_scaled(x, weight, eps, out):  # pragma: no cover - compiled
+    """out = weight * x / rms(x), in fp32 (RMSNorm without unit offset)."""
+    total = 0.0  # float64: a sum closer to torch's pairwise fp32 one than a running fp32 sum
+    for i in range(x.shape[0]):
+        total += np.float64(x[i]) * x[i]
+    inv = np.float32(1.0 / np.sqrt(np.float32(total / x.shape[0]) + eps))
+    for i in range(x.shape[0]):
+        out[i] = weight[i] * (x[i] * inv)
+
+
+@njit(nogil=True, cache=True)
+def rope_rotated(x, cos, sin, interleave, out):  # pragma: no cover - compiled
+    """out = x rotated by cos/sin [rot // 2] (rope.apply_rope over all of x: pairs (2i, 2i+1) or halves)."""
+    half = cos.shape[0]
+    for i in range(half):
+        a, b = (x[2 * i], x[2 * i + 1]) if interleave else (x[i], x[i + half])
+        first, second = a * cos[i] - b * sin[i], b * cos[i] + a * sin[i]
+        if interleave:
+            out[2 * i], out[2 * i + 1] = first, second
+        else:
+            out[i], out[i + half] = first, second
+
+
+@njit(nogil=True, cache=True)
+def mla_attention_rows(h, q_kv_a, q_a_norm, q_b, uk, uv, o_proj, kv_norm, eps, cos, sin, interleave, dims, kv, slots,
+                       req_to_token, rows, prefix_lens, sm_scale, threads):  # pragma: no cover - compiled
+    """A decode batch's absorbed-MLA attention from normalised input to output projection (mla_block.py: the
+    arguments, and when this runs); dims = (heads, nope, rope, kv_lora)."""
+    tokens = h.shape[0]
+    heads, nope, rope, kv_lora = dims
+    qk = nope + rope
+    both = project_rows(h.reshape(tokens, 1, h.shape[1]), q_kv_a, threads)[:, 0]  # [T, q width + kv_lora + rope]
+    q_width = both.shape[1] - kv_lora - rope
+    for t in range(tokens):  # the new latents, straight into the pool
+        entry = kv[slots[t]]
+        rms_scaled(both[t, q_width:q_width + kv_lora], kv_norm, eps, entry[:kv_lora])
+        rope_rotated(both[t, q_width + kv_lora:], cos[t], sin[t], interleave, entry[kv_lora:])
+    if q_a_norm.shape[0]:  # a query LoRA: q = q_b_proj(q_a_layernorm(q_a))
+        q_a = np.empty((tokens, 1, q_width), np.float32)
+        for t in range(tokens):
+            rms_scaled(both[t, :q_width], q_a_norm, eps, q_a[t, 0])
+        q = project_rows(q_a, q_b, threads)[:, 0]
+    else:
+        q = both[:, :q_width]
+    q_nope = np.empty((tokens, heads, nope), np.float32)
+    q_abs = np.empty((tokens, heads, kv_lora + rope), np.float32)
+    for t in range(tokens):
+        for g in range(heads):
+            q_nope[t, g] = q[t, g * qk:g * qk + nope]
+            rope_rotated(q[t, g * qk + nope:(g + 1) * qk], cos[t], sin[t], interleave, q_abs[t, g, kv_lora:])
+    q_abs[:, :, :kv_lora] = project_rows(q_nope, uk, threads)
+    lens = prefix_lens + 1
+    runs = max(1, min((threads + tokens - 1) // tokens, lens.max() // MIN_SPLIT))  # attention.default_splits
+    attn = np.empty((tokens, heads, kv_lora), np.float32)
+    mla_decode_latents(q_abs, kv, req_to_token, rows, lens, sm_scale, kv_lora, runs, attn)
+    v = project_rows(attn, uv, threads)  # [T, heads, v_head]
+    return project_rows(v.reshape(tokens, 1, heads * v.shape[2]), o_proj, threads)[:, 0]
+
+
+@njit(nogil=True, cache=True)
+def swiglu_rows(x, gate_up, down, threads):  # pragma: no cover - compiled
+    """down(SiLU(gate) * up) for x [T, K] through stored matrices (project_rows' w): gate_up stacks gate's rows over
+    up's (dense_linear.swiglu_rows decides when this runs)."""
+    tokens = x.shape[0]
+    both = project_rows(x.reshape(tokens, 1, x.shape[1]), gate_up, threads)
+    inter = both.shape[2] // 2
+    act = np.empty((tokens, 1, inter), np.float32)
+    for t in range(tokens):
+        for i in range(inter):
+            gate = both[t, 0, i]
+            act[t, 0, i] = gate / (np.float32(1.0) + np.exp(-gate)) * both[t, 0, inter + i]
+    return project_rows(act, down, threads)[:, 0]

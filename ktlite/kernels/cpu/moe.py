@@ -178,72 +178,7 @@ class _PoolWork:
                          self.tok_idx[pair], self.tok_w[pair])
 
 
-@numba.njit(nogil=True, cache=True)
-def _group_pairs(ids: np.ndarray, weights: np.ndarray, slot_of: np.ndarray, pool_of: np.ndarray,
-                 skip: np.ndarray, n_pools: int):
-    """The (token, weight) pairs of ids [T, k] / weights [T, k] grouped by slot, slots ascending within each
-    pool, pools in order, tokens ascending within a slot: (slots, tok_ptr, tok_idx, tok_w, pool_ptr), pool p's
-    slots being slots[pool_ptr[p]:pool_ptr[p + 1]]; or, if an expert is neither stored nor skipped, that
-    expert's id as the last value (else -1). Ids outside [0, E) and experts with skip[e] (when skip is
-    not empty) are left out. One compiled pass: the numpy version cost ~15 small array ops per layer."""
-    n_slots = pool_of.size
-    counts = np.zeros(n_slots, np.int64)
-    missing = -1
-    for t in range(ids.shape[0]):
-        for j in range(ids.shape[1]):
-            e = ids[t, j]
-            if e < 0 or e >= slot_of.size or (skip.size > 0 and skip[e]):
-                continue
-            if slot_of[e] < 0:
-                missing = e
-            else:
-                counts[slot_of[e]] += 1
-    order = np.empty(n_slots, np.int64)  # used slots, by pool then slot
-    pool_ptr = np.zeros(n_pools + 1, np.int64)
-    m = 0
-    for p in range(n_pools):
-        for slot in range(n_slots):
-            if pool_of[slot] == p and counts[slot] > 0:
-                order[m] = slot
-                m += 1
-        pool_ptr[p + 1] = m
-    slots = order[:m].copy()
-    tok_ptr = np.zeros(m + 1, np.int64)
-    start = np.full(n_slots, -1, np.int64)  # next free pair position of each used slot
-    for i in range(m):
-        tok_ptr[i + 1] = tok_ptr[i] + counts[slots[i]]
-        start[slots[i]] = tok_ptr[i]
-    tok_idx = np.empty(tok_ptr[m], np.int64)
-    tok_w = np.empty(tok_ptr[m], np.float32)
-    for t in range(ids.shape[0]):
-        for j in range(ids.shape[1]):
-            e = ids[t, j]
-            if e < 0 or e >= slot_of.size or (skip.size > 0 and skip[e]) or slot_of[e] < 0:
-                continue
-            at = start[slot_of[e]]
-            tok_idx[at], tok_w[at] = t, weights[t, j]
-            start[slot_of[e]] = at + 1
-    return slots, tok_ptr, tok_idx, tok_w, pool_ptr, missing
-
-
 _NO_SKIP = np.zeros(0, np.bool_)
-
-
-@numba.njit(nogil=True, cache=True)
-def _rows_call(x, ids, weights, slot_of, pool_of, skip, n_pools, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, kp_h, kp_i, q8,
-               scratch):  # pragma: no cover - compiled
-    """A few tokens' whole layer in one call (CPUMoE.forward's decode path): the pairs grouped (_group_pairs, every
-    pool's in one list), x [T, H] padded to kp_h, every expert through moe_rows -> (out [T, H] fp32, the id of an
-    expert neither stored nor skipped, else -1: nothing is computed then)."""
-    slots, tok_ptr, tok_idx, tok_w, _, missing = _group_pairs(ids, weights, slot_of, pool_of, skip, n_pools)
-    out = np.zeros((x.shape[0], x.shape[1]), np.float32)
-    if missing >= 0 or slots.size == 0:
-        return out, missing
-    xp = np.zeros((x.shape[0], kp_h), np.float32)
-    xp[:, :x.shape[1]] = x
-    act = np.zeros((tok_idx.shape[0], kp_i), np.float32)
-    kernels.moe_rows(xp, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, q8, scratch, act, out)
-    return out, missing
 
 
 def _summed(parts: list[torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
@@ -408,7 +343,7 @@ class CPUMoE:
         return _summed(parts, hidden)
 
     def _in_one_call(self, layer: ExpertLayer, hidden: torch.Tensor) -> bool:
-        """Whether `forward` takes `hidden` in one compiled call (_rows_call): too few tokens for any expert to
+        """Whether `forward` takes `hidden` in one compiled call (kernels.moe_rows_routed): too few tokens for any expert to
         reach the matmul path or the AMX tiles, so every pool's work is the row kernel's anyway (a decode step;
         the general path spends ~15 numpy / torch operations a layer choosing that, ~130 us on a 2-core VM)."""
         tokens = hidden.shape[0]
@@ -420,7 +355,7 @@ class CPUMoE:
                   skip_mask: torch.Tensor | None) -> torch.Tensor:
         gu, dn = layer.gate_up, layer.down
         skip = _NO_SKIP if skip_mask is None else skip_mask.detach().to("cpu", torch.bool).numpy()
-        out, missing = _rows_call(
+        out, missing = kernels.moe_rows_routed(
             hidden.detach().to("cpu", torch.float32).contiguous().numpy(), topk_ids.detach().to("cpu", torch.int64).contiguous().numpy(),
             topk_weights.detach().to("cpu", torch.float32).contiguous().numpy(), layer.slot_of, layer.pool_of, skip,
             self.pools.count, gu.qweight, gu.scales, dn.qweight, dn.scales, gu.group_shift, dn.group_shift, gu.kp, dn.kp,
@@ -448,7 +383,7 @@ class CPUMoE:
         ids = np.ascontiguousarray(topk_ids.detach().to("cpu", torch.int64).numpy())
         weights = np.ascontiguousarray(topk_weights.detach().to("cpu", torch.float32).numpy())
         skip = _NO_SKIP if skip_mask is None else skip_mask.detach().to("cpu", torch.bool).numpy()
-        slots, tok_ptr, tok_idx, tok_w, pool_ptr, missing = _group_pairs(
+        slots, tok_ptr, tok_idx, tok_w, pool_ptr, missing = kernels.group_pairs(
             ids, weights, layer.slot_of, layer.pool_of, skip, self.pools.count)
         if missing >= 0:
             chosen = ids[(ids >= 0) & (ids < layer.n_experts)]
