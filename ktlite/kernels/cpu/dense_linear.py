@@ -243,12 +243,13 @@ def swiglu_rows(x: torch.Tensor, gate_up: nn.Module, down: nn.Module) -> torch.T
     """down(SiLU(gate) * up) for x [T, K] where gate_up stacks gate's rows over up's, as one compiled call: both
     projections on their row path back to back, so the second's worker thread is still awake (a parallel region
     after some Python waits ~20 us for it on a 2-core VM). None where that path does not take x (not few fp32
-    tokens on a CPU, a layer not quantized or with a bias, KTLITE_FORCE_TORCH_KERNELS): the caller runs the modules."""
+    tokens on a CPU, a layer not quantized or with a bias or output op, KTLITE_FORCE_TORCH_KERNELS): the caller runs
+    the modules."""
     tokens = x.shape[0]
     if forced_torch() or not (
             x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and isinstance(gate_up, QuantizedLinear)
             and isinstance(down, QuantizedLinear) and gate_up.bias is None and down.bias is None
-            and gate_up.on_rows(tokens) and down.on_rows(tokens)):
+            and gate_up.output_op is None and down.output_op is None and gate_up.on_rows(tokens) and down.on_rows(tokens)):
         return None
     return torch.from_numpy(kernels.swiglu_rows(x.contiguous().numpy(), gate_up.row_weights, down.row_weights,
                                                 numba.config.NUMBA_NUM_THREADS))

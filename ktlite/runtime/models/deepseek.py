@@ -191,7 +191,8 @@ class MLAttention(nn.Module):
         lora = self.cfg.q_lora_rank is not None
         parts = (self.q_kv_a_proj, self.q_b_proj if lora else self.q_kv_a_proj, self.uk_heads, self.uv_heads,
                  self.o_proj)
-        if all(isinstance(p, QuantizedHeads) and p.on_rows(tokens) for p in parts) and self.o_proj.bias is None:
+        if (all(isinstance(p, QuantizedHeads) and p.on_rows(tokens) for p in parts) and self.o_proj.bias is None
+                and self.o_proj.output_op is None):
             return tuple(p.row_weights for p in parts)
         return None
 
