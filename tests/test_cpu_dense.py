@@ -217,8 +217,8 @@ def test_engine_quantizes_the_device_side_and_equals_its_dequantized_weights(cas
 
 @pytest.mark.parametrize("interleave", [True, False], ids=["rope-pairs", "rope-halves"])
 def test_compiled_block_rope_and_norm_equal_the_modules(interleave):
-    """The compiled block's RoPE (both layouts: the DeepSeek tests' checkpoints cover only one) and RMSNorm against rope.py's
-    and RMSNorm's."""
+    """The compiled block's RoPE (both layouts: the DeepSeek tests' checkpoints cover only one) and RMSNorm against
+    rope.py's and RMSNorm's."""
     g = torch.Generator().manual_seed(0)
     x, angles = torch.randn(64, generator=g), torch.randn(32, generator=g)
     rotated = np.empty(64, np.float32)

@@ -360,7 +360,8 @@ warnings.simplefilter("error", NumbaPerformanceWarning)
 method, q8 = sys.argv[1], sys.argv[2] == "1"
 gu, dn = quantize(torch.randn(1, 128, 64), method, 64), quantize(torch.randn(1, 64, 64), method, 64)
 kernels.moe_rows(np.zeros((1, gu.kp), np.float32), np.zeros(1, np.int64), np.array([0, 1]), np.zeros(1, np.int64),
-                 np.ones(1, np.float32), gu.qweight, gu.scales, dn.qweight, dn.scales, gu.group_shift, dn.group_shift, q8,
+                 np.ones(1, np.float32), gu.qweight, gu.scales, dn.qweight, dn.scales, gu.group_shift, dn.group_shift,
+                 q8,
                  np.zeros((2, 2, max(gu.kp, dn.kp)), np.float32), np.zeros((1, dn.kp), np.float32),
                  np.zeros((1, 64), np.float32))
 print("parallel")

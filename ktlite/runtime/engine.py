@@ -8,6 +8,7 @@ engine works from a plain script (`generate`), from inside any running event loo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import uuid
@@ -197,7 +198,7 @@ class Engine:
         self._failure = RankFailure(f"{message}; the engine has shut down")
         self._loop.call_soon_threadsafe(self.scheduler.close)
 
-    def _on_scheduler_stop(self, task) -> None:
+    def _on_scheduler_stop(self, task: concurrent.futures.Future) -> None:
         """The scheduler's loop ended (on the engine's loop thread). If by an error (a forward step raised), end
         every request with it: their callers would otherwise wait for events from a loop that no longer runs."""
         error = None if task.cancelled() else task.exception()

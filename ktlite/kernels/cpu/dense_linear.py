@@ -246,10 +246,11 @@ def swiglu_rows(x: torch.Tensor, gate_up: nn.Module, down: nn.Module) -> torch.T
     tokens on a CPU, a layer not quantized or with a bias or output op, KTLITE_FORCE_TORCH_KERNELS): the caller runs
     the modules."""
     tokens = x.shape[0]
+    layers = (gate_up, down)
     if forced_torch() or not (
-            x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and isinstance(gate_up, QuantizedLinear)
-            and isinstance(down, QuantizedLinear) and gate_up.bias is None and down.bias is None
-            and gate_up.output_op is None and down.output_op is None and gate_up.on_rows(tokens) and down.on_rows(tokens)):
+            x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+            and all(isinstance(m, QuantizedLinear) and m.bias is None and m.output_op is None and m.on_rows(tokens)
+                    for m in layers)):
         return None
     return torch.from_numpy(kernels.swiglu_rows(x.contiguous().numpy(), gate_up.row_weights, down.row_weights,
                                                 numba.config.NUMBA_NUM_THREADS))

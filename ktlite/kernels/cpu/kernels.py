@@ -1691,8 +1691,8 @@ def group_pairs(ids, weights, slot_of, pool_of, skip, n_pools):
 
 
 @njit(nogil=True, cache=True)
-def moe_rows_routed(x, ids, weights, slot_of, pool_of, skip, n_pools, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, kp_h, kp_i,
-                    q8, scratch):  # pragma: no cover - compiled
+def moe_rows_routed(x, ids, weights, slot_of, pool_of, skip, n_pools, gu_q, gu_s, d_q, d_s, gu_shift, d_shift,
+                    kp_h, kp_i, q8, scratch):  # pragma: no cover - compiled
     """A few tokens' whole layer in one call (CPUMoE.forward's decode path): the pairs grouped (group_pairs, every
     pool's in one list), x [T, H] padded to kp_h, every expert through moe_rows -> (out [T, H] fp32, the id of an
     expert neither stored nor skipped, else -1: nothing is computed then)."""

@@ -343,9 +343,9 @@ class CPUMoE:
         return _summed(parts, hidden)
 
     def _in_one_call(self, layer: ExpertLayer, hidden: torch.Tensor) -> bool:
-        """Whether `forward` takes `hidden` in one compiled call (kernels.moe_rows_routed): too few tokens for any expert to
-        reach the matmul path or the AMX tiles, so every pool's work is the row kernel's anyway (a decode step;
-        the general path spends ~15 numpy / torch operations a layer choosing that, ~130 us on a 2-core VM)."""
+        """Whether `forward` takes `hidden` in one compiled call (kernels.moe_rows_routed): too few tokens for any
+        expert to reach the matmul path or the AMX tiles, so every pool's work is the row kernel's anyway (a decode
+        step; the general path spends ~15 numpy / torch operations a layer choosing that, ~130 us on a 2-core VM)."""
         tokens = hidden.shape[0]
         below_tiles = not (self._int8_dots(layer) and amx_fits(layer)) or tokens < AMX_MIN_TOKENS[layer.gate_up.method]
         return (hidden.dim() == 2 and hidden.shape[1] == layer.hidden and tokens < self.prefill_threshold
@@ -355,11 +355,11 @@ class CPUMoE:
                   skip_mask: torch.Tensor | None) -> torch.Tensor:
         gu, dn = layer.gate_up, layer.down
         skip = _NO_SKIP if skip_mask is None else skip_mask.detach().to("cpu", torch.bool).numpy()
+        x, ids, weights = (t.detach().to("cpu", dtype).contiguous().numpy() for t, dtype in
+                           ((hidden, torch.float32), (topk_ids, torch.int64), (topk_weights, torch.float32)))
         out, missing = kernels.moe_rows_routed(
-            hidden.detach().to("cpu", torch.float32).contiguous().numpy(), topk_ids.detach().to("cpu", torch.int64).contiguous().numpy(),
-            topk_weights.detach().to("cpu", torch.float32).contiguous().numpy(), layer.slot_of, layer.pool_of, skip,
-            self.pools.count, gu.qweight, gu.scales, dn.qweight, dn.scales, gu.group_shift, dn.group_shift, gu.kp, dn.kp,
-            self._int8_dots(layer), self._scratch(layer))
+            x, ids, weights, layer.slot_of, layer.pool_of, skip, self.pools.count, gu.qweight, gu.scales, dn.qweight,
+            dn.scales, gu.group_shift, dn.group_shift, gu.kp, dn.kp, self._int8_dots(layer), self._scratch(layer))
         if missing >= 0:
             self._route(layer, topk_ids, topk_weights, skip_mask)  # raises, naming the experts
         return torch.from_numpy(out).to(device=hidden.device, dtype=hidden.dtype)
