@@ -1688,8 +1688,6 @@ def group_pairs(ids, weights, slot_of, pool_of, skip, n_pools):
     return slots, tok_ptr, tok_idx, tok_w, pool_ptr, missing
 
 
-
-
 @njit(nogil=True, cache=True)
 def moe_rows_routed(x, ids, weights, slot_of, pool_of, skip, n_pools, gu_q, gu_s, d_q, d_s, gu_shift, d_shift,
                     kp_h, kp_i, q8, scratch):  # pragma: no cover - compiled

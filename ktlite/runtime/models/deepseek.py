@@ -168,16 +168,15 @@ class MLAttention(nn.Module):
                       layer_idx: int) -> torch.Tensor:
         """Absorbed MLA over the KV pool's latents: h [N, hidden] -> this rank's partial output [N, hidden]."""
         c, pool = self.cfg, ctx.kv_pool
-        if batch.is_decode and mla_block.runs(h, pool.buffer("latent", layer_idx)):
+        latents, decode = pool.buffer("latent", layer_idx), batch.is_decode
+        if decode and mla_block.runs(h, latents):
             weights = self.compiled_decode_weights(h.shape[0])
             if weights is not None:
-                return self.compiled_decode(h, cos, sin, batch, pool.buffer("latent", layer_idx), pool.req_to_token,
-                                            weights)
+                return self.compiled_decode(h, cos, sin, batch, latents, pool.req_to_token, weights)
         q_in, kv_in = self.input_projections(h)
         self.store(pool, "latent", layer_idx, batch.out_cache_loc, self.latent(kv_in, cos, sin))
         q = self.absorbed_query(self.query(q_in), cos, sin)  # [N, heads, kv_lora_rank + rope]
-        latents = pool.buffer("latent", layer_idx)
-        if batch.is_decode:
+        if decode:
             o = mla_decode(q, latents, pool.req_to_token, batch.req_pool_indices, batch.prefix_lens + 1,
                            c.softmax_scale, c.kv_lora_rank)
         else:
