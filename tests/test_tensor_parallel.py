@@ -22,6 +22,7 @@ from ktlite.runtime.memory import COMPONENTS, PlanInputs, allocated_by_component
 from ktlite.runtime.model_runner import ForwardBatch
 from ktlite.runtime.models import build, load_config
 from ktlite.runtime.models.tp_layers import TPContext
+from ktlite.runtime import parallel
 from ktlite.runtime.parallel import RankFailure
 
 GREEDY = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True}
@@ -113,7 +114,12 @@ def test_unsupported_features_are_rejected_before_spawning(tiny_v3):
         Engine(str(tiny_v3), **EXACT, tensor_parallel_size=2, kt_gpu_prefill_token_threshold=8)
 
 
-def test_a_dead_rank_fails_requests_with_a_clear_message_and_no_hang(tiny_v3):
+@pytest.mark.parametrize("watcher", ["watching", "watcher-late"])
+def test_a_dead_rank_fails_requests_with_a_clear_message_and_no_hang(tiny_v3, watcher, monkeypatch):
+    """Whichever sees the dead rank first, the watcher or rank 0's failed collective (the race the second case
+    forces by silencing the watcher), the requests end naming the rank."""
+    if watcher == "watcher-late":
+        monkeypatch.setattr(parallel._Workers, "watch", lambda self: None)
     eng = Engine(str(tiny_v3), **EXACT, tensor_parallel_size=2)
     try:
         worker = eng.runtime.workers.procs[0]

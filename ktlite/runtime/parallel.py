@@ -60,6 +60,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -225,6 +226,10 @@ def _worker_main(rank: int, size: int, config: EngineConfig, port: int, conn) ->
 
 # ---- rank 0 --------------------------------------------------------------------------------
 
+def _exited(rank: int, proc: multiprocessing.process.BaseProcess) -> str:
+    return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+
+
 @dataclass
 class _Workers:
     procs: list  # rank r at index r - 1
@@ -255,7 +260,19 @@ class _Workers:
             for s in ready:
                 rank, proc = sentinels.pop(s)
                 if not self.closing:
-                    self.fail(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+                    self.fail(_exited(rank, proc))
+
+    def exited_rank(self, wait_s: float) -> str | None:
+        """The first rank whose process has exited, waiting up to wait_s for one (a failed collective usually means
+        a rank died, and its exit can take a moment to show), as the watcher names it; None if all still run."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.exitcode is not None:
+                    return _exited(rank, proc)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def stop(self) -> None:
         self.closing = True
@@ -300,7 +317,9 @@ class TPDriver:
                 dist.broadcast(payload, 0)
                 return self.runner.forward(batch)
             except Exception as exc:
-                message = self.workers.failure or f"tensor-parallel forward failed: {exc}"
+                # name the dead rank when there is one (the watcher may not have seen it yet), else the error
+                message = (self.workers.failure or self.workers.exited_rank(wait_s=2.0)
+                           or f"tensor-parallel forward failed: {exc}")
                 self.workers.fail(message)
                 raise RankFailure(message) from exc
 
