@@ -12,14 +12,11 @@ anything else (bf16, packed FP8 rows) stays with the twin.
 
 from __future__ import annotations
 
-import math
-
 import numba
 import numpy as np
 import torch
 
 from ktlite.kernels.cpu import kernels
-from ktlite.kernels.cpu.kernels import MIN_SPLIT
 
 
 def handles(q: torch.Tensor, kv_buffer: torch.Tensor) -> bool:
@@ -28,11 +25,10 @@ def handles(q: torch.Tensor, kv_buffer: torch.Tensor) -> bool:
 
 
 def default_splits(batch: int, longest: int) -> int:
-    """Runs per request: enough (batch x runs) work items for every numba thread, none shorter than MIN_SPLIT.
-    From the process's thread count, not the calling thread's (which callers change): the split sets the
-    summation order, so the same inputs give the same bits whichever thread decodes."""
-    threads = numba.config.NUMBA_NUM_THREADS
-    return max(1, min(math.ceil(threads / batch), longest // MIN_SPLIT))
+    """Runs per request (kernels.decode_splits, which the compiled MLA block uses too), from the process's thread
+    count, not the calling thread's (which callers change): the split sets the summation order, so the same inputs
+    give the same bits whichever thread decodes."""
+    return kernels.decode_splits(batch, longest, numba.config.NUMBA_NUM_THREADS)
 
 
 def mla_decode(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,

@@ -1589,6 +1589,13 @@ def scatter_add_bf16(ys, tok_idx, tok_w, out):
 MIN_SPLIT = 64  # positions per run below which splitting a request's attention costs more than it spreads
 
 
+@njit(nogil=True, cache=True)
+def decode_splits(batch, longest, threads):
+    """Runs per request of mla_decode_latents: enough (batch x runs) work items for `threads` threads, none shorter
+    than MIN_SPLIT. One rule for both callers: the split sets the summation order."""
+    return max(1, min((threads + batch - 1) // batch, longest // MIN_SPLIT))
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def mla_decode_latents(q, kv, req_to_token, rows, lens, sm_scale, kv_lora, runs, out):  # pragma: no cover - compiled
     """Absorbed-MLA decode attention over a latent pool (attention.mla_decode's kernel): out [B, H, kv_lora] from
@@ -1758,7 +1765,7 @@ def mla_attention_rows(h, q_kv_a, q_a_norm, q_b, uk, uv, o_proj, kv_norm, eps, c
             rope_rotated(q[t, g * qk + nope:(g + 1) * qk], cos[t], sin[t], interleave, q_abs[t, g, kv_lora:])
     q_abs[:, :, :kv_lora] = project_rows(q_nope, uk, threads)
     lens = prefix_lens + 1
-    runs = max(1, min((threads + tokens - 1) // tokens, lens.max() // MIN_SPLIT))  # attention.default_splits
+    runs = decode_splits(tokens, lens.max(), threads)
     attn = np.empty((tokens, heads, kv_lora), np.float32)
     mla_decode_latents(q_abs, kv, req_to_token, rows, lens, sm_scale, kv_lora, runs, attn)
     v = project_rows(attn, uv, threads)  # [T, heads, v_head]

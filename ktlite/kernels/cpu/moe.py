@@ -181,6 +181,16 @@ class _PoolWork:
 _NO_SKIP = np.zeros(0, np.bool_)
 
 
+def _routing_arrays(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    skip_mask: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The router's output as the grouping kernel takes it: ids int64 [T, k], weights fp32 [T, k] (contiguous, on the
+    CPU) and the skip mask [E] (empty: skip nothing)."""
+    ids = np.ascontiguousarray(topk_ids.detach().to("cpu", torch.int64).numpy())
+    weights = np.ascontiguousarray(topk_weights.detach().to("cpu", torch.float32).numpy())
+    skip = _NO_SKIP if skip_mask is None else skip_mask.detach().to("cpu", torch.bool).numpy()
+    return ids, weights, skip
+
+
 def _summed(parts: list[torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
     """The pools' fp32 outputs summed, in hidden's dtype and device (zeros if no pool had work)."""
     out = torch.zeros(hidden.shape[0], hidden.shape[1]) if not parts else parts[0]
@@ -347,16 +357,15 @@ class CPUMoE:
         expert to reach the matmul path or the AMX tiles, so every pool's work is the row kernel's anyway (a decode
         step; the general path spends ~15 numpy / torch operations a layer choosing that, ~130 us on a 2-core VM)."""
         tokens = hidden.shape[0]
-        below_tiles = not (self._int8_dots(layer) and amx_fits(layer)) or tokens < AMX_MIN_TOKENS[layer.gate_up.method]
+        tiles_from = self._amx_tokens(layer)
         return (hidden.dim() == 2 and hidden.shape[1] == layer.hidden and tokens < self.prefill_threshold
-                and below_tiles)
+                and (tiles_from is None or tokens < tiles_from))
 
     def _one_call(self, layer: ExpertLayer, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   skip_mask: torch.Tensor | None) -> torch.Tensor:
         gu, dn = layer.gate_up, layer.down
-        skip = _NO_SKIP if skip_mask is None else skip_mask.detach().to("cpu", torch.bool).numpy()
-        x, ids, weights = (t.detach().to("cpu", dtype).contiguous().numpy() for t, dtype in
-                           ((hidden, torch.float32), (topk_ids, torch.int64), (topk_weights, torch.float32)))
+        ids, weights, skip = _routing_arrays(topk_ids, topk_weights, skip_mask)
+        x = hidden.detach().to("cpu", torch.float32).contiguous().numpy()
         out, missing = kernels.moe_rows_routed(
             x, ids, weights, layer.slot_of, layer.pool_of, skip, self.pools.count, gu.qweight, gu.scales, dn.qweight,
             dn.scales, gu.group_shift, dn.group_shift, gu.kp, dn.kp, self._int8_dots(layer), self._scratch(layer))
@@ -380,9 +389,7 @@ class CPUMoE:
     def _route(self, layer: ExpertLayer, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                skip_mask: torch.Tensor | None) -> list[_PoolWork]:
         """One _PoolWork per pool: its (token, weight) pairs grouped by slot."""
-        ids = np.ascontiguousarray(topk_ids.detach().to("cpu", torch.int64).numpy())
-        weights = np.ascontiguousarray(topk_weights.detach().to("cpu", torch.float32).numpy())
-        skip = _NO_SKIP if skip_mask is None else skip_mask.detach().to("cpu", torch.bool).numpy()
+        ids, weights, skip = _routing_arrays(topk_ids, topk_weights, skip_mask)
         slots, tok_ptr, tok_idx, tok_w, pool_ptr, missing = kernels.group_pairs(
             ids, weights, layer.slot_of, layer.pool_of, skip, self.pools.count)
         if missing >= 0:
@@ -401,6 +408,10 @@ class CPUMoE:
         """Whether the layer's row kernels dot int8 activations (asked for, and both its formats take them)."""
         return self.int8_activations and {layer.gate_up.method, layer.down.method} <= set(INT_DOT_METHODS)
 
+    def _amx_tokens(self, layer: ExpertLayer) -> int | None:
+        """Tokens per expert from which the layer's experts run on AMX tiles (kernels.moe_amx); None: never here."""
+        return AMX_MIN_TOKENS[layer.gate_up.method] if self._int8_dots(layer) and amx_fits(layer) else None
+
     def _run_pool(self, layer: ExpertLayer, work: _PoolWork, x: torch.Tensor) -> torch.Tensor:
         """One pool's share (in the pool's thread, or the caller's for `forward`): experts with fewer than prefill_threshold
         tokens go through the fused kernels (AMX tiles from AMX_MIN_TOKENS on where they fit, else the row dots / VNNI
@@ -414,8 +425,8 @@ class CPUMoE:
             xp = np.zeros((x.shape[0], gu.kp), np.float32)
             xp[:, :layer.hidden] = x.float().numpy()
             q8 = self._int8_dots(layer)
-            tiles = (np.diff(light.tok_ptr) >= AMX_MIN_TOKENS[gu.method] if q8 and amx_fits(layer)
-                     else np.zeros(0, bool))
+            tiles_from = self._amx_tokens(layer)
+            tiles = np.diff(light.tok_ptr) >= tiles_from if tiles_from is not None else np.zeros(0, bool)
             rows = light.select(~tiles) if tiles.any() else light
             if rows.slots.size:
                 act = self._act_buffer(rows.tok_idx.size, layer)
