@@ -11,8 +11,10 @@ present, its linear layers quantized per --cpu-dense-method (INT8 by default, `n
 Printed next to each figure, measured in the same run:
 - the decode bound: measured memory bandwidth / bytes read per token (active experts at their
   quantized size + every non-expert weight once per step, at its stored size);
-- the Python overhead of a decode step: the same layers at tiny widths (the compute is ~0, the
-  per-layer Python, routing, scheduling and sampling are all there) as a share of the real step;
+- the Python overhead of a decode step, two ways: the time of batch-1 decode's forward and sampling spent outside
+  the compiled (numba) kernels at these shapes, and the same layers at tiny widths (the compute is ~0; the
+  per-layer Python, kernel launches and thread wake-ups, routing, scheduling and sampling are all there), each as
+  a share of the real step;
 - transformers' `generate` on the same checkpoint (bf16, its eager MoE), batch 1;
 - with --llamacpp-gguf (the same checkpoint converted by bench/_llamacpp_peer.py, e.g. Q4_0 and Q8_0):
   llama.cpp's prefill and batch-1 decode, run by --llamacpp-python (a side venv with llama-cpp-python)
@@ -128,6 +130,43 @@ async def decode_rate(engine: Engine, batch: int, prompt_len: int, gen: int) -> 
     return tokens_after / (last - first), first - start
 
 
+def outside_kernels(engine: Engine, prompt_len: int, gen: int) -> tuple[float, float]:
+    """(seconds, share) of a batch-1 decode step's forward and sampling spent outside the compiled kernels' calls.
+    Every numba function of kernels.py is wrapped in a timer for the run (after a warm-up: the compiled code already
+    resolved the names it calls, so the wrappers see only calls from Python)."""
+    import numba
+
+    from ktlite.kernels.cpu import kernels
+    from ktlite.runtime.scheduler import Scheduler
+
+    asyncio.run(decode_rate(engine, 1, prompt_len, gen))  # warm: every compiled call of a decode step exists
+    spent = {"kernels": 0.0, "step": 0.0, "steps": 0}
+
+    def timed(fn, key: str):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - start
+                spent["steps"] += key == "step"
+        return run
+
+    originals = {name: f for name, f in vars(kernels).items() if isinstance(f, numba.core.registry.CPUDispatcher)}
+    step = Scheduler._forward_and_sample
+    try:
+        for name, f in originals.items():
+            setattr(kernels, name, timed(f, "kernels"))
+        Scheduler._forward_and_sample = timed(step, "step")
+        asyncio.run(decode_rate(engine, 1, prompt_len, gen))
+    finally:
+        for name, f in originals.items():
+            setattr(kernels, name, f)
+        Scheduler._forward_and_sample = step
+    outside = (spent["step"] - spent["kernels"]) / spent["steps"]
+    return outside, outside * spent["steps"] / spent["step"]
+
+
 def prefill_rate(engine: Engine, prompt_len: int) -> float:
     """Prompt tokens per second of one whole prompt; the warm-up prompt differs from the timed one in
     every token, so the prefix cache has nothing to reuse."""
@@ -202,6 +241,7 @@ def main() -> None:
             rate, ttft = asyncio.run(decode_rate(engine, b, args.prompt_len, args.gen))
             note = f"{rate / bound:.2f} of the bound ({bound:.1f} tok/s)" if b == 1 else f"{rate / b:.1f} tok/s per request"
             rows.append((f"decode batch {b}", f"prompt {args.prompt_len}, {args.gen} new", f"{rate:.1f} tok/s", note))
+        python, python_share = outside_kernels(engine, args.prompt_len, args.gen)
     ours = float(rows[1][2].split()[0])  # batch-1 decode tok/s
     step = 1 / ours
     tiny = write_checkpoint(Path(args.dir) / f"{args.arch}-{args.layers}layers-tiny", args.arch, args.layers,
@@ -209,6 +249,8 @@ def main() -> None:
     with Engine(str(tiny), **flags) as engine:
         asyncio.run(decode_rate(engine, 1, args.prompt_len, args.gen))  # warm
         overhead = 1 / asyncio.run(decode_rate(engine, 1, args.prompt_len, args.gen))[0]
+    rows.append(("decode Python", f"batch 1: forward and sampling outside the compiled kernels", f"{python * 1e3:.2f} ms/step",
+                 f"{python_share:.1%} of that forward and sampling; {python / args.layers * 1e6:.0f} us a layer"))
     rows.append(("decode overhead", f"the same {args.layers} layers at tiny widths, batch 1", f"{overhead * 1e3:.1f} ms/step",
                  f"{overhead / step:.1%} of the step above ({step * 1e3:.1f} ms)"))
     peers = [llamacpp_rates(args.llamacpp_python, g, threads, args) for a in args.llamacpp_gguf for g in a.split(",")]

@@ -23,7 +23,7 @@ from ktlite import Engine
 from ktlite.cli import main
 from ktlite.config import EngineConfig
 from ktlite.errors import ConfigError
-from ktlite.kernels.cpu import dense_linear, kernels, mla_block
+from ktlite.kernels.cpu import dense_linear, kernels, mla_block, moe_block
 from ktlite.kernels.cpu.dense_linear import QuantizedHeads, QuantizedLinear
 from ktlite.kernels.cpu.quant import dequantize, int8_activation_values, quantize, relative_error
 from ktlite.runtime.cpu_dense import (GROUP_SIZE, apply_cpu_dense, eligible_linears, fused_groups, head_matrix_owners,
@@ -32,8 +32,11 @@ from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.memory import WEIGHT_COMPONENTS, allocated_by_component
 from ktlite.runtime.models import build, load_config
 from ktlite.runtime.models.base import Embedding
+from ktlite.runtime.models.config import RouterSpec
+from ktlite.runtime.models import layers as model_layers
 from ktlite.runtime.models.layers import MLP, RMSNorm, Router
 from ktlite.runtime.models.rope import apply_rope
+from ktlite.runtime.models.router import route_args, select_experts
 from ktlite.runtime.models.tp_layers import TPContext, VocabParallelEmbedding
 from ktlite.runtime.tiny_model import write_tiny_model
 
@@ -234,20 +237,24 @@ def test_compiled_block_rope_and_norm_equal_the_modules(interleave):
 
 @pytest.mark.parametrize("case", ["deepseek_v2-INT4", "deepseek_v3-INT8", "deepseek_v3-INT4", "qwen3_moe-INT8"])
 def test_compiled_decode_blocks_equal_the_modules(case, tiny_arch, monkeypatch):
-    """A decode step on a CPU device runs MLA's attention (mla_block) and each quantized SwiGLU MLP (swiglu_rows) as
-    one compiled call each: its logits and the latents it stores equal the torch modules' (KTLITE_FORCE_TORCH_KERNELS
-    sends both back to them) on the same weights, with and without a query LoRA (V2 / V3)."""
+    """A decode step on a CPU device runs MLA's attention with the layer's input norm and residual add (mla_block),
+    each MoE layer's block from the residual stream back to it (moe_block: norm, router, routed and shared experts)
+    and each other quantized SwiGLU MLP (swiglu_rows) as one compiled call each: its logits and the latents it stores
+    equal the torch modules' (KTLITE_FORCE_TORCH_KERNELS sends all back to them) on the same weights, with and without
+    a query LoRA and the V3 router's sigmoid, correction bias and group limit (V2 / V3), no shared experts (Qwen3)."""
     arch, method = case.split("-")
-    calls = {"attention": 0, "mlp": 0}
+    calls = {"attention": 0, "mlp": 0, "moe": 0}
 
     def counted(name, fn):
         def run(*args):
-            calls[name] += 1
-            return fn(*args)
+            out = fn(*args)
+            calls[name] += out is not None  # dense_linear.swiglu_rows' None: the modules run
+            return out
         return run
 
     monkeypatch.setattr(mla_block, "mla_decode_block", counted("attention", mla_block.mla_decode_block))
-    monkeypatch.setattr(kernels, "swiglu_rows", counted("mlp", kernels.swiglu_rows))
+    monkeypatch.setattr(model_layers, "swiglu_rows", counted("mlp", model_layers.swiglu_rows))  # MLP.forward's
+    monkeypatch.setattr(moe_block, "moe_decode_block", counted("moe", moe_block.moe_decode_block))
     with Engine(str(tiny_arch(arch)), **{**FLAGS, "cpu_dense_method": method}) as eng:
         runner, model = eng.runtime.runner, eng.runtime.runner.model
         ids = prompts(eng.runtime.vocab_size)
@@ -266,12 +273,37 @@ def test_compiled_decode_blocks_equal_the_modules(case, tiny_arch, monkeypatch):
         want, want_latents = runner.forward(decode), stored()  # the same slots, rewritten by the modules
         assert calls == {name: before[name] + ran[name] for name in calls}  # the modules ran: no compiled call
     layers = len(model.model.layers)
-    assert ran == {"attention": layers if mla else 0,
-                   "mlp": sum(isinstance(m, MLP) and m.gate_up_proj is not None for m in model.modules())}
-    assert ran["mlp"] > 0
+    moe_layers = len(runner.moe_layers)
+    dense_mlps = sum(isinstance(layer.mlp, MLP) and layer.mlp.gate_up_proj is not None for layer in model.model.layers)
+    assert moe_layers > 0
+    assert ran == {"attention": layers if mla else 0, "mlp": dense_mlps, "moe": moe_layers}
     assert_same_function(got, want)
     if mla:
         torch.testing.assert_close(got_latents, want_latents, rtol=1e-5, atol=1e-5)
+
+
+ROUTERS = {  # (scoring, method, n_group, topk_group, normalize, scaling, correction bias): the families' routers
+    "v2-lite": ("softmax", "greedy", 1, 1, False, 1.0, False),
+    "v2": ("softmax", "group_limited_greedy", 8, 3, False, 16.0, False),
+    "v3": ("sigmoid", "noaux_tc", 8, 4, True, 2.5, True),
+    "qwen3": ("softmax", "greedy", 1, 1, True, 1.0, False),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_compiled_router_equals_select_experts(name):
+    """kernels.route_rows (the MoE block's router) picks the experts select_experts picks, with the same weights."""
+    scoring, method, n_group, topk_group, normalize, scaling, biased = ROUTERS[name]
+    spec = RouterSpec(64, 6, scoring, method, n_group, topk_group, normalize, scaling, correction_bias=biased)
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(33, 64, generator=g) * 3
+    bias = torch.randn(64, generator=g) * 0.1 if biased else None
+    want_ids, want_w = select_experts(logits, spec, bias)
+    ids, weights = kernels.route_rows(logits.numpy(), np.zeros(0, np.float32) if bias is None else bias.numpy(),
+                                      route_args(spec))
+    want_order, order = want_ids.argsort(dim=1), torch.from_numpy(ids).argsort(dim=1)
+    assert torch.equal(torch.from_numpy(ids).gather(1, order), want_ids.gather(1, want_order))
+    torch.testing.assert_close(torch.from_numpy(weights).gather(1, order), want_w.gather(1, want_order))
 
 
 def assert_same_function(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -4,6 +4,7 @@ cached ones (a decode step is extend_len == 1, a chunked prefill more; a mixed b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -18,7 +19,7 @@ class ForwardBatch:
     extend_lens: torch.Tensor  # [B] new tokens per request
     logit_rows: torch.Tensor  # [R] indices into N whose next-token logits are wanted
 
-    @property
+    @cached_property  # asked by every attention layer of a step
     def is_decode(self) -> bool:
         return bool((self.extend_lens == 1).all())
 

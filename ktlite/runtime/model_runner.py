@@ -57,6 +57,16 @@ class ModelRunner:
             return self.reduce(out + pending.wait().to(out.device, out.dtype))
         return self.reduce(out) + pending.wait().to(out.device, out.dtype)
 
+    def residual_feed_forward(self, layer_idx: int, mlp: nn.Module, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x + feed_forward(norm(x)): in one compiled call where the MoE layer takes it (HybridMoE.residual_decode;
+        not under tensor parallelism or with CPU experts deferred, whose partial sums join elsewhere)."""
+        moe = self.moe_layers.get(layer_idx)
+        if moe is not None and self.tp is None and self.deferred_experts == 0:
+            fused = moe.residual_decode(x, norm)
+            if fused is not None:
+                return fused
+        return x + self.feed_forward(layer_idx, mlp, norm(x))
+
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum a row-parallel partial over the ranks (the identity in one process)."""
         return partial if self.tp is None else self.tp.all_reduce(partial)

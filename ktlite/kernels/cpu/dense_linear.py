@@ -239,18 +239,25 @@ class QuantizedLinear(QuantizedHeads):
         return y if self.output_op is None else self.output_op(y)
 
 
+def swiglu_weights(gate_up: nn.Module, down: nn.Module, tokens: int) -> tuple[RowWeights, RowWeights] | None:
+    """The stored matrices kernels.swiglu_rows takes for a SwiGLU MLP whose gate_up stacks gate's rows over up's, where
+    both run `tokens` fp32 tokens on their row path (quantized, no bias or output op); else None (also under
+    KTLITE_FORCE_TORCH_KERNELS)."""
+    layers = (gate_up, down)
+    if forced_torch() or not all(isinstance(m, QuantizedLinear) and m.bias is None and m.output_op is None
+                                 and m.on_rows(tokens) for m in layers):
+        return None
+    return gate_up.row_weights, down.row_weights
+
+
 def swiglu_rows(x: torch.Tensor, gate_up: nn.Module, down: nn.Module) -> torch.Tensor | None:
     """down(SiLU(gate) * up) for x [T, K] where gate_up stacks gate's rows over up's, as one compiled call: both
     projections on their row path back to back, so the second's worker thread is still awake (a parallel region
     after some Python waits ~20 us for it on a 2-core VM). None where that path does not take x (not few fp32
-    tokens on a CPU, a layer not quantized or with a bias or output op, KTLITE_FORCE_TORCH_KERNELS): the caller runs
-    the modules."""
-    tokens = x.shape[0]
-    layers = (gate_up, down)
-    if forced_torch() or not (
-            x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
-            and all(isinstance(m, QuantizedLinear) and m.bias is None and m.output_op is None and m.on_rows(tokens)
-                    for m in layers)):
+    tokens on a CPU, swiglu_weights): the caller runs the modules."""
+    weights = None
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
+        weights = swiglu_weights(gate_up, down, x.shape[0])
+    if weights is None:
         return None
-    return torch.from_numpy(kernels.swiglu_rows(x.contiguous().numpy(), gate_up.row_weights, down.row_weights,
-                                                numba.config.NUMBA_NUM_THREADS))
+    return torch.from_numpy(kernels.swiglu_rows(x.contiguous().numpy(), *weights, numba.config.NUMBA_NUM_THREADS))

@@ -48,7 +48,8 @@ Linear layers (one matrix) and per-head matrices (MLA's W_UK / W_UV) of a CPU-on
 A CPU device's decode step runs whole blocks as one call each, so the parallel regions inside follow each other
 with the worker threads still awake (one woken after Python code waits ~20 us on a 2-core VM): `mla_attention_rows`
 (MLA attention from normalised input to o_proj, mla_block.py), `swiglu_rows` (a quantized SwiGLU MLP,
-dense_linear.py) and `moe_rows_routed` (the router's ids grouped by expert and moe_rows, moe.py).
+dense_linear.py), `moe_rows_routed` (the router's ids grouped by expert and moe_rows, moe.py) and `moe_block_rows`
+(a MoE layer's block from the residual stream back to it: RMSNorm, router, routed and shared experts, moe_block.py).
 """
 
 from __future__ import annotations
@@ -1696,11 +1697,12 @@ def group_pairs(ids, weights, slot_of, pool_of, skip, n_pools):
 
 
 @njit(nogil=True, cache=True)
-def moe_rows_routed(x, ids, weights, slot_of, pool_of, skip, n_pools, gu_q, gu_s, d_q, d_s, gu_shift, d_shift,
-                    kp_h, kp_i, q8, scratch):  # pragma: no cover - compiled
+def moe_rows_routed(x, ids, weights, skip, experts):  # pragma: no cover - compiled
     """A few tokens' whole layer in one call (CPUMoE.forward's decode path): the pairs grouped (group_pairs, every
     pool's in one list), x [T, H] padded to kp_h, every expert through moe_rows -> (out [T, H] fp32, the id of an
-    expert neither stored nor skipped, else -1: nothing is computed then)."""
+    expert neither stored nor skipped, else -1: nothing is computed then). experts = (slot_of, pool_of, n_pools,
+    gu_q, gu_s, d_q, d_s, gu_shift, d_shift, kp_h, kp_i, q8, scratch): CPUMoE.decode_experts."""
+    slot_of, pool_of, n_pools, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, kp_h, kp_i, q8, scratch = experts
     slots, tok_ptr, tok_idx, tok_w, _, missing = group_pairs(ids, weights, slot_of, pool_of, skip, n_pools)
     out = np.zeros((x.shape[0], x.shape[1]), np.float32)
     if missing >= 0 or slots.size == 0:
@@ -1710,6 +1712,84 @@ def moe_rows_routed(x, ids, weights, slot_of, pool_of, skip, n_pools, gu_q, gu_s
     act = np.zeros((tok_idx.shape[0], kp_i), np.float32)
     moe_rows(xp, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, q8, scratch, act, out)
     return out, missing
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def router_logits(h, w):  # pragma: no cover - compiled
+    """h [T, H] @ w [E, H].T in fp32: a MoE router's logits."""
+    out = np.empty((h.shape[0], w.shape[0]), np.float32)
+    for e in prange(w.shape[0]):
+        for t in range(h.shape[0]):
+            acc = np.float32(0.0)
+            for i in range(h.shape[1]):
+                acc += h[t, i] * w[e, i]
+            out[t, e] = acc
+    return out
+
+
+@njit(nogil=True, cache=True)
+def _largest(values, out):
+    """The indices of the out.size largest values into out, largest first (the first index among equal values)."""
+    taken = np.zeros(values.shape[0], np.bool_)
+    for j in range(out.shape[0]):
+        best = -1
+        for e in range(values.shape[0]):
+            if not taken[e] and (best < 0 or values[e] > values[best]):
+                best = e
+        taken[best] = True
+        out[j] = best
+
+
+@njit(nogil=True, cache=True)
+def route_rows(logits, bias, route):  # pragma: no cover - compiled
+    """select_experts (runtime/models/router.py) of logits [T, E] in fp32 -> (ids int64 [T, k], weights fp32 [T, k]).
+    route = (sigmoid, method, n_group, topk_group, top_k, normalize, scaling_factor), method 0 greedy, 1
+    group_limited_greedy, 2 noaux_tc (router.route_args); bias: the correction bias, empty without one."""
+    sigmoid, method, n_group, topk_group, top_k, normalize, scaling = route
+    tokens, experts = logits.shape
+    per_group = experts // n_group
+    ids = np.empty((tokens, top_k), np.int64)
+    weights = np.empty((tokens, top_k), np.float32)
+    scores = np.empty(experts, np.float32)
+    choice = np.empty(experts, np.float32)
+    group_scores = np.empty(n_group, np.float32)
+    kept = np.empty(topk_group, np.int64)
+    for t in range(tokens):
+        row = logits[t]
+        if sigmoid:
+            for e in range(experts):
+                scores[e] = np.float32(1.0) / (np.float32(1.0) + np.exp(-row[e]))
+        else:
+            top = row.max()
+            total = np.float32(0.0)
+            for e in range(experts):
+                scores[e] = np.exp(row[e] - top)
+                total += scores[e]
+            for e in range(experts):
+                scores[e] /= total
+        for e in range(experts):  # the bias steers the choice only
+            choice[e] = scores[e] + bias[e] if bias.size else scores[e]
+        if method > 0:  # the best topk_group groups only: noaux_tc scores a group by its top-2, else by its best
+            for g in range(n_group):
+                group = choice[g * per_group:(g + 1) * per_group]
+                first = np.argmax(group)
+                second = -np.inf
+                for i in range(per_group):
+                    if i != first and group[i] > second:
+                        second = group[i]
+                group_scores[g] = group[first] + second if method == 2 else group[first]
+            _largest(group_scores, kept)
+            for g in range(n_group):
+                if not (kept == g).any():
+                    choice[g * per_group:(g + 1) * per_group] = -np.inf if method == 2 else np.float32(0.0)
+        _largest(choice, ids[t])
+        for j in range(top_k):
+            weights[t, j] = scores[ids[t, j]]
+        if normalize:
+            weights[t] /= weights[t].sum() + np.float32(1e-20)
+        if scaling != 1.0:
+            weights[t] *= scaling
+    return ids, weights
 
 
 @njit(nogil=True, cache=True)
@@ -1737,10 +1817,11 @@ def rope_rotated(x, cos, sin, interleave, out):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def mla_attention_rows(h, q_kv_a, q_a_norm, q_b, uk, uv, o_proj, kv_norm, eps, cos, sin, interleave, dims, kv, slots,
-                       req_to_token, rows, prefix_lens, sm_scale, threads):  # pragma: no cover - compiled
+def mla_attention_rows(h, block, cos, sin, kv, slots, req_to_token, rows, prefix_lens):  # pragma: no cover - compiled
     """A decode batch's absorbed-MLA attention from normalised input to output projection (mla_block.py: the
-    arguments, and when this runs); dims = (heads, nope, rope, kv_lora)."""
+    arguments, and when this runs); block = (q_kv_a, q_a_norm, q_b, uk, uv, o_proj, kv_norm, eps, interleave, dims,
+    sm_scale, threads), dims = (heads, nope, rope, kv_lora)."""
+    q_kv_a, q_a_norm, q_b, uk, uv, o_proj, kv_norm, eps, interleave, dims, sm_scale, threads = block
     tokens = h.shape[0]
     heads, nope, rope, kv_lora = dims
     qk = nope + rope
@@ -1773,6 +1854,16 @@ def mla_attention_rows(h, q_kv_a, q_a_norm, q_b, uk, uv, o_proj, kv_norm, eps, c
 
 
 @njit(nogil=True, cache=True)
+def mla_attention_residual(x, norm, norm_eps, block, cos, sin, kv, slots, req_to_token, rows,
+                           prefix_lens):  # pragma: no cover - compiled
+    """x + mla_attention_rows(RMSNorm(x)) for the residual stream x [T, hidden] (norm: the layer's input norm)."""
+    h = np.empty_like(x)
+    for t in range(x.shape[0]):
+        rms_scaled(x[t], norm, norm_eps, h[t])
+    return x + mla_attention_rows(h, block, cos, sin, kv, slots, req_to_token, rows, prefix_lens)
+
+
+@njit(nogil=True, cache=True)
 def swiglu_rows(x, gate_up, down, threads):  # pragma: no cover - compiled
     """down(SiLU(gate) * up) for x [T, K] through stored matrices (project_rows' w): gate_up stacks gate's rows over
     up's (dense_linear.swiglu_rows decides when this runs)."""
@@ -1785,3 +1876,22 @@ def swiglu_rows(x, gate_up, down, threads):  # pragma: no cover - compiled
             gate = both[t, 0, i]
             act[t, 0, i] = gate / (np.float32(1.0) + np.exp(-gate)) * both[t, 0, inter + i]
     return project_rows(act, down, threads)[:, 0]
+
+
+@njit(nogil=True, cache=True)
+def moe_block_rows(x, norm, eps, router, bias, route, skip, experts, shared_gate_up, shared_down,
+                   threads):  # pragma: no cover - compiled
+    """A decode batch's MoE block from the residual stream back to it (moe_block.py: the arguments, and when this
+    runs): h = RMSNorm(x), the router on h (router_logits, route_rows), the routed experts (moe_rows_routed) and the
+    shared experts (swiglu_rows; none where shared_gate_up has no rows) -> (x + their sum, ids, weights, missing as
+    moe_rows_routed's: x unchanged where an expert is missing)."""
+    h = np.empty_like(x)
+    for t in range(x.shape[0]):
+        rms_scaled(x[t], norm, eps, h[t])
+    ids, weights = route_rows(router_logits(h, router), bias, route)
+    out, missing = moe_rows_routed(h, ids, weights, skip, experts)
+    if missing >= 0:
+        return x, ids, weights, missing
+    if shared_gate_up[0].shape[1]:
+        out += swiglu_rows(h, shared_gate_up, shared_down, threads)
+    return x + out, ids, weights, missing

@@ -10,6 +10,8 @@ run back to back inside one call, so the worker wakes once and the Python is one
 It computes what MLAttention.forward_batch does for a decode batch (the torch path is the spec, and the tests'
 reference) from the same stored weights, through the same kernels (kernels.linear_rows, kernels.mla_decode_latents):
 every projection a QuantizedLinear / QuantizedHeads on its row path, fp32 activations and a plain fp32 latent pool.
+Where nothing sits between the attention and the residual stream (no tensor parallelism) the call also takes the
+layer's input RMSNorm and the residual add (MLAttention.residual_decode).
 The compiled code is kernels.mla_attention_rows (in kernels.py with the kernels it calls: numba's cache checks only
 the defining file's timestamp); this module decides when it runs and hands it the arrays.
 """
@@ -32,20 +34,29 @@ def runs(h: torch.Tensor, kv: torch.Tensor) -> bool:
             and not use_triton(h) and not forced_torch())
 
 
-def mla_decode_block(h: np.ndarray, q_kv_a: RowWeights, q_a_norm: np.ndarray, q_b: RowWeights, uk: RowWeights,
-                     uv: RowWeights, o_proj: RowWeights, kv_norm: np.ndarray, eps: float, cos: np.ndarray,
-                     sin: np.ndarray, interleave: bool, heads: int, nope: int, rope: int, kv_lora: int,
-                     kv: np.ndarray, slots: np.ndarray, req_to_token: np.ndarray, rows: np.ndarray,
-                     prefix_lens: np.ndarray, sm_scale: float) -> np.ndarray:
+def block_weights(q_kv_a: RowWeights, q_a_norm: np.ndarray, q_b: RowWeights, uk: RowWeights, uv: RowWeights,
+                  o_proj: RowWeights, kv_norm: np.ndarray, eps: float, interleave: bool, heads: int, nope: int,
+                  rope: int, kv_lora: int, sm_scale: float) -> tuple:
+    """A layer's fixed arguments of the block, built once (MLAttention.compiled_decode_block). q_kv_a: the query's
+    first projection's rows stacked over kv_a_proj_with_mqa's; q_a_norm: q_a_layernorm's weight, empty without a
+    query LoRA (q_b is then not read); uk / uv: W_UK [heads, kv_lora, nope] and W_UV [heads, v_head, kv_lora];
+    kv_norm, eps: kv_a_layernorm's."""
+    return (q_kv_a, q_a_norm, q_b, uk, uv, o_proj, kv_norm, np.float32(eps), interleave, (heads, nope, rope, kv_lora),
+            np.float32(sm_scale), numba.config.NUMBA_NUM_THREADS)
+
+
+def mla_decode_block(h: np.ndarray, block: tuple, cos: np.ndarray, sin: np.ndarray, kv: np.ndarray,
+                     slots: np.ndarray, req_to_token: np.ndarray, rows: np.ndarray, prefix_lens: np.ndarray,
+                     input_norm: tuple[np.ndarray, float] | None = None) -> np.ndarray:
     """h [B, hidden] fp32 (one new token per request, normalised) -> the attention output [B, hidden] before
     any tensor-parallel reduction; writes the new tokens' latents into kv [slots, kv_lora + rope] at `slots`.
-    q_kv_a: the query's first projection's rows stacked over kv_a_proj_with_mqa's; q_a_norm: q_a_layernorm's
-    weight, empty without a query LoRA (q_b is then not read); uk / uv: W_UK [heads, kv_lora, nope] and W_UV
-    [heads, v_head, kv_lora]; cos / sin [B, rope // 2]; slots, rows, prefix_lens int64 [B]."""
-    return kernels.mla_attention_rows(h, q_kv_a, q_a_norm, q_b, uk, uv, o_proj, kv_norm, np.float32(eps), cos, sin,
-                                     interleave,
-                                     (heads, nope, rope, kv_lora), kv, slots, req_to_token, rows, prefix_lens,
-                                     np.float32(sm_scale), numba.config.NUMBA_NUM_THREADS)
+    block: block_weights; cos / sin [B, rope // 2]; slots, rows, prefix_lens int64 [B]. With input_norm (the
+    layer's input RMSNorm weight and eps) h is the residual stream x instead, and the result x + the attention
+    output of RMSNorm(x) (kernels.mla_attention_residual)."""
+    if input_norm is None:
+        return kernels.mla_attention_rows(h, block, cos, sin, kv, slots, req_to_token, rows, prefix_lens)
+    return kernels.mla_attention_residual(h, input_norm[0], np.float32(input_norm[1]), block, cos, sin, kv, slots,
+                                          req_to_token, rows, prefix_lens)
 
 
-__all__ = ["RowWeights", "mla_decode_block", "runs"]
+__all__ = ["RowWeights", "block_weights", "mla_decode_block", "runs"]

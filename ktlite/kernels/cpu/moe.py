@@ -345,32 +345,39 @@ class CPUMoE:
                 skip_mask: torch.Tensor | None = None) -> torch.Tensor:
         """submit(...).wait(), computed on the calling thread (ExpertPools.run_here): for a caller with
         nothing to overlap."""
-        layer = self._layer(layer_idx)
-        if self._in_one_call(layer, hidden):
-            return self.pools.run_here(self._one_call, layer, hidden, topk_ids, topk_weights, skip_mask)
+        experts = self.decode_experts(layer_idx, hidden)
+        if experts is not None:
+            return self.pools.run_here(self._one_call, layer_idx, experts, hidden, topk_ids, topk_weights, skip_mask)
         layer, works, x = self._prepare(layer_idx, hidden, topk_ids, topk_weights, skip_mask)
         parts = [self.pools.run_here(self._run_pool, layer, w, x) for w in works if w.slots.size]
         return _summed(parts, hidden)
 
-    def _in_one_call(self, layer: ExpertLayer, hidden: torch.Tensor) -> bool:
-        """Whether `forward` takes `hidden` in one compiled call (kernels.moe_rows_routed): too few tokens for any
-        expert to reach the matmul path or the AMX tiles, so every pool's work is the row kernel's anyway (a decode
-        step; the general path spends ~15 numpy / torch operations a layer choosing that, ~130 us on a 2-core VM)."""
+    def decode_experts(self, layer_idx: int, hidden: torch.Tensor) -> tuple | None:
+        """kernels.moe_rows_routed's `experts` for the layer where `forward` takes `hidden` in that one compiled call,
+        else None. It does where there are too few tokens for any expert to reach the matmul path or the AMX tiles,
+        so every pool's work is the row kernel's anyway (a decode step; the general path spends ~15 numpy / torch
+        operations a layer choosing that, ~130 us on a 2-core VM)."""
+        layer = self._layer(layer_idx)
         tokens = hidden.shape[0]
         tiles_from = self._amx_tokens(layer)
-        return (hidden.dim() == 2 and hidden.shape[1] == layer.hidden and tokens < self.prefill_threshold
-                and (tiles_from is None or tokens < tiles_from))
-
-    def _one_call(self, layer: ExpertLayer, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  skip_mask: torch.Tensor | None) -> torch.Tensor:
+        if not (hidden.dim() == 2 and hidden.shape[1] == layer.hidden and tokens < self.prefill_threshold
+                and (tiles_from is None or tokens < tiles_from)):
+            return None
         gu, dn = layer.gate_up, layer.down
+        return (layer.slot_of, layer.pool_of, self.pools.count, gu.qweight, gu.scales, dn.qweight, dn.scales,
+                gu.group_shift, dn.group_shift, gu.kp, dn.kp, self._int8_dots(layer), self._scratch(layer))
+
+    def run_here(self, fn: Callable, *args):
+        """fn(*args) on the calling thread with every pool's numba threads (ExpertPools.run_here)."""
+        return self.pools.run_here(fn, *args)
+
+    def _one_call(self, layer_idx: int, experts: tuple, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, skip_mask: torch.Tensor | None) -> torch.Tensor:
         ids, weights, skip = _routing_arrays(topk_ids, topk_weights, skip_mask)
         x = hidden.detach().to("cpu", torch.float32).contiguous().numpy()
-        out, missing = kernels.moe_rows_routed(
-            x, ids, weights, layer.slot_of, layer.pool_of, skip, self.pools.count, gu.qweight, gu.scales, dn.qweight,
-            dn.scales, gu.group_shift, dn.group_shift, gu.kp, dn.kp, self._int8_dots(layer), self._scratch(layer))
+        out, missing = kernels.moe_rows_routed(x, ids, weights, skip, experts)
         if missing >= 0:
-            self._route(layer, topk_ids, topk_weights, skip_mask)  # raises, naming the experts
+            self._route(self._layer(layer_idx), topk_ids, topk_weights, skip_mask)  # raises, naming the experts
         return torch.from_numpy(out).to(device=hidden.device, dtype=hidden.dtype)
 
     def submit(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -32,6 +32,9 @@ class ForwardContext(Protocol):
 
     def feed_forward(self, layer_idx: int, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor: ...
 
+    def residual_feed_forward(self, layer_idx: int, mlp: nn.Module, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x + feed_forward(layer_idx, mlp, norm(x)): the residual stream through the layer's MLP/MoE block."""
+
 
 class LocalContext:
     """One process, every expert in the model itself: the reference call's context."""
@@ -46,6 +49,9 @@ class LocalContext:
 
     def feed_forward(self, layer_idx: int, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
         return mlp(h)
+
+    def residual_feed_forward(self, layer_idx: int, mlp: nn.Module, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return x + mlp(norm(x))
 
 
 class PoolCache:
@@ -131,11 +137,22 @@ class CausalLM(nn.Module):
         x = backbone.embed_tokens(batch.input_ids)  # [N, hidden]
         cos, sin = backbone.rotary.cos_sin(batch.positions)  # [N, rope/2]
         for layer in backbone.layers:
-            h = layer.input_layernorm(x)
-            x = x + ctx.reduce(layer.self_attn.forward_batch(h, cos, sin, batch, ctx, layer.layer_idx))
-            h = layer.post_attention_layernorm(x)
-            x = x + ctx.feed_forward(layer.layer_idx, layer.mlp, h)
+            x = self._attention_block(layer, x, cos, sin, batch, ctx)
+            x = ctx.residual_feed_forward(layer.layer_idx, layer.mlp, layer.post_attention_layernorm, x)
         return self.lm_head(backbone.norm(x[batch.logit_rows])).float()
+
+    @staticmethod
+    def _attention_block(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+        """x + the layer's attention of input_layernorm(x): in one call where the attention offers `residual_decode`
+        and nothing is reduced between it and the residual stream (one process)."""
+        attention = layer.self_attn
+        if ctx.tp is None and hasattr(attention, "residual_decode"):
+            fused = attention.residual_decode(x, layer.input_layernorm, cos, sin, batch, ctx, layer.layer_idx)
+            if fused is not None:
+                return fused
+        h = layer.input_layernorm(x)
+        return x + ctx.reduce(attention.forward_batch(h, cos, sin, batch, ctx, layer.layer_idx))
 
     def new_cache(self, batch: int, max_len: int):
         return PoolCache(self, batch, max_len)

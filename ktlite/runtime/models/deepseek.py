@@ -90,6 +90,7 @@ class MLAttention(nn.Module):
         first = "q_proj" if cfg.q_lora_rank is None else "q_a_proj"
         self.fused_linears = {"q_kv_a_proj": (first, "kv_a_proj_with_mqa")}
         self.q_kv_a_proj: nn.Module | None = None
+        self._compiled_blocks: dict[int, tuple] = {}  # tokens -> (projection modules, compiled_decode_block)
 
     def shard(self, prefix: str, tp, shards: dict) -> None:
         """Tensor parallel: heads split (q / kv_b column-parallel, o_proj row-parallel); q_a_proj,
@@ -170,9 +171,9 @@ class MLAttention(nn.Module):
         c, pool = self.cfg, ctx.kv_pool
         latents, decode = pool.buffer("latent", layer_idx), batch.is_decode
         if decode and mla_block.runs(h, latents):
-            weights = self.compiled_decode_weights(h.shape[0])
-            if weights is not None:
-                return self.compiled_decode(h, cos, sin, batch, latents, pool.req_to_token, weights)
+            block = self.compiled_decode_block(h.shape[0])
+            if block is not None:
+                return self.compiled_decode(h, cos, sin, batch, latents, pool.req_to_token, block)
         q_in, kv_in = self.input_projections(h)
         self.store(pool, "latent", layer_idx, batch.out_cache_loc, self.latent(kv_in, cos, sin))
         q = self.absorbed_query(self.query(q_in), cos, sin)  # [N, heads, kv_lora_rank + rope]
@@ -184,32 +185,54 @@ class MLAttention(nn.Module):
                            batch.extend_lens, c.softmax_scale, c.kv_lora_rank)
         return self.output(o)
 
-    def compiled_decode_weights(self, tokens: int) -> tuple[mla_block.RowWeights, ...] | None:
-        """(q_kv_a, q_b, W_UK, W_UV, o_proj) as mla_block takes them where every projection is stored quantized
-        and runs `tokens` tokens on its row path (a CPU device's decode: cpu_dense.py), else None."""
+    def compiled_decode_block(self, tokens: int) -> tuple | None:
+        """mla_block's fixed arguments of this layer (block_weights) where every projection is stored quantized and
+        runs `tokens` tokens on its row path (a CPU device's decode: cpu_dense.py), else None. Built once per token
+        count and kept while the projection modules stay the same."""
         lora = self.cfg.q_lora_rank is not None
         parts = (self.q_kv_a_proj, self.q_b_proj if lora else self.q_kv_a_proj, self.uk_heads, self.uv_heads,
                  self.o_proj)
-        if (all(isinstance(p, QuantizedHeads) and p.on_rows(tokens) for p in parts) and self.o_proj.bias is None
+        kept = self._compiled_blocks.get(tokens)
+        if kept is not None and all(a is b for a, b in zip(kept[0], parts)):
+            return kept[1]
+        if not (all(isinstance(p, QuantizedHeads) and p.on_rows(tokens) for p in parts) and self.o_proj.bias is None
                 and self.o_proj.output_op is None):
-            return tuple(p.row_weights for p in parts)
-        return None
+            return None
+        c = self.cfg
+        q_a_norm = self.q_a_layernorm.weight if lora else self.kv_a_layernorm.weight[:0]
+        q_kv_a, q_b, uk, uv, o = (p.row_weights for p in parts)
+        block = mla_block.block_weights(
+            q_kv_a, q_a_norm.detach().numpy(), q_b, uk, uv, o, self.kv_a_layernorm.weight.detach().numpy(),
+            self.kv_a_layernorm.eps, self.rotary.cfg.interleave, self.num_heads, c.qk_nope_head_dim,
+            c.qk_rope_head_dim, c.kv_lora_rank, c.softmax_scale)
+        self._compiled_blocks[tokens] = (parts, block)
+        return block
 
     def compiled_decode(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                        latents: torch.Tensor, req_to_token: torch.Tensor,
-                        weights: tuple[mla_block.RowWeights, ...]) -> torch.Tensor:
-        """forward_batch of a decode batch as one compiled call (mla_block): the same steps from the same stored
-        weights."""
-        c = self.cfg
-        q_kv_a, q_b, uk, uv, o = weights
-        q_a_norm = self.q_a_layernorm.weight if c.q_lora_rank is not None else self.kv_a_layernorm.weight[:0]
+                        latents: torch.Tensor, req_to_token: torch.Tensor, block: tuple,
+                        input_norm: RMSNorm | None = None) -> torch.Tensor:
+        """forward_batch of a decode batch as one compiled call (mla_block; block: compiled_decode_block): the same
+        steps from the same stored weights. With input_norm h is the residual stream x, and the result
+        x + forward_batch(input_norm(x))."""
         out = mla_block.mla_decode_block(
-            h.contiguous().numpy(), q_kv_a, q_a_norm.detach().numpy(), q_b, uk, uv, o,
-            self.kv_a_layernorm.weight.detach().numpy(), self.kv_a_layernorm.eps, cos.numpy(), sin.numpy(),
-            self.rotary.cfg.interleave, self.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank,
-            latents.numpy(), batch.out_cache_loc.numpy(), req_to_token.numpy(), batch.req_pool_indices.numpy(),
-            batch.prefix_lens.numpy(), c.softmax_scale)
+            h.contiguous().numpy(), block, cos.numpy(), sin.numpy(), latents.numpy(), batch.out_cache_loc.numpy(),
+            req_to_token.numpy(), batch.req_pool_indices.numpy(), batch.prefix_lens.numpy(),
+            None if input_norm is None else (input_norm.weight.detach().numpy(), input_norm.eps))
         return torch.from_numpy(out)
+
+    def residual_decode(self, x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor,
+                        batch: ForwardBatch, ctx, layer_idx: int) -> torch.Tensor | None:
+        """x + forward_batch(norm(x), ...) for a decode batch's residual stream x in one compiled call, where
+        forward_batch would take the compiled block and norm is a plain fp32 RMSNorm; else None (the caller runs the
+        norm, forward_batch and the add)."""
+        latents = ctx.kv_pool.buffer("latent", layer_idx)
+        if not (batch.is_decode and mla_block.runs(x, latents) and norm.weight.dtype == torch.float32
+                and not norm.unit_offset):
+            return None
+        block = self.compiled_decode_block(x.shape[0])
+        if block is None:
+            return None
+        return self.compiled_decode(x, cos, sin, batch, latents, ctx.kv_pool.req_to_token, block, norm)
 
     def forward(
         self,

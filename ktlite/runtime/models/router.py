@@ -3,9 +3,10 @@ optional group limits (group_limited_greedy, noaux_tc), normalisation and scalin
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ktlite.runtime.models.config import RouterSpec
+from ktlite.runtime.models.config import TOPK_METHODS, RouterSpec
 
 
 def _group_mask(choice_scores: torch.Tensor, spec: RouterSpec, top2_sum: bool) -> torch.Tensor:
@@ -38,3 +39,9 @@ def select_experts(
     if spec.scaling_factor != 1.0:
         weights = weights * spec.scaling_factor
     return topk_ids, weights
+
+
+def route_args(spec: RouterSpec) -> tuple[bool, int, int, int, int, bool, np.float32]:
+    """The spec as the compiled router takes it (kernels.route_rows: the same selection as select_experts)."""
+    return (spec.scoring == "sigmoid", TOPK_METHODS.index(spec.method), spec.n_group, spec.topk_group, spec.top_k,
+            spec.normalize, np.float32(spec.scaling_factor))
