@@ -11,8 +11,9 @@ present, its linear layers quantized per --cpu-dense-method (INT8 by default, `n
 Printed next to each figure, measured in the same run:
 - the decode bound: measured memory bandwidth / bytes read per token (active experts at their
   quantized size + every non-expert weight once per step, at its stored size);
-- the Python overhead of a decode step, two ways: the time of batch-1 decode's forward and sampling spent outside
-  the compiled (numba) kernels at these shapes, and the same layers at tiny widths (the compute is ~0; the
+- the Python overhead of a decode step, three ways: the time of batch-1 decode's forward and sampling spent outside
+  the compiled (numba) kernels at these shapes; of that, the layers' share (the compiled decode plan's Python
+  around its calls, runtime/compiled_decode.py); and the same layers at tiny widths (the compute is ~0; the
   per-layer Python, kernel launches and thread wake-ups, routing, scheduling and sampling are all there), each as
   a share of the real step;
 - transformers' `generate` on the same checkpoint (bf16, its eager MoE), batch 1;
@@ -130,17 +131,20 @@ async def decode_rate(engine: Engine, batch: int, prompt_len: int, gen: int) -> 
     return tokens_after / (last - first), first - start
 
 
-def outside_kernels(engine: Engine, prompt_len: int, gen: int) -> tuple[float, float]:
-    """(seconds, share) of a batch-1 decode step's forward and sampling spent outside the compiled kernels' calls.
-    Every numba function of kernels.py is wrapped in a timer for the run (after a warm-up: the compiled code already
-    resolved the names it calls, so the wrappers see only calls from Python)."""
+def outside_kernels(engine: Engine, prompt_len: int, gen: int) -> tuple[float, float, float | None]:
+    """Seconds per batch-1 decode step spent outside the compiled kernels' calls: (in the forward and sampling,
+    that as a share of their time, in the layers: the compiled plan's Python around its blocks, None where no plan
+    ran). Every numba function of kernels.py is wrapped in a timer for the run (after a warm-up: the compiled code
+    already resolved the names it calls, so the wrappers see only calls from Python)."""
     import numba
 
     from ktlite.kernels.cpu import kernels
+    from ktlite.runtime.compiled_decode import DecodePlan
     from ktlite.runtime.scheduler import Scheduler
 
     asyncio.run(decode_rate(engine, 1, prompt_len, gen))  # warm: every compiled call of a decode step exists
-    spent = {"kernels": 0.0, "step": 0.0, "steps": 0}
+    spent = dict.fromkeys(("kernels", "step", "plan", "plan kernels"), 0.0)
+    steps, in_plan = [0], [False]
 
     def timed(fn, key: str):
         def run(*args, **kwargs):
@@ -148,23 +152,37 @@ def outside_kernels(engine: Engine, prompt_len: int, gen: int) -> tuple[float, f
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[key] += time.perf_counter() - start
-                spent["steps"] += key == "step"
+                took = time.perf_counter() - start
+                spent[key] += took
+                spent["plan kernels"] += took if key == "kernels" and in_plan[0] else 0.0
+                steps[0] += key == "step"
+        return run
+
+    def plan_run(fn):
+        timed_run = timed(fn, "plan")
+
+        def run(*args):
+            in_plan[0] = True
+            try:
+                return timed_run(*args)
+            finally:
+                in_plan[0] = False
         return run
 
     originals = {name: f for name, f in vars(kernels).items() if isinstance(f, numba.core.registry.CPUDispatcher)}
-    step = Scheduler._forward_and_sample
+    step, plan = Scheduler._forward_and_sample, DecodePlan.run
     try:
         for name, f in originals.items():
             setattr(kernels, name, timed(f, "kernels"))
-        Scheduler._forward_and_sample = timed(step, "step")
+        Scheduler._forward_and_sample, DecodePlan.run = timed(step, "step"), plan_run(plan)
         asyncio.run(decode_rate(engine, 1, prompt_len, gen))
     finally:
         for name, f in originals.items():
             setattr(kernels, name, f)
-        Scheduler._forward_and_sample = step
-    outside = (spent["step"] - spent["kernels"]) / spent["steps"]
-    return outside, outside * spent["steps"] / spent["step"]
+        Scheduler._forward_and_sample, DecodePlan.run = step, plan
+    outside = (spent["step"] - spent["kernels"]) / steps[0]
+    layers = (spent["plan"] - spent["plan kernels"]) / steps[0] if spent["plan"] else None
+    return outside, outside * steps[0] / spent["step"], layers
 
 
 def prefill_rate(engine: Engine, prompt_len: int) -> float:
@@ -241,7 +259,7 @@ def main() -> None:
             rate, ttft = asyncio.run(decode_rate(engine, b, args.prompt_len, args.gen))
             note = f"{rate / bound:.2f} of the bound ({bound:.1f} tok/s)" if b == 1 else f"{rate / b:.1f} tok/s per request"
             rows.append((f"decode batch {b}", f"prompt {args.prompt_len}, {args.gen} new", f"{rate:.1f} tok/s", note))
-        python, python_share = outside_kernels(engine, args.prompt_len, args.gen)
+        python, python_share, layers_python = outside_kernels(engine, args.prompt_len, args.gen)
     ours = float(rows[1][2].split()[0])  # batch-1 decode tok/s
     step = 1 / ours
     tiny = write_checkpoint(Path(args.dir) / f"{args.arch}-{args.layers}layers-tiny", args.arch, args.layers,
@@ -249,8 +267,12 @@ def main() -> None:
     with Engine(str(tiny), **flags) as engine:
         asyncio.run(decode_rate(engine, 1, args.prompt_len, args.gen))  # warm
         overhead = 1 / asyncio.run(decode_rate(engine, 1, args.prompt_len, args.gen))[0]
-    rows.append(("decode Python", f"batch 1: forward and sampling outside the compiled kernels", f"{python * 1e3:.2f} ms/step",
-                 f"{python_share:.1%} of that forward and sampling; {python / args.layers * 1e6:.0f} us a layer"))
+    rows.append(("decode Python", "batch 1: forward and sampling outside the compiled kernels", f"{python * 1e3:.2f} ms/step",
+                 f"{python_share:.1%} of the forward and sampling's time"))
+    rows.append(("decode Python in the layers", "batch 1: the compiled plan's Python around its kernels",
+                 "no plan ran" if layers_python is None else f"{layers_python * 1e3:.2f} ms/step",
+                 "" if layers_python is None else
+                 f"{layers_python / step:.1%} of the step, {layers_python / args.layers * 1e6:.0f} us a layer"))
     rows.append(("decode overhead", f"the same {args.layers} layers at tiny widths, batch 1", f"{overhead * 1e3:.1f} ms/step",
                  f"{overhead / step:.1%} of the step above ({step * 1e3:.1f} ms)"))
     peers = [llamacpp_rates(args.llamacpp_python, g, threads, args) for a in args.llamacpp_gguf for g in a.split(",")]

@@ -237,13 +237,15 @@ def test_compiled_block_rope_and_norm_equal_the_modules(interleave):
 
 @pytest.mark.parametrize("case", ["deepseek_v2-INT4", "deepseek_v3-INT8", "deepseek_v3-INT4", "qwen3_moe-INT8"])
 def test_compiled_decode_blocks_equal_the_modules(case, tiny_arch, monkeypatch):
-    """A decode step on a CPU device runs MLA's attention with the layer's input norm and residual add (mla_block),
-    each MoE layer's block from the residual stream back to it (moe_block: norm, router, routed and shared experts)
-    and each other quantized SwiGLU MLP (swiglu_rows) as one compiled call each: its logits and the latents it stores
-    equal the torch modules' (KTLITE_FORCE_TORCH_KERNELS sends all back to them) on the same weights, with and without
-    a query LoRA and the V3 router's sigmoid, correction bias and group limit (V2 / V3), no shared experts (Qwen3)."""
+    """A decode step on a CPU device runs as compiled blocks (runtime/compiled_decode.py) where every layer has them
+    (MLA families): MLA's attention with the layer's input norm and residual add, each MoE layer's norm, router,
+    routed and shared experts and residual add, each dense MLP with its norm and add, one call each; otherwise each
+    quantized SwiGLU MLP is still one call (swiglu_rows). The logits and stored latents equal the torch modules'
+    (KTLITE_FORCE_TORCH_KERNELS sends all back to them) on the same weights, with and without a query LoRA and the
+    V3 router's sigmoid, correction bias and group limit (V2 / V3), and GQA attention with no shared experts (Qwen3:
+    no plan). Swapping a layer's modules afterwards rebuilds the plan (the modules' outputs again)."""
     arch, method = case.split("-")
-    calls = {"attention": 0, "mlp": 0, "moe": 0}
+    calls = {"attention": 0, "moe": 0, "dense_mlp": 0, "mlp": 0}
 
     def counted(name, fn):
         def run(*args):
@@ -252,9 +254,10 @@ def test_compiled_decode_blocks_equal_the_modules(case, tiny_arch, monkeypatch):
             return out
         return run
 
-    monkeypatch.setattr(mla_block, "mla_decode_block", counted("attention", mla_block.mla_decode_block))
+    for name, kernel in {"attention": "mla_attention_residual", "moe": "moe_block_rows",
+                         "dense_mlp": "swiglu_residual"}.items():  # called from Python only: safe to wrap
+        monkeypatch.setattr(kernels, kernel, counted(name, getattr(kernels, kernel)))
     monkeypatch.setattr(model_layers, "swiglu_rows", counted("mlp", model_layers.swiglu_rows))  # MLP.forward's
-    monkeypatch.setattr(moe_block, "moe_decode_block", counted("moe", moe_block.moe_decode_block))
     with Engine(str(tiny_arch(arch)), **{**FLAGS, "cpu_dense_method": method}) as eng:
         runner, model = eng.runtime.runner, eng.runtime.runner.model
         ids = prompts(eng.runtime.vocab_size)
@@ -269,15 +272,34 @@ def test_compiled_decode_blocks_equal_the_modules(case, tiny_arch, monkeypatch):
         before = dict(calls)
         got, got_latents = runner.forward(decode), stored()
         ran = {name: calls[name] - before[name] for name in calls}
-        monkeypatch.setenv("KTLITE_FORCE_TORCH_KERNELS", "1")
-        want, want_latents = runner.forward(decode), stored()  # the same slots, rewritten by the modules
-        assert calls == {name: before[name] + ran[name] for name in calls}  # the modules ran: no compiled call
+        again = runner.forward(decode)  # the kept plan
+        with monkeypatch.context() as forced:
+            forced.setenv("KTLITE_FORCE_TORCH_KERNELS", "1")
+            counts = dict(calls)
+            want, want_latents = runner.forward(decode), stored()  # the same slots, rewritten by the modules
+            assert calls == counts  # the modules ran: no compiled call
+        if mla:  # a module swapped after a step: the kept plan is not used (no plan now: o_proj has no compiled form)
+            attn = model.model.layers[1].self_attn
+            linear = nn.Linear(attn.o_proj.in_features, attn.o_proj.out_features, bias=False)
+            with torch.no_grad():
+                linear.weight.copy_(attn.o_proj.dequantized())
+            attn.o_proj = linear
+            counts = dict(calls)
+            swapped = runner.forward(decode)
+            assert [calls[k] - counts[k] for k in ("attention", "moe", "dense_mlp")] == [0, 0, 0]
     layers = len(model.model.layers)
     moe_layers = len(runner.moe_layers)
-    dense_mlps = sum(isinstance(layer.mlp, MLP) and layer.mlp.gate_up_proj is not None for layer in model.model.layers)
+    dense = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, MLP)]
     assert moe_layers > 0
-    assert ran == {"attention": layers if mla else 0, "mlp": dense_mlps, "moe": moe_layers}
+    if mla:
+        assert ran == {"attention": layers, "moe": moe_layers, "dense_mlp": len(dense), "mlp": 0}
+        assert_same_function(swapped, want)
+    else:
+        assert ran == {"attention": 0, "moe": 0, "dense_mlp": 0,
+                       "mlp": sum(isinstance(m, MLP) and m.gate_up_proj is not None for m in model.modules())}
+        assert ran["mlp"] > 0
     assert_same_function(got, want)
+    torch.testing.assert_close(again, got)
     if mla:
         torch.testing.assert_close(got_latents, want_latents, rtol=1e-5, atol=1e-5)
 

@@ -4,7 +4,6 @@ cached ones (a decode step is extend_len == 1, a chunked prefill more; a mixed b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -19,9 +18,10 @@ class ForwardBatch:
     extend_lens: torch.Tensor  # [B] new tokens per request
     logit_rows: torch.Tensor  # [R] indices into N whose next-token logits are wanted
 
-    @cached_property  # asked by every attention layer of a step
+    @property
     def is_decode(self) -> bool:
-        return bool((self.extend_lens == 1).all())
+        # one new token per request (every request adds at least one): no tensor op, asked by every layer of a step
+        return self.input_ids.shape[0] == self.extend_lens.shape[0]
 
     @classmethod
     def build(

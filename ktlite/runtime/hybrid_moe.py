@@ -12,14 +12,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
+from torch import nn
 
 from ktlite.kernels.cpu import moe_block
 from ktlite.kernels.cpu.dense_linear import swiglu_weights
 from ktlite.kernels.cpu.quant import RAWINT4_GROUP
 from ktlite.kernels.triton import QuantizedWeight, fused_moe
 from ktlite.kernels.triton.quant import expert_weight
-from ktlite.runtime.models.layers import MLP, RMSNorm, Router
+from ktlite.runtime.compiled_decode import Block
+from ktlite.runtime.models.layers import MLP, Router, plain_norm
 from ktlite.runtime.models.router import route_args
 
 # (layer, expert) -> (gate [I, H], up [I, H], down [H, I]) in full precision
@@ -53,7 +56,7 @@ class CPUExperts(Protocol):
 
     def dequantized_expert(self, layer: int, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def decode_experts(self, layer: int, hidden: torch.Tensor) -> tuple | None: ...
+    def decode_experts(self, layer: int, tokens: int, width: int) -> tuple | None: ...
 
     def run_here(self, fn: Callable, *args): ...
 
@@ -143,35 +146,31 @@ class HybridMoE:
             out = out + self.shared_experts(x)
         return out, deferred
 
-    def residual_decode(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor | None:
-        """x + this block's output for norm(x) (the residual stream in and out) as one compiled call (moe_block) where
-        a CPU device runs every expert and each part takes x on its compiled path (a decode step); else None: the
-        caller runs the modules (and so gets their error where an expert is missing)."""
-        if not (moe_block.runs(x) and self.cpu is not None and not (self.gpu_experts or self.has_remote)
-                and norm.weight.dtype == torch.float32 and not norm.unit_offset):
+    def compiled_residual(self, norm: nn.Module, tokens: int) -> Block | None:
+        """This layer's block with its post-attention norm and the residual add as one compiled call on `tokens`
+        decode tokens (moe_block.residual_block) where a CPU device runs every expert and each part has a compiled
+        form for them; else None."""
+        if not (self.cpu is not None and not (self.gpu_experts or self.has_remote) and plain_norm(norm)):
             return None
         shared = None
         if self.shared_experts is not None:
             mlp = self.shared_experts
             if not isinstance(mlp, MLP) or mlp.gate_up_proj is None:
                 return None
-            shared = swiglu_weights(mlp.gate_up_proj, mlp.down_proj, x.shape[0])
+            shared = swiglu_weights(mlp.gate_up_proj, mlp.down_proj, tokens)
             if shared is None:
                 return None
-        experts = self.cpu.decode_experts(self.layer_idx, x)
+        experts = self.cpu.decode_experts(self.layer_idx, tokens, norm.weight.shape[0])
         if experts is None:
             return None
         bias = self.router.e_score_correction_bias
-        out, ids, _, missing = self.cpu.run_here(
-            moe_block.moe_decode_block, x.contiguous().numpy(), norm.weight.detach().numpy(), norm.eps,
-            self.router.weight.detach().numpy(), None if bias is None else bias.numpy(), route_args(self.router.spec),
-            experts, shared)
-        if missing >= 0:
-            return None
-        topk_ids = torch.from_numpy(ids)
+        return moe_block.residual_block(
+            self.layer_idx, norm.weight.detach().numpy(), norm.eps, self.router.weight.detach().numpy(),
+            None if bias is None else bias.numpy(), route_args(self.router.spec), experts, shared, self._observe)
+
+    def _observe(self, topk_ids: np.ndarray) -> None:
         for observe in self.observers:
-            observe(self.layer_idx, topk_ids)
-        return torch.from_numpy(out)
+            observe(self.layer_idx, torch.from_numpy(topk_ids))
 
     def _split_deferred(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, defer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids run now, ids deferred): the D lowest-weighted CPU experts of each token; -1 = not here."""

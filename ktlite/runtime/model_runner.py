@@ -10,13 +10,18 @@ deferred CPU experts to its partial before the all-reduce).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from ktlite.kernels.cpu.dense_linear import swiglu_residual_block, swiglu_weights
+from ktlite.runtime.compiled_decode import Block
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.hybrid_moe import HybridMoE
 from ktlite.runtime.kv_cache import KVPool
 from ktlite.runtime.models.base import CausalLM
+from ktlite.runtime.models.layers import MLP, plain_norm
 from ktlite.runtime.state_cache import StatePool
 
 __all__ = ["ForwardBatch", "ModelRunner"]
@@ -57,15 +62,23 @@ class ModelRunner:
             return self.reduce(out + pending.wait().to(out.device, out.dtype))
         return self.reduce(out) + pending.wait().to(out.device, out.dtype)
 
-    def residual_feed_forward(self, layer_idx: int, mlp: nn.Module, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """x + feed_forward(norm(x)): in one compiled call where the MoE layer takes it (HybridMoE.residual_decode;
-        not under tensor parallelism or with CPU experts deferred, whose partial sums join elsewhere)."""
+    def compiled_feed_forward(self, layer_idx: int, mlp: nn.Module, norm: nn.Module, tokens: int) -> Block | None:
+        """The layer's norm + MLP/MoE block + residual add as one compiled call (HybridMoE.compiled_residual, a dense
+        MLP's swiglu_residual_block), or None: under tensor parallelism or with CPU experts deferred (their partial
+        sums join elsewhere), and where the block's modules have no compiled form."""
+        if self.tp is not None or self.deferred_experts:
+            return None
         moe = self.moe_layers.get(layer_idx)
-        if moe is not None and self.tp is None and self.deferred_experts == 0:
-            fused = moe.residual_decode(x, norm)
-            if fused is not None:
-                return fused
-        return x + self.feed_forward(layer_idx, mlp, norm(x))
+        if moe is not None:
+            return moe.compiled_residual(norm, tokens)
+        if isinstance(mlp, MLP) and mlp.gate_up_proj is not None and plain_norm(norm):
+            weights = swiglu_weights(mlp.gate_up_proj, mlp.down_proj, tokens)
+            return None if weights is None else swiglu_residual_block(norm.weight.detach().numpy(), norm.eps, *weights)
+        return None
+
+    def run_compiled(self, fn: Callable, *args):
+        cpu = next((moe.cpu for moe in self.moe_layers.values() if moe.cpu is not None), None)
+        return fn(*args) if cpu is None else cpu.run_here(fn, *args)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum a row-parallel partial over the ranks (the identity in one process)."""

@@ -247,6 +247,9 @@ def sample(
     batch, vocab = logits.shape
     if len(params) != batch or len(states) != batch:
         raise ValueError(f"sample: {batch} logits rows but {len(params)} params and {len(states)} states")
+    if masks is None and all(p.is_greedy and not p.has_penalties and len(s.output_ids) >= p.min_tokens
+                             for p, s in zip(params, states)):
+        return logits.argmax(dim=-1)  # nothing to change first: no copy of the logits (~0.3 ms of a CPU decode step)
     x = apply_penalties(logits, params, states)  # a float32 copy: masking it leaves `logits` alone
     constrained = set()
     if masks is not None:

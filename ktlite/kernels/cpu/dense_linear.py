@@ -243,11 +243,40 @@ def swiglu_weights(gate_up: nn.Module, down: nn.Module, tokens: int) -> tuple[Ro
     """The stored matrices kernels.swiglu_rows takes for a SwiGLU MLP whose gate_up stacks gate's rows over up's, where
     both run `tokens` fp32 tokens on their row path (quantized, no bias or output op); else None (also under
     KTLITE_FORCE_TORCH_KERNELS)."""
-    layers = (gate_up, down)
-    if forced_torch() or not all(isinstance(m, QuantizedLinear) and m.bias is None and m.output_op is None
-                                 and m.on_rows(tokens) for m in layers):
+    both = linear_row_weights(gate_up, tokens), linear_row_weights(down, tokens)
+    return None if None in both else both
+
+
+def linear_row_weights(layer: nn.Module, tokens: int) -> RowWeights | None:
+    """The stored matrix a compiled caller runs `tokens` fp32 tokens of `layer` through (project_rows' w), where it
+    is a QuantizedLinear without bias or output op on its row path at that count; else None (also under
+    KTLITE_FORCE_TORCH_KERNELS)."""
+    if (forced_torch() or not isinstance(layer, QuantizedLinear) or layer.bias is not None
+            or layer.output_op is not None or not layer.on_rows(tokens)):
         return None
-    return gate_up.row_weights, down.row_weights
+    return layer.row_weights
+
+
+def norm_linear_block(norm: np.ndarray, eps: float, linear: RowWeights) -> Callable:
+    """The final norm and lm_head of a compiled decode step (runtime/compiled_decode.py): (x [T, K], rows) ->
+    linear(RMSNorm(x[rows])) [len(rows), N] fp32 (kernels.norm_project_rows)."""
+    eps = np.float32(eps)
+    threads = numba.config.NUMBA_NUM_THREADS
+
+    def run(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return kernels.norm_project_rows(x, rows, norm, eps, linear, threads)
+    return run
+
+
+def swiglu_residual_block(norm: np.ndarray, eps: float, gate_up: RowWeights, down: RowWeights) -> Callable:
+    """A dense layer's MLP block as a compiled decode step's block (runtime/compiled_decode.py): x -> x +
+    down(SiLU(gate) * up) of RMSNorm(x) (kernels.swiglu_residual); norm, eps: the layer's post-attention norm."""
+    eps = np.float32(eps)
+    threads = numba.config.NUMBA_NUM_THREADS
+
+    def run(x: np.ndarray, step: tuple) -> np.ndarray:
+        return kernels.swiglu_residual(x, norm, eps, gate_up, down, threads)
+    return run
 
 
 def swiglu_rows(x: torch.Tensor, gate_up: nn.Module, down: nn.Module) -> torch.Tensor | None:

@@ -1817,7 +1817,7 @@ def rope_rotated(x, cos, sin, interleave, out):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def mla_attention_rows(h, block, cos, sin, kv, slots, req_to_token, rows, prefix_lens):  # pragma: no cover - compiled
+def mla_attention_rows(h, block, kv, cos, sin, slots, req_to_token, rows, prefix_lens):  # pragma: no cover - compiled
     """A decode batch's absorbed-MLA attention from normalised input to output projection (mla_block.py: the
     arguments, and when this runs); block = (q_kv_a, q_a_norm, q_b, uk, uv, o_proj, kv_norm, eps, interleave, dims,
     sm_scale, threads), dims = (heads, nope, rope, kv_lora)."""
@@ -1854,13 +1854,23 @@ def mla_attention_rows(h, block, cos, sin, kv, slots, req_to_token, rows, prefix
 
 
 @njit(nogil=True, cache=True)
-def mla_attention_residual(x, norm, norm_eps, block, cos, sin, kv, slots, req_to_token, rows,
+def mla_attention_residual(x, norm, norm_eps, block, kv, inv_freq, rope_scale, positions, slots, req_to_token, rows,
                            prefix_lens):  # pragma: no cover - compiled
-    """x + mla_attention_rows(RMSNorm(x)) for the residual stream x [T, hidden] (norm: the layer's input norm)."""
+    """x + mla_attention_rows(RMSNorm(x)) for the residual stream x [T, hidden] (norm: the layer's input norm), with
+    cos / sin of the tokens' positions from the rotary frequencies (RotaryEmbedding.cos_sin)."""
+    angles = positions.astype(np.float32).reshape(-1, 1) * inv_freq.reshape(1, -1)
+    cos, sin = np.cos(angles) * rope_scale, np.sin(angles) * rope_scale
+    return x + mla_attention_rows(_rms_rows(x, norm, norm_eps), block, kv, cos, sin, slots, req_to_token, rows,
+                                  prefix_lens)
+
+
+@njit(nogil=True, cache=True)
+def _rms_rows(x, norm, eps):  # pragma: no cover - compiled
+    """RMSNorm (rms_scaled) of each row of x [T, K] into a new array."""
     h = np.empty_like(x)
     for t in range(x.shape[0]):
-        rms_scaled(x[t], norm, norm_eps, h[t])
-    return x + mla_attention_rows(h, block, cos, sin, kv, slots, req_to_token, rows, prefix_lens)
+        rms_scaled(x[t], norm, eps, h[t])
+    return h
 
 
 @njit(nogil=True, cache=True)
@@ -1885,9 +1895,7 @@ def moe_block_rows(x, norm, eps, router, bias, route, skip, experts, shared_gate
     runs): h = RMSNorm(x), the router on h (router_logits, route_rows), the routed experts (moe_rows_routed) and the
     shared experts (swiglu_rows; none where shared_gate_up has no rows) -> (x + their sum, ids, weights, missing as
     moe_rows_routed's: x unchanged where an expert is missing)."""
-    h = np.empty_like(x)
-    for t in range(x.shape[0]):
-        rms_scaled(x[t], norm, eps, h[t])
+    h = _rms_rows(x, norm, eps)
     ids, weights = route_rows(router_logits(h, router), bias, route)
     out, missing = moe_rows_routed(h, ids, weights, skip, experts)
     if missing >= 0:
@@ -1895,3 +1903,18 @@ def moe_block_rows(x, norm, eps, router, bias, route, skip, experts, shared_gate
     if shared_gate_up[0].shape[1]:
         out += swiglu_rows(h, shared_gate_up, shared_down, threads)
     return x + out, ids, weights, missing
+
+
+@njit(nogil=True, cache=True)
+def swiglu_residual(x, norm, eps, gate_up, down, threads):  # pragma: no cover - compiled
+    """x + swiglu_rows(RMSNorm(x)) for the residual stream x [T, hidden] (a dense layer's MLP block)."""
+    return x + swiglu_rows(_rms_rows(x, norm, eps), gate_up, down, threads)
+
+
+@njit(nogil=True, cache=True)
+def norm_project_rows(x, rows, norm, eps, w, threads):  # pragma: no cover - compiled
+    """project_rows(RMSNorm(x[rows])) for x [T, K]: the final norm and a stored lm_head -> [len(rows), N] fp32."""
+    picked = np.empty((rows.shape[0], x.shape[1]), np.float32)
+    for i in range(rows.shape[0]):
+        rms_scaled(x[rows[i]], norm, eps, picked[i])
+    return project_rows(picked.reshape(rows.shape[0], 1, x.shape[1]), w, threads)[:, 0]

@@ -11,12 +11,14 @@ It computes what MLAttention.forward_batch does for a decode batch (the torch pa
 reference) from the same stored weights, through the same kernels (kernels.linear_rows, kernels.mla_decode_latents):
 every projection a QuantizedLinear / QuantizedHeads on its row path, fp32 activations and a plain fp32 latent pool.
 Where nothing sits between the attention and the residual stream (no tensor parallelism) the call also takes the
-layer's input RMSNorm and the residual add (MLAttention.residual_decode).
+layer's input RMSNorm and the residual add (residual_block, MLAttention.compiled_residual).
 The compiled code is kernels.mla_attention_rows (in kernels.py with the kernels it calls: numba's cache checks only
 the defining file's timestamp); this module decides when it runs and hands it the arrays.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numba
 import numpy as np
@@ -45,18 +47,26 @@ def block_weights(q_kv_a: RowWeights, q_a_norm: np.ndarray, q_b: RowWeights, uk:
             np.float32(sm_scale), numba.config.NUMBA_NUM_THREADS)
 
 
-def mla_decode_block(h: np.ndarray, block: tuple, cos: np.ndarray, sin: np.ndarray, kv: np.ndarray,
-                     slots: np.ndarray, req_to_token: np.ndarray, rows: np.ndarray, prefix_lens: np.ndarray,
-                     input_norm: tuple[np.ndarray, float] | None = None) -> np.ndarray:
+def mla_decode_block(h: np.ndarray, block: tuple, kv: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                     slots: np.ndarray, req_to_token: np.ndarray, rows: np.ndarray,
+                     prefix_lens: np.ndarray) -> np.ndarray:
     """h [B, hidden] fp32 (one new token per request, normalised) -> the attention output [B, hidden] before
     any tensor-parallel reduction; writes the new tokens' latents into kv [slots, kv_lora + rope] at `slots`.
-    block: block_weights; cos / sin [B, rope // 2]; slots, rows, prefix_lens int64 [B]. With input_norm (the
-    layer's input RMSNorm weight and eps) h is the residual stream x instead, and the result x + the attention
-    output of RMSNorm(x) (kernels.mla_attention_residual)."""
-    if input_norm is None:
-        return kernels.mla_attention_rows(h, block, cos, sin, kv, slots, req_to_token, rows, prefix_lens)
-    return kernels.mla_attention_residual(h, input_norm[0], np.float32(input_norm[1]), block, cos, sin, kv, slots,
-                                          req_to_token, rows, prefix_lens)
+    block: block_weights; cos / sin [B, rope // 2]; slots, rows, prefix_lens int64 [B]."""
+    return kernels.mla_attention_rows(h, block, kv, cos, sin, slots, req_to_token, rows, prefix_lens)
 
 
-__all__ = ["RowWeights", "block_weights", "mla_decode_block", "runs"]
+def residual_block(norm: np.ndarray, eps: float, block: tuple, kv: np.ndarray, inv_freq: np.ndarray,
+                   rope_scale: float) -> Callable:
+    """The attention with the layer's input RMSNorm (weight norm, eps) and the residual add as a compiled decode
+    step's block (runtime/compiled_decode.py): x -> x + the attention output of RMSNorm(x)
+    (kernels.mla_attention_residual); inv_freq, rope_scale: RotaryEmbedding's; step = (positions, slots,
+    req_to_token, rows, prefix_lens), int64."""
+    eps, rope_scale = np.float32(eps), np.float32(rope_scale)
+
+    def run(x: np.ndarray, step: tuple) -> np.ndarray:
+        return kernels.mla_attention_residual(x, norm, eps, block, kv, inv_freq, rope_scale, *step)
+    return run
+
+
+__all__ = ["RowWeights", "block_weights", "mla_decode_block", "residual_block", "runs"]

@@ -345,22 +345,21 @@ class CPUMoE:
                 skip_mask: torch.Tensor | None = None) -> torch.Tensor:
         """submit(...).wait(), computed on the calling thread (ExpertPools.run_here): for a caller with
         nothing to overlap."""
-        experts = self.decode_experts(layer_idx, hidden)
+        experts = self.decode_experts(layer_idx, hidden.shape[0], hidden.shape[-1]) if hidden.dim() == 2 else None
         if experts is not None:
             return self.pools.run_here(self._one_call, layer_idx, experts, hidden, topk_ids, topk_weights, skip_mask)
         layer, works, x = self._prepare(layer_idx, hidden, topk_ids, topk_weights, skip_mask)
         parts = [self.pools.run_here(self._run_pool, layer, w, x) for w in works if w.slots.size]
         return _summed(parts, hidden)
 
-    def decode_experts(self, layer_idx: int, hidden: torch.Tensor) -> tuple | None:
-        """kernels.moe_rows_routed's `experts` for the layer where `forward` takes `hidden` in that one compiled call,
-        else None. It does where there are too few tokens for any expert to reach the matmul path or the AMX tiles,
-        so every pool's work is the row kernel's anyway (a decode step; the general path spends ~15 numpy / torch
-        operations a layer choosing that, ~130 us on a 2-core VM)."""
+    def decode_experts(self, layer_idx: int, tokens: int, width: int) -> tuple | None:
+        """kernels.moe_rows_routed's `experts` for the layer where `forward` takes `tokens` rows of `width` in that one
+        compiled call, else None. It does where there are too few tokens for any expert to reach the matmul path or
+        the AMX tiles, so every pool's work is the row kernel's anyway (a decode step; the general path spends ~15
+        numpy / torch operations a layer choosing that, ~130 us on a 2-core VM)."""
         layer = self._layer(layer_idx)
-        tokens = hidden.shape[0]
         tiles_from = self._amx_tokens(layer)
-        if not (hidden.dim() == 2 and hidden.shape[1] == layer.hidden and tokens < self.prefill_threshold
+        if not (width == layer.hidden and tokens < self.prefill_threshold
                 and (tiles_from is None or tokens < tiles_from)):
             return None
         gu, dn = layer.gate_up, layer.down

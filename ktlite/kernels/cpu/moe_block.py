@@ -14,13 +14,14 @@ module hands the kernel its arrays; runtime/hybrid_moe.py decides when it runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numba
 import numpy as np
-import torch
 
+from ktlite.errors import KtliteError
 from ktlite.kernels.cpu import kernels
 from ktlite.kernels.cpu.dense_linear import RowWeights
-from ktlite.kernels.triton import forced_torch
 
 # no shared experts: matrices without rows (the kernel skips them), typed as an INT4 matrix's
 _NO_SHARED: tuple[RowWeights, RowWeights] = tuple(
@@ -29,23 +30,25 @@ _NO_SKIP = np.zeros(0, np.bool_)  # every expert on the CPU: none skipped
 _NO_BIAS = np.zeros(0, np.float32)
 
 
-def runs(x: torch.Tensor) -> bool:
-    """Whether the compiled block can take the residual stream x: few fp32 tokens [T, hidden] on a CPU device, and
-    KTLITE_FORCE_TORCH_KERNELS not set (the callers check their weights: CPUMoE.decode_experts, swiglu_weights)."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and not forced_torch()
-
-
-def moe_decode_block(x: np.ndarray, norm: np.ndarray, eps: float, router: np.ndarray, bias: np.ndarray | None,
-                     route: tuple, experts: tuple,
-                     shared: tuple[RowWeights, RowWeights] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """x [T, hidden] fp32 -> (x + routed + shared experts of RMSNorm(x), ids [T, k], weights [T, k], missing).
-    norm: the RMSNorm weight; router [E, hidden] fp32 and its correction bias (None without); route: the RouterSpec
-    as kernels.route_rows takes it (router.route_args); experts: CPUMoE.decode_experts; shared: the shared MLP's
-    (gate_up, down) row weights, None without shared experts. missing >= 0: an expert the CPU store does not hold
-    (x comes back unchanged; the caller's module path raises, naming it)."""
+def residual_block(layer: int, norm: np.ndarray, eps: float, router: np.ndarray, bias: np.ndarray | None,
+                   route: tuple, experts: tuple, shared: tuple[RowWeights, RowWeights] | None,
+                   on_ids: Callable[[np.ndarray], None]) -> Callable:
+    """A MoE layer's block as a compiled decode step's block (runtime/compiled_decode.py): x [T, hidden] fp32 ->
+    x + the routed and shared experts of RMSNorm(x). norm: the layer's post-attention RMSNorm weight; router
+    [E, hidden] fp32 and its correction bias (None without); route: the RouterSpec as kernels.route_rows takes it
+    (router.route_args); experts: CPUMoE.decode_experts; shared: the shared MLP's (gate_up, down) row weights, None
+    without shared experts; on_ids: called with each step's chosen expert ids [T, k]."""
     gate_up, down = _NO_SHARED if shared is None else shared
-    return kernels.moe_block_rows(x, norm, np.float32(eps), router, _NO_BIAS if bias is None else bias, route,
-                                  _NO_SKIP, experts, gate_up, down, numba.config.NUMBA_NUM_THREADS)
+    fixed = (norm, np.float32(eps), router, _NO_BIAS if bias is None else bias, route, _NO_SKIP, experts, gate_up, down,
+             numba.config.NUMBA_NUM_THREADS)
+
+    def run(x: np.ndarray, step: tuple) -> np.ndarray:
+        out, ids, _, missing = kernels.moe_block_rows(x, *fixed)
+        if missing >= 0:  # cannot happen where the CPU holds every expert, as it does here
+            raise KtliteError(f"layer {layer}: the router chose expert {missing}, which the CPU store does not hold")
+        on_ids(ids)
+        return out
+    return run
 
 
-__all__ = ["moe_decode_block", "runs"]
+__all__ = ["residual_block"]

@@ -6,19 +6,24 @@ forward over a `ForwardBatch` is this one loop. The runtime's `ModelRunner` is t
 (it runs MoE layers through `HybridMoE` and all-reduces under tensor parallelism); `LocalContext`
 is the ctx of the plain reference call `model(input_ids)`, which runs the same forward over a
 temporary KV pool, so every family gets `model(ids [B, T]) -> logits [B, T, vocab]` and
-`generate_greedy` for free.
+`generate_greedy` for free. A CPU device's decode step runs the same loop as compiled calls where every block
+has one (an attention's `compiled_residual`, the context's `compiled_feed_forward`: runtime/compiled_decode.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 from torch import nn
 
+from ktlite.runtime import compiled_decode
+from ktlite.runtime.compiled_decode import Block, DecodePlan
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.kv_cache import KVPool
-from ktlite.runtime.models.layers import RMSNorm
+from ktlite.kernels.cpu.dense_linear import linear_row_weights, norm_linear_block
+from ktlite.runtime.models.layers import RMSNorm, plain_norm
 from ktlite.runtime.models.rope import RotaryEmbedding
 from ktlite.runtime.state_cache import StatePool
 
@@ -32,8 +37,12 @@ class ForwardContext(Protocol):
 
     def feed_forward(self, layer_idx: int, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor: ...
 
-    def residual_feed_forward(self, layer_idx: int, mlp: nn.Module, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """x + feed_forward(layer_idx, mlp, norm(x)): the residual stream through the layer's MLP/MoE block."""
+    def compiled_feed_forward(self, layer_idx: int, mlp: nn.Module, norm: nn.Module, tokens: int) -> Block | None:
+        """The layer's norm + MLP/MoE block + residual add as one compiled call on `tokens` decode tokens
+        (compiled_decode.Block), or None where it has none."""
+
+    def run_compiled(self, fn: Callable, *args):
+        """fn(*args) on the calling thread with as many kernel threads as the compiled blocks expect."""
 
 
 class LocalContext:
@@ -50,8 +59,11 @@ class LocalContext:
     def feed_forward(self, layer_idx: int, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
         return mlp(h)
 
-    def residual_feed_forward(self, layer_idx: int, mlp: nn.Module, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return x + mlp(norm(x))
+    def compiled_feed_forward(self, layer_idx: int, mlp: nn.Module, norm: nn.Module, tokens: int) -> None:
+        return None  # the reference call: the modules run
+
+    def run_compiled(self, fn: Callable, *args):
+        return fn(*args)
 
 
 class PoolCache:
@@ -115,6 +127,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = backbone
         self.lm_head = LMHead(config.hidden_size, config.vocab_size, bias=False)
+        self._decode_plans: dict[int, DecodePlan] = {}  # decode batch size -> its plan (_decode_plan)
 
     # from the embedding rows, which stay torch tensors when a CPU-only run quantizes the linear layers
     @property
@@ -135,24 +148,46 @@ class CausalLM(nn.Module):
         """-> float32 logits [R, vocab] for the tokens in batch.logit_rows."""
         backbone = self.model
         x = backbone.embed_tokens(batch.input_ids)  # [N, hidden]
+        plan = self._decode_plan(x, batch, ctx)
+        if plan is not None:
+            out = plan.run(x, batch)
+            if plan.head is not None:
+                return out
+            return self.lm_head(backbone.norm(out[batch.logit_rows])).float()
         cos, sin = backbone.rotary.cos_sin(batch.positions)  # [N, rope/2]
         for layer in backbone.layers:
-            x = self._attention_block(layer, x, cos, sin, batch, ctx)
-            x = ctx.residual_feed_forward(layer.layer_idx, layer.mlp, layer.post_attention_layernorm, x)
+            h = layer.input_layernorm(x)
+            x = x + ctx.reduce(layer.self_attn.forward_batch(h, cos, sin, batch, ctx, layer.layer_idx))
+            h = layer.post_attention_layernorm(x)
+            x = x + ctx.feed_forward(layer.layer_idx, layer.mlp, h)
         return self.lm_head(backbone.norm(x[batch.logit_rows])).float()
 
-    @staticmethod
-    def _attention_block(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
-        """x + the layer's attention of input_layernorm(x): in one call where the attention offers `residual_decode`
-        and nothing is reduced between it and the residual stream (one process)."""
-        attention = layer.self_attn
-        if ctx.tp is None and hasattr(attention, "residual_decode"):
-            fused = attention.residual_decode(x, layer.input_layernorm, cos, sin, batch, ctx, layer.layer_idx)
-            if fused is not None:
-                return fused
-        h = layer.input_layernorm(x)
-        return x + ctx.reduce(attention.forward_batch(h, cos, sin, batch, ctx, layer.layer_idx))
+    def _decode_plan(self, x: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext) -> DecodePlan | None:
+        """This decode step as compiled calls (compiled_decode.py) where every layer's attention offers
+        `compiled_residual` and the context a compiled feed-forward block; None: the modules run."""
+        if ctx.tp is not None or not compiled_decode.takes(x, batch):
+            return None
+        tokens = x.shape[0]
+        plan = self._decode_plans.get(tokens)
+        if plan is not None and plan.current(ctx.kv_pool):
+            return plan
+        blocks = []
+        for layer in self.model.layers:
+            compiled_residual = getattr(layer.self_attn, "compiled_residual", None)
+            attention = None if compiled_residual is None else compiled_residual(
+                layer.input_layernorm, ctx.kv_pool, layer.layer_idx, tokens)
+            if attention is None:
+                return None
+            feed_forward = ctx.compiled_feed_forward(layer.layer_idx, layer.mlp, layer.post_attention_layernorm, tokens)
+            if feed_forward is None:
+                return None
+            blocks += [attention, feed_forward]
+        head = None
+        lm_head = linear_row_weights(self.lm_head, tokens)
+        if lm_head is not None and plain_norm(self.model.norm):
+            head = norm_linear_block(self.model.norm.weight.detach().numpy(), self.model.norm.eps, lm_head)
+        plan = self._decode_plans[tokens] = DecodePlan(blocks, head, ctx.kv_pool, ctx.run_compiled)
+        return plan
 
     def new_cache(self, batch: int, max_len: int):
         return PoolCache(self, batch, max_len)

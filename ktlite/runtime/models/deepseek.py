@@ -17,6 +17,7 @@ kernels dequantize as they read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
 from ktlite.runtime.models.deepseek_config import ARCHITECTURES, MODEL_TYPES, TINY_CONFIGS, DeepseekConfig, parse_config
 from ktlite.runtime.models.fp8 import linear_weight
-from ktlite.runtime.models.layers import MLP, MoE, RMSNorm
+from ktlite.runtime.models.layers import MLP, MoE, RMSNorm, plain_norm
 from ktlite.runtime.models.rope import RotaryEmbedding
 
 
@@ -209,30 +210,25 @@ class MLAttention(nn.Module):
         return block
 
     def compiled_decode(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                        latents: torch.Tensor, req_to_token: torch.Tensor, block: tuple,
-                        input_norm: RMSNorm | None = None) -> torch.Tensor:
+                        latents: torch.Tensor, req_to_token: torch.Tensor, block: tuple) -> torch.Tensor:
         """forward_batch of a decode batch as one compiled call (mla_block; block: compiled_decode_block): the same
-        steps from the same stored weights. With input_norm h is the residual stream x, and the result
-        x + forward_batch(input_norm(x))."""
-        out = mla_block.mla_decode_block(
-            h.contiguous().numpy(), block, cos.numpy(), sin.numpy(), latents.numpy(), batch.out_cache_loc.numpy(),
-            req_to_token.numpy(), batch.req_pool_indices.numpy(), batch.prefix_lens.numpy(),
-            None if input_norm is None else (input_norm.weight.detach().numpy(), input_norm.eps))
-        return torch.from_numpy(out)
+        steps from the same stored weights."""
+        return torch.from_numpy(mla_block.mla_decode_block(
+            h.contiguous().numpy(), block, latents.numpy(), cos.numpy(), sin.numpy(), batch.out_cache_loc.numpy(),
+            req_to_token.numpy(), batch.req_pool_indices.numpy(), batch.prefix_lens.numpy()))
 
-    def residual_decode(self, x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor,
-                        batch: ForwardBatch, ctx, layer_idx: int) -> torch.Tensor | None:
-        """x + forward_batch(norm(x), ...) for a decode batch's residual stream x in one compiled call, where
-        forward_batch would take the compiled block and norm is a plain fp32 RMSNorm; else None (the caller runs the
-        norm, forward_batch and the add)."""
-        latents = ctx.kv_pool.buffer("latent", layer_idx)
-        if not (batch.is_decode and mla_block.runs(x, latents) and norm.weight.dtype == torch.float32
-                and not norm.unit_offset):
+    def compiled_residual(self, norm: nn.Module, pool, layer_idx: int, tokens: int) -> Callable | None:
+        """x + forward_batch(norm(x)) for `tokens` decode tokens as one compiled call on the residual stream x
+        (mla_block.residual_block, a compiled_decode.Block) where forward_batch would take the compiled block over
+        this layer's plain fp32 latents and norm is a plain fp32 RMSNorm; else None."""
+        latents = pool.buffer("latent", layer_idx)
+        if latents.dtype != torch.float32 or latents.device.type != "cpu" or not plain_norm(norm):
             return None
-        block = self.compiled_decode_block(x.shape[0])
+        block = self.compiled_decode_block(tokens)
         if block is None:
             return None
-        return self.compiled_decode(x, cos, sin, batch, latents, ctx.kv_pool.req_to_token, block, norm)
+        return mla_block.residual_block(norm.weight.detach().numpy(), norm.eps, block, latents.numpy(),
+                                        self.rotary.inv_freq.numpy(), self.rotary.cfg.cos_sin_scale)
 
     def forward(
         self,

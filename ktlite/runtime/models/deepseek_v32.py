@@ -128,8 +128,8 @@ class SparseMLAttention(MLAttention):
         self.reuses: tuple[SparseMLAttention, ...] = ()
         self.last_slots: torch.Tensor | None = None
 
-    def residual_decode(self, *args) -> None:
-        """None: MLA's compiled block attends to every token and writes no index keys (the caller runs forward_batch)."""
+    def compiled_residual(self, *args) -> None:
+        """None: MLA's compiled block attends to every token and writes no index keys (forward_batch runs)."""
         return None
 
     def forward_batch(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, ctx,

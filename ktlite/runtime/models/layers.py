@@ -47,6 +47,11 @@ class RMSNorm(nn.Module):
         return self.scale(self.normalize(x), x.dtype)
 
 
+def plain_norm(norm: nn.Module) -> bool:
+    """Whether norm is an fp32 RMSNorm without unit offset: the compiled blocks' (kernels.rms_scaled)."""
+    return isinstance(norm, RMSNorm) and norm.weight.dtype == torch.float32 and not norm.unit_offset
+
+
 class MLP(nn.Module):
     """SwiGLU MLP: dense layers, each routed expert and the shared experts."""
 
