@@ -38,6 +38,7 @@ class ModelRunner:
         # a layer may defer CPU experts only if a later MoE layer can absorb their result
         self._last_moe = max(moe_layers, default=-1)
         self._pending = None  # CPU experts deferred by the previous MoE layer of this forward
+        self._cpu = next((moe.cpu for moe in moe_layers.values() if moe.cpu is not None), None)
 
     @property
     def device(self) -> torch.device:
@@ -77,8 +78,7 @@ class ModelRunner:
         return None
 
     def run_compiled(self, fn: Callable, *args):
-        cpu = next((moe.cpu for moe in self.moe_layers.values() if moe.cpu is not None), None)
-        return fn(*args) if cpu is None else cpu.run_here(fn, *args)
+        return fn(*args) if self._cpu is None else self._cpu.run_here(fn, *args)  # the CPU experts' thread count
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum a row-parallel partial over the ranks (the identity in one process)."""

@@ -18,11 +18,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from ktlite.kernels.cpu.dense_linear import linear_row_weights, norm_linear_block
 from ktlite.runtime import compiled_decode
 from ktlite.runtime.compiled_decode import Block, DecodePlan
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.kv_cache import KVPool
-from ktlite.kernels.cpu.dense_linear import linear_row_weights, norm_linear_block
 from ktlite.runtime.models.layers import RMSNorm, plain_norm
 from ktlite.runtime.models.rope import RotaryEmbedding
 from ktlite.runtime.state_cache import StatePool
