@@ -105,7 +105,9 @@ def test_batched_with_plain_neighbours_and_preemption(engine):
     """Constrained and plain requests share batches and get preempted (400-token pool); the plain
     ones decode exactly as alone and every constrained one still follows its grammar."""
     prompts = [f"{'long prompt words ' * 4} {i}" for i in range(8)]
-    plain = {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True}
+    # the plain ones run for as long as a constrained one may (MAX_TOKENS), so the pool overflows whenever the
+    # constrained ones join (each after its grammar compiles in a worker thread: when is timing)
+    plain = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
     alone = [engine.generate(p, plain).text for p in prompts[:2]]
     before = engine.scheduler.preemptions
 
