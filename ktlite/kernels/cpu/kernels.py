@@ -1893,16 +1893,16 @@ def moe_block_rows(x, norm, eps, router, bias, route, skip, experts, shared_gate
                    threads):  # pragma: no cover - compiled
     """A decode batch's MoE block from the residual stream back to it (moe_block.py: the arguments, and when this
     runs): h = RMSNorm(x), the router on h (router_logits, route_rows), the routed experts (moe_rows_routed) and the
-    shared experts (swiglu_rows; none where shared_gate_up has no rows) -> (x + their sum, ids, weights, missing as
-    moe_rows_routed's: x unchanged where an expert is missing)."""
+    shared experts (swiglu_rows; none where shared_gate_up has no rows) -> (x + their sum, the chosen ids [T, k],
+    missing as moe_rows_routed's: x unchanged where an expert is missing)."""
     h = _rms_rows(x, norm, eps)
     ids, weights = route_rows(router_logits(h, router), bias, route)
     out, missing = moe_rows_routed(h, ids, weights, skip, experts)
     if missing >= 0:
-        return x, ids, weights, missing
+        return x, ids, missing
     if shared_gate_up[0].shape[1]:
         out += swiglu_rows(h, shared_gate_up, shared_down, threads)
-    return x + out, ids, weights, missing
+    return x + out, ids, missing
 
 
 @njit(nogil=True, cache=True)

@@ -43,7 +43,7 @@ def residual_block(layer: int, norm: np.ndarray, eps: float, router: np.ndarray,
              numba.config.NUMBA_NUM_THREADS)
 
     def run(x: np.ndarray, step: tuple) -> np.ndarray:
-        out, ids, _, missing = kernels.moe_block_rows(x, *fixed)
+        out, ids, missing = kernels.moe_block_rows(x, *fixed)
         if missing >= 0:  # cannot happen where the CPU holds every expert, as it does here
             raise KtliteError(f"layer {layer}: the router chose expert {missing}, which the CPU store does not hold")
         on_ids(ids)
