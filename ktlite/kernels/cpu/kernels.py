@@ -48,8 +48,9 @@ Linear layers (one matrix) and per-head matrices (MLA's W_UK / W_UV) of a CPU-on
 A CPU device's decode step runs whole blocks as one call each, so the parallel regions inside follow each other
 with the worker threads still awake (one woken after Python code waits ~20 us on a 2-core VM): `mla_attention_rows`
 (MLA attention from normalised input to o_proj, mla_block.py), `swiglu_rows` (a quantized SwiGLU MLP,
-dense_linear.py), `moe_rows_routed` (the router's ids grouped by expert and moe_rows, moe.py) and `moe_block_rows`
-(a MoE layer's block from the residual stream back to it: RMSNorm, router, routed and shared experts, moe_block.py).
+dense_linear.py), `moe_rows_routed` (the router's ids grouped by expert, then moe_rows and moe_amx, moe.py) and
+`moe_block_rows` (a MoE layer's block from the residual stream back to it: RMSNorm, router, routed and shared
+experts, moe_block.py).
 """
 
 from __future__ import annotations
@@ -1699,19 +1700,62 @@ def group_pairs(ids, weights, slot_of, pool_of, skip, n_pools):
 @njit(nogil=True, cache=True)
 def moe_rows_routed(x, ids, weights, skip, experts):  # pragma: no cover - compiled
     """A few tokens' whole layer in one call (CPUMoE.forward's decode path): the pairs grouped (group_pairs, every
-    pool's in one list), x [T, H] padded to kp_h, every expert through moe_rows -> (out [T, H] fp32, the id of an
-    expert neither stored nor skipped, else -1: nothing is computed then). experts = (slot_of, pool_of, n_pools,
-    gu_q, gu_s, d_q, d_s, gu_shift, d_shift, kp_h, kp_i, q8, scratch): CPUMoE.decode_experts."""
-    slot_of, pool_of, n_pools, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, kp_h, kp_i, q8, scratch = experts
+    pool's in one list), x [T, H] padded to kp_h, the experts with amx_from or more pairs through moe_amx and the
+    others through moe_rows, as CPUMoE._run_pool splits them -> (out [T, H] fp32, the id of an expert neither stored
+    nor skipped, else -1: nothing is computed then). experts = (slot_of, pool_of, n_pools, gu_q, gu_s, d_q, d_s,
+    gu_shift, d_shift, kp_h, kp_i, q8, scratch, amx_from, threads): CPUMoE.decode_experts."""
+    slot_of, pool_of, n_pools, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, kp_h, kp_i, q8, scratch, amx_from, threads = \
+        experts
     slots, tok_ptr, tok_idx, tok_w, _, missing = group_pairs(ids, weights, slot_of, pool_of, skip, n_pools)
     out = np.zeros((x.shape[0], x.shape[1]), np.float32)
     if missing >= 0 or slots.size == 0:
         return out, missing
     xp = np.zeros((x.shape[0], kp_h), np.float32)
     xp[:, :x.shape[1]] = x
-    act = np.zeros((tok_idx.shape[0], kp_i), np.float32)
-    moe_rows(xp, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, q8, scratch, act, out)
+    tiles = (tok_ptr[1:] - tok_ptr[:-1]) >= amx_from
+    if not tiles.all():
+        r_slots, r_ptr, r_idx, r_w = _selected_slots(slots, tok_ptr, tok_idx, tok_w, ~tiles)
+        act = np.zeros((r_idx.shape[0], kp_i), np.float32)
+        moe_rows(xp, r_slots, r_ptr, r_idx, r_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, q8, scratch, act, out)
+    if tiles.any():
+        a_slots, a_ptr, a_idx, a_w = _selected_slots(slots, tok_ptr, tok_idx, tok_w, tiles)
+        act = np.zeros((a_idx.shape[0], kp_i), np.float32)
+        _moe_amx_on_int_rows(xp, a_slots, a_ptr, a_idx, a_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act, out)
     return out, missing
+
+
+def _moe_amx_on_int_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act,
+                         out):  # pragma: no cover - replaced in jit code
+    raise NotImplementedError("_moe_amx_on_int_rows is only callable from numba-compiled code")
+
+
+@overload(_moe_amx_on_int_rows, inline="always")
+def _moe_amx_on_int_rows_impl(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act,
+                              out):
+    """moe_amx for INT4/INT8 rows; nothing for other formats, which never get there (CPUMoE._amx_tokens) and which
+    moe_amx's tiles do not type for: a choice on the arrays' types, so moe_rows_routed compiles for every format."""
+    if gu_q.dtype in (types.uint8, types.int8) and d_q.dtype in (types.uint8, types.int8):
+        return lambda x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act, out: \
+            moe_amx(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act, out)
+    return lambda x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act, out: None
+
+
+@njit(nogil=True, cache=True)
+def _selected_slots(slots, tok_ptr, tok_idx, tok_w, keep):  # pragma: no cover - compiled
+    """The grouped pairs (group_pairs' slots, tok_ptr, tok_idx, tok_w) of the slots i with keep[i]."""
+    kept = slots[keep]
+    ptr = np.zeros(kept.shape[0] + 1, np.int64)
+    idx = np.empty(tok_idx.shape[0], np.int64)
+    w = np.empty(tok_idx.shape[0], np.float32)
+    j = 0
+    for i in range(slots.shape[0]):
+        if keep[i]:
+            n = tok_ptr[i + 1] - tok_ptr[i]
+            idx[ptr[j]:ptr[j] + n] = tok_idx[tok_ptr[i]:tok_ptr[i + 1]]
+            w[ptr[j]:ptr[j] + n] = tok_w[tok_ptr[i]:tok_ptr[i + 1]]
+            ptr[j + 1] = ptr[j] + n
+            j += 1
+    return kept, ptr, idx[:ptr[j]], w[:ptr[j]]
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)

@@ -354,17 +354,18 @@ class CPUMoE:
 
     def decode_experts(self, layer_idx: int, tokens: int, width: int) -> tuple | None:
         """kernels.moe_rows_routed's `experts` for the layer where `forward` takes `tokens` rows of `width` in that one
-        compiled call, else None. It does where there are too few tokens for any expert to reach the matmul path or
-        the AMX tiles, so every pool's work is the row kernel's anyway (a decode step; the general path spends ~15
-        numpy / torch operations a layer choosing that, ~130 us on a 2-core VM)."""
+        compiled call, else None. It does where there are too few tokens for any expert to reach the matmul path, so
+        every pool's work is the fused kernels' anyway, split between the row dots and the AMX tiles as _run_pool
+        splits it (a decode step; the general path spends ~15 numpy / torch operations a layer choosing that, ~130 us
+        on a 2-core VM)."""
         layer = self._layer(layer_idx)
-        tiles_from = self._amx_tokens(layer)
-        if not (width == layer.hidden and tokens < self.prefill_threshold
-                and (tiles_from is None or tokens < tiles_from)):
+        if not (width == layer.hidden and tokens < self.prefill_threshold):
             return None
         gu, dn = layer.gate_up, layer.down
+        tiles_from = self._amx_tokens(layer)
         return (layer.slot_of, layer.pool_of, self.pools.count, gu.qweight, gu.scales, dn.qweight, dn.scales,
-                gu.group_shift, dn.group_shift, gu.kp, dn.kp, self._int8_dots(layer), self._scratch(layer))
+                gu.group_shift, dn.group_shift, gu.kp, dn.kp, self._int8_dots(layer), self._scratch(layer),
+                tokens + 1 if tiles_from is None else tiles_from, numba.config.NUMBA_NUM_THREADS)
 
     def run_here(self, fn: Callable, *args):
         """fn(*args) on the calling thread with every pool's numba threads (ExpertPools.run_here)."""
