@@ -313,3 +313,34 @@ def test_engine_int8_activations_stay_close_to_fp32(tiny_v3):
     # [7] 0.28, a routing choice flipped; another seed: weights 0.20 for one prompt)
     activations = median_error(got["int8"], got["fp32"])
     assert 1e-5 < activations < 2 * median_error(got["fp32"], got["unquantized"])
+
+
+_ONE_CALL_SCRIPT = """
+import json, torch
+from ktlite.kernels.cpu import kernels
+from ktlite.kernels.cpu.moe import CPUMoE
+g = torch.Generator().manual_seed(0)
+gate, up = torch.randn(4, 64, 128, generator=g), torch.randn(4, 64, 128, generator=g)
+down = torch.randn(4, 128, 64, generator=g)
+x, w = torch.randn(9, 128, generator=g), torch.rand(9, 2, generator=g)
+ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(9)])  # 9 tokens: past AMX_MIN_TOKENS
+out = {"amx": kernels.AMX}
+for method in ("INT4", "INT8"):
+    with CPUMoE(method, 64, activations="int8", prefill_threshold=10**6) as moe:
+        moe.add_layer(0, gate, up, down)
+        out[method] = float((moe.forward(0, x, ids, w) - moe.submit(0, x, ids, w).wait()).abs().max())
+print(json.dumps(out))
+"""
+
+
+def test_one_call_moe_compiles_without_amx(tmp_path):
+    """The one-call MoE kernel (moe_rows_routed: decode batches) holds the AMX tiles only where the compile target
+    has AMX: without it LLVM aborts the process ("Cannot select: intrinsic llvm.x86.ldtilecfg"), as it would on every
+    AMD CPU. Compiled here without the AMX features (fresh cache), it equals the pools' path, which never calls the
+    tiles there."""
+    features = [f for f in kernels.configure_numba().features.split(",") if not f.startswith(("+amx", "-amx"))]
+    env = {**os.environ, "NUMBA_CPU_NAME": "x86-64", "NUMBA_CPU_FEATURES": ",".join(features),
+           "NUMBA_CACHE_DIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-c", _ONE_CALL_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"amx": False, "INT4": 0.0, "INT8": 0.0}

@@ -1732,9 +1732,10 @@ def _moe_amx_on_int_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s
 @overload(_moe_amx_on_int_rows, inline="always")
 def _moe_amx_on_int_rows_impl(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act,
                               out):
-    """moe_amx for INT4/INT8 rows; nothing for other formats, which never get there (CPUMoE._amx_tokens) and which
-    moe_amx's tiles do not type for: a choice on the arrays' types, so moe_rows_routed compiles for every format."""
-    if gu_q.dtype in (types.uint8, types.int8) and d_q.dtype in (types.uint8, types.int8):
+    """moe_amx for INT4/INT8 rows on a CPU with AMX; nothing elsewhere: other formats never get there
+    (CPUMoE._amx_tokens) and moe_amx's tiles do not type for them, and without AMX in the compile target LLVM cannot
+    emit the tile instructions at all. A choice at compile time, so moe_rows_routed compiles for every format and CPU."""
+    if AMX and gu_q.dtype in (types.uint8, types.int8) and d_q.dtype in (types.uint8, types.int8):
         return lambda x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act, out: \
             moe_amx(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act, out)
     return lambda x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act, out: None
