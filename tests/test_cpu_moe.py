@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numba
+import numpy as np
 import pytest
 import torch
 
@@ -282,6 +283,31 @@ def test_silu_mul_matches_torch():
     numba.njit(lambda g, u: kernels.silu_mul(g, u))(got, u.numpy())  # an intrinsic: callable from jitted code only
     want = torch.nn.functional.silu(g.double()) * u.double()
     torch.testing.assert_close(torch.from_numpy(got).double(), want, rtol=1e-6, atol=1e-30)
+
+
+def test_transpose_sums_matches_numpy():
+    """kernels.transpose_sums (the AMX path's sums of one activation tile, rows x tokens, turned tokens x rows so each
+    token's results are one contiguous run; vector shuffles, run here on any CPU): exactly numpy's transpose."""
+    src = torch.randn(kernels.AMX_BLOCK_ROWS, kernels.AMX_ROWS, generator=torch.Generator().manual_seed(1)).numpy()
+    got = np.empty((kernels.AMX_ROWS, kernels.AMX_BLOCK_ROWS), np.float32)
+    numba.njit(lambda a, b: kernels.transpose_sums(a, b))(src, got)
+    assert (got == src.T).all()
+
+
+@pytest.mark.parametrize("group_shift", [6, 7])
+def test_quantize_groups_to_nearest_code(group_shift):
+    """kernels.quantize_groups (the AMX tiles' activations, each row once): per group of 2**group_shift values the
+    scale max |x| / 127 (to fp32 rounding: fastmath divides by a reciprocal) and each code the nearest one, the
+    largest value at +-127 (an all-zero group: scale 0, zeros)."""
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(group_shift)).numpy()
+    x[1, :64] = 0.0
+    xq, xd = kernels.quantize_groups(x, group_shift)
+    groups = x.reshape(5, -1, 1 << group_shift)
+    np.testing.assert_allclose(xd, np.abs(groups).max(-1) / 127, rtol=1e-6)
+    codes = xq.reshape(groups.shape).astype(np.float64)
+    step = xd[..., None].astype(np.float64)
+    assert (np.abs(codes * step - groups) <= 0.5 * step * (1 + 1e-5)).all()
+    assert (np.abs(codes).max(-1) == np.where(xd > 0, 127, 0)).all()
 
 
 @pytest.mark.parametrize("pools", [1, 3])

@@ -747,29 +747,68 @@ def silu_mul(typingctx, g, u):
     return sig, codegen
 
 
-@njit(nogil=True, cache=True, fastmath=True)
-def pack_amx_tile(x, rows, group_shift, xb, xdb):
-    """Activation tile of x[rows[c]] (x [R, Kp] fp32, at most 16 rows): xb [Kp / 4, 64] int8 in VNNI layout
-    (xb[k // 4, 4 c + k % 4] = token c's value k), quantized per group of 2**group_shift values with scale
-    xdb[g, c] = max |x| / 127 (round to nearest even); tokens past len(rows) are zeros. A token's values are
-    quantized into a row first (vector code), then moved as 4-byte words: word k // 4 of token c is the
-    tile's int32 [k // 4, c]."""
+# perfect-shuffle masks: lane 2i of a row pair's interleave is row a's lane i (+ 8 for the upper half), 2i + 1 row b's
+_INTERLEAVE = [ir.Constant(ir.VectorType(_I32, _LANES), [h + i // 2 + _LANES * (i % 2) for i in range(_LANES)])
+               for h in (0, _LANES // 2)]
+
+
+@intrinsic
+def transpose_sums(typingctx, src, dst):
+    """dst[c, i] = src[i, c] for src [32, 16] (amx_block_dot's sums of one activation tile: weight rows x tokens) and
+    dst [16, 32] (tokens x rows, fp32, C-contiguous), so each token's 32 results are one contiguous run: two 16 x 16
+    transposes in registers, each four rounds of the perfect shuffle (row i interleaved with row i + 8)."""
+    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == types.float32
+               for a in (src, dst)):
+        return None
+    sig = types.void(src, dst)
+
+    def codegen(context, builder, sig, args):
+        sa, da = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args, args))
+        for half in range(AMX_BLOCK_ROWS // _LANES):
+            rows = [_vload(builder, sa.data, _c64(_LANES * (_LANES * half + i)), _VF) for i in range(_LANES)]
+            for _ in range(4):  # log2(16) rounds
+                rows = [builder.shuffle_vector(rows[i // 2], rows[i // 2 + _LANES // 2], _INTERLEAVE[i % 2])
+                        for i in range(_LANES)]
+            for c in range(_LANES):
+                _vstore(builder, rows[c], da.data, _c64(AMX_BLOCK_ROWS * c + _LANES * half))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def quantize_groups(x, group_shift):
+    """x [R, Kp] fp32 -> (xq [R, Kp] int8, xd [R, Kp >> group_shift] fp32): each group of 2**group_shift values
+    quantized with scale xd = max |x| / 127 (round to nearest even)."""
     gsize = 1 << group_shift
-    xb[:] = 0
-    xdb[:] = 0
-    words = xb.view(np.int32)
-    q = np.empty(x.shape[1], np.int8)
-    q_words = q.view(np.int32)
-    for c in range(rows.shape[0]):
-        xr = x[rows[c]]
-        for g in range(xdb.shape[0]):
+    xq = np.empty(x.shape, np.int8)
+    xd = np.empty((x.shape[0], x.shape[1] >> group_shift), np.float32)
+    for r in prange(x.shape[0]):
+        xr, qr = x[r], xq[r]
+        for g in range(xd.shape[1]):
             amax = abs_max(xr[g * gsize:(g + 1) * gsize])
             inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            xdb[g, c] = amax / np.float32(127.0)
+            xd[r, g] = amax / np.float32(127.0)
             for k in range(g * gsize, (g + 1) * gsize):
-                q[k] = np.int8(np.rint(xr[k] * inv))
-        for kk in range(q_words.shape[0]):
-            words[kk, c] = q_words[kk]
+                qr[k] = np.int8(np.rint(xr[k] * inv))
+    return xq, xd
+
+
+@njit(nogil=True, cache=True)
+def pack_amx_tile(xq, xd, rows, xb, xdb):
+    """Activation tile of the quantized rows xq[rows[c]] / xd[rows[c]] (quantize_groups; at most 16 rows): xb [Kp /
+    4, 64] int8 in VNNI layout (xb[k // 4, 4 c + k % 4] = token c's value k: word k // 4 of token c is the tile's
+    int32 [k // 4, c]), xdb [groups, 16] their scales; tokens past len(rows) are zeros."""
+    words, q_words = xb.view(np.int32), xq.view(np.int32)
+    n = rows.shape[0]
+    for kk in range(words.shape[0]):
+        for c in range(n):
+            words[kk, c] = q_words[rows[c], kk]
+        words[kk, n:] = 0
+    for g in range(xdb.shape[0]):
+        for c in range(n):
+            xdb[g, c] = xd[rows[c], g]
+        xdb[g, n:] = 0.0
 
 
 _TWO_POW_120 = ir.Constant(_F32, 2.0**120)
@@ -1443,11 +1482,13 @@ def cache_line_bytes(n):
 
 @njit(parallel=True, nogil=True, cache=True)
 def _pack_tiles(x, rows, first, end, group_shift):
-    """The activation tiles (pack_amx_tile) of every expert: tile t holds x[rows[p]] for its pairs first[t]:end[t]."""
+    """The activation tiles (pack_amx_tile) of every expert: tile t holds x[rows[p]] for its pairs first[t]:end[t].
+    Each row of x is quantized once, however many experts it goes to (V3: 8)."""
+    xq, xd = quantize_groups(x, group_shift)
     xb = cache_line_bytes(first.shape[0] * x.shape[1] * 16).view(np.int8).reshape((first.shape[0], x.shape[1] // 4, 64))
     xdb = np.empty((first.shape[0], x.shape[1] >> group_shift, AMX_ROWS), np.float32)
     for t in prange(first.shape[0]):
-        pack_amx_tile(x, rows[first[t]:end[t]], group_shift, xb[t], xdb[t])
+        pack_amx_tile(xq, xd, rows[first[t]:end[t]], xb[t], xdb[t])
     return xb, xdb
 
 
@@ -1463,11 +1504,13 @@ def _amx_matrices(q, s, group_shift, xb, xdb, slots, tile_ptr, first, end, threa
     rows = q.shape[1] // 2 if gated else q.shape[1]
     blocks = (rows + AMX_BLOCK_ROWS - 1) // AMX_BLOCK_ROWS
     share = (blocks + threads - 1) // threads
+    by_token = np.empty((threads, AMX_ROWS, AMX_BLOCK_ROWS), np.float32)  # per thread: one tile's sums, transposed
     for task in prange(threads):
         tid = get_thread_id()
         for m in range(slots.shape[0]):
             for b in range(task * share, min(blocks, (task + 1) * share)):
                 r0 = min(b * AMX_BLOCK_ROWS, rows - AMX_BLOCK_ROWS)
+                skip = b * AMX_BLOCK_ROWS - r0  # the rows the block before this (last) one wrote
                 for t0 in range(tile_ptr[m], tile_ptr[m + 1], AMX_TOKEN_TILES):
                     nt = min(AMX_TOKEN_TILES, tile_ptr[m + 1] - t0)
                     amx_block_dot(q[slots[m]], s[slots[m]], r0, xb, xdb, t0, nt, group_shift, sums[tid, 0])
@@ -1476,13 +1519,17 @@ def _amx_matrices(q, s, group_shift, xb, xdb, slots, tile_ptr, first, end, threa
                     for j in range(nt):
                         if gated:
                             silu_mul(sums[tid, 0, j], sums[tid, 1, j])
+                        transpose_sums(sums[tid, 0, j], by_token[tid])
                         for p in range(first[t0 + j], end[t0 + j]):
-                            for i in range(b * AMX_BLOCK_ROWS - r0, AMX_BLOCK_ROWS):
-                                v = sums[tid, 0, j, i, p - first[t0 + j]]
-                                if gated:
-                                    act[p, r0 + i] = v
-                                else:
-                                    out[tok_idx[p], r0 + i] += tok_w[p] * v
+                            v = by_token[tid, p - first[t0 + j]]
+                            if gated:
+                                a_row = act[p, r0:r0 + AMX_BLOCK_ROWS]
+                                for i in range(skip, AMX_BLOCK_ROWS):
+                                    a_row[i] = v[i]
+                            else:
+                                o_row, wp = out[tok_idx[p], r0:r0 + AMX_BLOCK_ROWS], tok_w[p]
+                                for i in range(skip, AMX_BLOCK_ROWS):
+                                    o_row[i] += wp * v[i]
 
 
 @njit(nogil=True, cache=True)
