@@ -543,10 +543,11 @@ def _tile_dot_q8_impl(q, s, r0, xq, xd, tix, group_shift, out):
 # (weight scale x activation scale) into fp32: with groups of 64 that vector work, not the tiles, is most of the
 # time (same VM, per tdpbssd: 5.4 ns alone, 8.8 with its tile store, 16.8 with one tile's 16-vector rescale; AMX
 # and AVX-512 work add up here, rotating the sums between tiles did not overlap them; sums kept in 16 registers
-# across a row, one weight tile x one activation tile a time, cost two tile loads a multiply: no faster). Every tile load / store is from a 64-byte aligned address: a tile row across two cache lines made tile
-# loads 6x slower. The tiles' shapes are set per call (ldtilecfg: tile state is per thread) and released after it;
-# Linux grants a process the tile state once (target.amx_permitted). Groups of 32 would need half-deep tiles:
-# there the VNNI tiles run instead.
+# across a row, one weight tile x one activation tile a time (two tile loads a multiply, INT4 unpacked per
+# activation tile): INT8 V3 12 % faster, INT4 5-20 % slower, so not taken). Every tile load / store is from a
+# 64-byte aligned address: a tile row across two cache lines made tile loads 6x slower. The tiles' shapes are set
+# per call (ldtilecfg: tile state is per thread) and released after it; Linux grants a process the tile state once
+# (target.amx_permitted). Groups of 32 would need half-deep tiles: there the VNNI tiles run instead.
 AMX_ROWS = 16  # rows of an AMX tile: weight rows per tile, and tokens per activation tile
 AMX_BLOCK_ROWS = 2 * AMX_ROWS  # weight rows per amx_block_dot: two weight tiles
 AMX_TOKEN_TILES = 2  # activation tiles per amx_block_dot (2 x 2 tiles of sums in tmm0-3)
