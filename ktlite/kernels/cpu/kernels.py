@@ -537,23 +537,24 @@ def _tile_dot_q8_impl(q, s, r0, xq, xd, tix, group_shift, out):
 # int8 activations (16 tokens) into 16 x 16 int32 sums: 16 K multiply-adds per instruction, 64x a vpdpbusd.
 # Activations are quantized per weight group for this (one scale per token and group, not per 32 values: the int32
 # sums of a whole group then share one activation scale) and stored in AMX's "VNNI" layout, row k/4 holding bytes
-# 4(k/4)..+3 of each of the 16 tokens. A call runs 32 rows (two weight tiles) against two activation tiles: four
-# tiles of sums, one tile load per multiply (2-core Sapphire Rapids VM: a multiply alone 4.8 ns, with one load
-# 5.0 ns, and 1 x 4 tiles needed 1.25 loads per multiply). After each weight group the sums are stored and scaled
-# (weight scale x activation scale) into fp32: with groups of 64 that vector work, not the tiles, is most of the
-# time (same VM, per tdpbssd: 5.4 ns alone, 8.8 with its tile store, 16.8 with one tile's 16-vector rescale; AMX
-# and AVX-512 work add up here, rotating the sums between tiles did not overlap them; sums kept in 16 registers
-# across a row, one weight tile x one activation tile a time (two tile loads a multiply, INT4 unpacked per
-# activation tile): INT8 V3 12 % faster, INT4 5-20 % slower, so not taken). Every tile load / store is from a
-# 64-byte aligned address: a tile row across two cache lines made tile loads 6x slower. The tiles' shapes are set
-# per call (ldtilecfg: tile state is per thread) and released after it; Linux grants a process the tile state once
+# 4(k/4)..+3 of each of the 16 tokens. A call runs 32 rows (two weight tiles) against up to two activation tiles.
+# After each weight group the int32 sums are stored and scaled (weight scale x activation scale) into fp32: with
+# groups of 64 that is most of the time (same VM, per tdpbssd: 5.4 ns alone, 8.8 with its tile store, 16.8 with one
+# tile's 16-vector rescale; AMX and AVX-512 work add up here, rotating the sums between tiles did not overlap them).
+# So INT8 rows run one weight tile x one activation tile at a time over the whole row, the scaled sums in 16
+# registers (two tile loads a multiply, weights straight from aligned storage; V3 T=128 20 % faster than 2 x 2 tiles
+# with the scaled sums in memory), while INT4 rows keep 2 x 2 tiles of sums (one tile load per multiply; a multiply
+# alone 4.8 ns, with one load 5.0 ns): their 64-byte steps are unpacked to signed bytes once for both activation
+# tiles, and unpacking per activation tile made them 5-20 % slower. Every tile load / store is from a 64-byte
+# aligned address: a tile row across two cache lines made tile loads 6x slower. The tiles' shapes are set per call
+# (ldtilecfg: tile state is per thread) and released after it; Linux grants a process the tile state once
 # (target.amx_permitted). Groups of 32 would need half-deep tiles: there the VNNI tiles run instead.
 AMX_ROWS = 16  # rows of an AMX tile: weight rows per tile, and tokens per activation tile
 AMX_BLOCK_ROWS = 2 * AMX_ROWS  # weight rows per amx_block_dot: two weight tiles
-AMX_TOKEN_TILES = 2  # activation tiles per amx_block_dot (2 x 2 tiles of sums in tmm0-3)
+AMX_TOKEN_TILES = 2  # activation tiles per amx_block_dot
 AMX_MIN_GROUP = 64  # weights per group at least (one tile is 64 weights deep)
-# tmm4/5: the two weight tiles, tmm6/7: the two activation tiles
-_TMM_W, _TMM_X = 4, 6
+# INT4 (2 x 2): tmm0-3 sums, tmm4/5 the two weight tiles, tmm6/7 the two activation tiles; INT8: tmm0 / 4 / 6
+_TMM_SUMS, _TMM_W, _TMM_X = 0, 4, 6
 
 
 def amx_in_hardware() -> bool:
@@ -585,115 +586,178 @@ def _tile_config(builder):
     _tile_op(builder, "ldtilecfg", ptr)
 
 
+class _BlockArgs:
+    """amx_block_dot's arguments as LLVM values: the weight rows from r0 on (bytes), their scale rows, and activation
+    tile j's int8 bytes and scales."""
+
+    def __init__(self, context, builder, sig, args):
+        qa, sa, xba, xdba, self.outa = (context.make_array(sig.args[i])(context, builder, args[i])
+                                        for i in (0, 1, 3, 4, 8))
+        r0, t0, self.nt, self.gs = args[2], args[5], args[6], args[7]
+        self.nb = cgutils.unpack_tuple(builder, qa.shape)[1]  # stored bytes of a row
+        n_groups = cgutils.unpack_tuple(builder, sa.shape)[1]
+        tile_bytes = builder.mul(cgutils.unpack_tuple(builder, xba.shape)[1], _c64(64))
+        self.qbase = builder.bitcast(builder.gep(qa.data, [builder.mul(r0, self.nb)], inbounds=True), _I8.as_pointer())
+        self.row_scales = [builder.gep(sa.data, [builder.mul(builder.add(r0, _c64(i)), n_groups)])
+                           for i in range(AMX_BLOCK_ROWS)]
+        tiles = [builder.add(t0, _c64(j)) for j in range(AMX_TOKEN_TILES)]
+        self.used = [builder.icmp_signed(">", self.nt, _c64(j)) for j in range(AMX_TOKEN_TILES)]
+        self.x = [builder.bitcast(builder.gep(xba.data, [builder.mul(t, tile_bytes)]), _I8.as_pointer()) for t in tiles]
+        self.xd = [builder.gep(xdba.data, [builder.mul(t, builder.mul(n_groups, _c64(AMX_ROWS)))]) for t in tiles]
+        self.last = builder.sub(builder.shl(_c64(1), self.gs), _c64(64))  # k & (group - 1) of a group's last 64
+
+    def group_ends(self, builder, k):
+        """Whether weights k..k + 63 are their group's last."""
+        return builder.icmp_unsigned("==", builder.and_(k, builder.add(self.last, _c64(63))), self.last)
+
+
 @intrinsic
 def amx_block_dot(typingctx, q, s, r0, xb, xdb, t0, nt, gs, out):
     """out[j, i, c] = (row r0 + i of q/s) . (token c of activation tile t0 + j) for i < 32, c < 16 and j < nt <=
     AMX_TOKEN_TILES: q/s [N, ...] INT8 (int8) or INT4 (uint8) rows, N >= r0 + 32; xb [tiles, Kp / 4, 64] int8
-    activation tiles in VNNI layout, xdb [tiles, Kp >> gs, 16] their scales per group; out [>= nt, 32, 16]."""
+    activation tiles in VNNI layout, xdb [tiles, Kp >> gs, 16] their scales per group; out [>= nt, 32, 16].
+    INT4 rows: 2 x 2 tiles of sums, each 64-byte step unpacked once for both activation tiles (_int4_block_dot);
+    INT8 rows: one weight tile x one activation tile at a time, the scaled sums in registers (_int8_block_dot)."""
     ok = (isinstance(q, types.Array) and q.dtype in (types.int8, types.uint8)
           and all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == d and a.ndim == n
                   for a, d, n in ((q, q.dtype, 2), (s, types.float32, 2), (xb, types.int8, 3),
                                   (xdb, types.float32, 3), (out, types.float32, 3))))
     if not ok:
         return None
-    w_signed = q.dtype == types.int8
     sig = types.void(q, s, types.int64, xb, xdb, types.int64, types.int64, types.int64, out)
+    block_dot = _int8_block_dot if q.dtype == types.int8 else _int4_block_dot
 
     def codegen(context, builder, sig, args):
-        qa, sa, xba, xdba, outa = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 3, 4, 8))
-        r0, t0, nt, gs = args[2], args[5], args[6], args[7]
-        nb = cgutils.unpack_tuple(builder, qa.shape)[1]
-        n_groups = cgutils.unpack_tuple(builder, sa.shape)[1]
-        tile_bytes = builder.mul(cgutils.unpack_tuple(builder, xba.shape)[1], _c64(64))
-        bp = _I8.as_pointer()
-        sums = builder.bitcast(_tile_buffer(builder, 4 * AMX_ROWS * 64), bp)
-        unpacked = builder.bitcast(_tile_buffer(builder, AMX_BLOCK_ROWS * 128), bp)
-        qbase = builder.bitcast(builder.gep(qa.data, [builder.mul(r0, nb)], inbounds=True), bp)
-        # activation tile j: (used, its int8 bytes, its scales); sums tile 2 j + a: weight tile a x activation tile j
-        tiles = [(builder.icmp_signed(">", nt, _c64(j)),
-                  builder.bitcast(builder.gep(xba.data, [builder.mul(builder.add(t0, _c64(j)), tile_bytes)]), bp),
-                  builder.gep(xdba.data, [builder.mul(builder.add(t0, _c64(j)), builder.mul(n_groups, _c64(16)))]))
-                 for j in range(AMX_TOKEN_TILES)]
-        row_scales = [builder.gep(sa.data, [builder.mul(builder.add(r0, _c64(i)), n_groups)])
-                      for i in range(AMX_BLOCK_ROWS)]
-        for j, (used, _, _) in enumerate(tiles):
-            with builder.if_then(used):
-                op = builder.gep(outa.data, [_c64(j * AMX_BLOCK_ROWS * AMX_ROWS)])
-                for i in range(AMX_BLOCK_ROWS):
-                    _vstore(builder, _cvec(_VF, 0.0), op, _c64(16 * i))
-        _tile_config(builder)
-        for j, (used, _, _) in enumerate(tiles):
-            with builder.if_then(used):
-                _tile_op(builder, "tilezero", 2 * j)
-                _tile_op(builder, "tilezero", 2 * j + 1)
-        last = builder.sub(builder.shl(_c64(1), gs), _c64(64))  # k & (group - 1) of a group's last 64 weights
-
-        def flush(g):  # the sums of group g, scaled, into out; sums zeroed
-            for j, (used, _, _) in enumerate(tiles):
-                with builder.if_then(used):
-                    for a in range(2):
-                        _tile_op(builder, "tilestored64", 2 * j + a, builder.gep(sums, [_c64(1024 * (2 * j + a))]),
-                                 _c64(64))
-                        _tile_op(builder, "tilezero", 2 * j + a)
-
-            def scale(n_tiles):  # rows outer: one weight-scale broadcast live at a time (all 32 at once spilled)
-                xds = [_vload(builder, xdp, builder.shl(g, _c64(4)), _VF) for _, _, xdp in tiles[:n_tiles]]
-                for i in range(AMX_BLOCK_ROWS):  # sums tile 2 j + i // 16: row i at byte 2048 j + 64 i
-                    w = _splat(builder, _load(builder, row_scales[i], g))
-                    for j, xd in enumerate(xds):
-                        c = _vload(builder, sums, _c64(2048 * j + 64 * i), _V32)
-                        op = builder.gep(outa.data, [_c64(j * AMX_BLOCK_ROWS * AMX_ROWS + 16 * i)])
-                        _vstore(builder, _vfma(builder, builder.sitofp(c, _VF), builder.fmul(w, xd),
-                                               _vload(builder, op, _c64(0), _VF)), op, _c64(0))
-
-            with builder.if_else(tiles[1][0]) as (two, one):
-                with two:
-                    scale(2)
-                with one:
-                    scale(1)
-
-        def step(weights, stride, k):  # weight tiles at weights[0], weights[1] (weights k..k + 63) x activation tiles
-            for a, w in enumerate(weights):
-                _tile_op(builder, "tileloadd64", _TMM_W + a, w, stride)
-            for j, (used, xp, _) in enumerate(tiles):
-                with builder.if_then(used):
-                    _tile_op(builder, "tileloadd64", _TMM_X + j, builder.gep(xp, [builder.shl(k, _c64(4))]), _c64(64))
-                    for a in range(2):
-                        _tile_op(builder, "tdpbssd", 2 * j + a, _TMM_W + a, _TMM_X + j)
-            with builder.if_then(builder.icmp_unsigned("==", builder.and_(k, builder.add(last, _c64(63))), last)):
-                flush(builder.lshr(k, gs))
-
-        with cgutils.for_range(builder, builder.lshr(nb, _c64(6))) as loop:  # 64 stored bytes of each row a step
-            b0 = builder.shl(loop.index, _c64(6))
-            offs = [builder.add(b0, builder.mul(_c64(i), nb)) for i in range(AMX_BLOCK_ROWS)]
-            # the block 32 rows on (contiguous, the next call but one for gate/up) read in order: 32 lines a step
-            ahead = builder.add(builder.mul(_c64(AMX_BLOCK_ROWS), nb), builder.shl(loop.index, _c64(11)))
-            for i in range(AMX_BLOCK_ROWS):
-                _prefetch(builder, qbase, ahead, 64 * i)
-            if w_signed:  # straight from storage when its rows start on cache lines (quant.empty_quantized's do),
-                # else copied first: a tile row across two lines loads 6x slower
-                aligned = builder.icmp_unsigned("==", builder.and_(builder.ptrtoint(qbase, _I64), _c64(63)), _c64(0))
-                with builder.if_else(aligned) as (direct, copied):
-                    with direct:
-                        step([builder.gep(qbase, [offs[AMX_ROWS * a]]) for a in range(2)], nb, b0)
-                    with copied:
-                        for i, off in enumerate(offs):
-                            _vstore(builder, _vload(builder, qbase, off, _B64), unpacked, _c64(64 * i))
-                        step([builder.gep(unpacked, [_c64(64 * AMX_ROWS * a)]) for a in range(2)], _c64(64), b0)
-            else:  # 128 weights: low nibbles are weights 0-63, high nibbles 64-127 (quant.py), minus 8
-                eight = _cvec(_B64, 8)
-                for i, off in enumerate(offs):
-                    w = _vload(builder, qbase, off, _B64)
-                    _vstore(builder, builder.sub(builder.and_(w, _cvec(_B64, 15)), eight), unpacked, _c64(128 * i))
-                    _vstore(builder, builder.sub(builder.lshr(w, _cvec(_B64, 4)), eight), unpacked, _c64(128 * i + 64))
-                k0 = builder.shl(loop.index, _c64(7))
-                for half in range(2):
-                    step([builder.gep(unpacked, [_c64(64 * half + 128 * AMX_ROWS * a)]) for a in range(2)], _c64(128),
-                         builder.add(k0, _c64(64 * half)))
-        _tile_op(builder, "tilerelease")
+        block_dot(builder, _BlockArgs(context, builder, sig, args))
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _int4_block_dot(builder, a: _BlockArgs):
+    """32 INT4 rows (two weight tiles, unpacked to signed bytes on the stack a 64-byte step at a time) x up to two
+    activation tiles: four tiles of sums, one tile load per multiply; after each group the sums are stored and
+    scaled into out."""
+    bp = _I8.as_pointer()
+    sums = builder.bitcast(_tile_buffer(builder, 4 * AMX_ROWS * 64), bp)
+    unpacked = builder.bitcast(_tile_buffer(builder, AMX_BLOCK_ROWS * 128), bp)
+    for j, used in enumerate(a.used):
+        with builder.if_then(used):
+            op = builder.gep(a.outa.data, [_c64(j * AMX_BLOCK_ROWS * AMX_ROWS)])
+            for i in range(AMX_BLOCK_ROWS):
+                _vstore(builder, _cvec(_VF, 0.0), op, _c64(16 * i))
+    _tile_config(builder)
+    for j, used in enumerate(a.used):
+        with builder.if_then(used):
+            _tile_op(builder, "tilezero", 2 * j)
+            _tile_op(builder, "tilezero", 2 * j + 1)
+
+    def flush(g):  # the sums of group g, scaled, into out; sums zeroed
+        for j, used in enumerate(a.used):
+            with builder.if_then(used):
+                for w in range(2):
+                    _tile_op(builder, "tilestored64", 2 * j + w, builder.gep(sums, [_c64(1024 * (2 * j + w))]),
+                             _c64(64))
+                    _tile_op(builder, "tilezero", 2 * j + w)
+
+        def scale(n_tiles):  # rows outer: one weight-scale broadcast live at a time (all 32 at once spilled)
+            xds = [_vload(builder, xdp, builder.shl(g, _c64(4)), _VF) for xdp in a.xd[:n_tiles]]
+            for i in range(AMX_BLOCK_ROWS):  # sums tile 2 j + i // 16: row i at byte 2048 j + 64 i
+                w = _splat(builder, _load(builder, a.row_scales[i], g))
+                for j, xd in enumerate(xds):
+                    c = _vload(builder, sums, _c64(2048 * j + 64 * i), _V32)
+                    op = builder.gep(a.outa.data, [_c64(j * AMX_BLOCK_ROWS * AMX_ROWS + 16 * i)])
+                    _vstore(builder, _vfma(builder, builder.sitofp(c, _VF), builder.fmul(w, xd),
+                                           _vload(builder, op, _c64(0), _VF)), op, _c64(0))
+
+        with builder.if_else(a.used[1]) as (two, one):
+            with two:
+                scale(2)
+            with one:
+                scale(1)
+
+    def step(weights, k):  # weight tiles at weights[0], weights[1] (weights k..k + 63) x activation tiles
+        for w, wp in enumerate(weights):
+            _tile_op(builder, "tileloadd64", _TMM_W + w, wp, _c64(128))
+        for j, used in enumerate(a.used):
+            with builder.if_then(used):
+                _tile_op(builder, "tileloadd64", _TMM_X + j, builder.gep(a.x[j], [builder.shl(k, _c64(4))]), _c64(64))
+                for w in range(2):
+                    _tile_op(builder, "tdpbssd", 2 * j + w, _TMM_W + w, _TMM_X + j)
+        with builder.if_then(a.group_ends(builder, k)):
+            flush(builder.lshr(k, a.gs))
+
+    with cgutils.for_range(builder, builder.lshr(a.nb, _c64(6))) as loop:  # 64 stored bytes of each row a step
+        b0 = builder.shl(loop.index, _c64(6))
+        offs = [builder.add(b0, builder.mul(_c64(i), a.nb)) for i in range(AMX_BLOCK_ROWS)]
+        # the block 32 rows on (contiguous, the next call but one for gate/up) read in order: 32 lines a step
+        ahead = builder.add(builder.mul(_c64(AMX_BLOCK_ROWS), a.nb), builder.shl(loop.index, _c64(11)))
+        for i in range(AMX_BLOCK_ROWS):
+            _prefetch(builder, a.qbase, ahead, 64 * i)
+        # 128 weights: low nibbles are weights 0-63, high nibbles 64-127 (quant.py), minus 8
+        eight = _cvec(_B64, 8)
+        for i, off in enumerate(offs):
+            w = _vload(builder, a.qbase, off, _B64)
+            _vstore(builder, builder.sub(builder.and_(w, _cvec(_B64, 15)), eight), unpacked, _c64(128 * i))
+            _vstore(builder, builder.sub(builder.lshr(w, _cvec(_B64, 4)), eight), unpacked, _c64(128 * i + 64))
+        k0 = builder.shl(loop.index, _c64(7))
+        for half in range(2):
+            step([builder.gep(unpacked, [_c64(64 * half + 128 * AMX_ROWS * w)]) for w in range(2)],
+                 builder.add(k0, _c64(64 * half)))
+    _tile_op(builder, "tilerelease")
+
+
+def _int8_block_dot(builder, a: _BlockArgs):
+    """32 INT8 rows as two weight tiles, each against each activation tile in turn over the whole row: one tile of
+    sums, stored after each group and scaled into 16 fp32 vectors that stay in registers (no load / store of out
+    per group), two tile loads a multiply (weights straight from storage when it starts on cache lines)."""
+    bp = _I8.as_pointer()
+    sums = builder.bitcast(_tile_buffer(builder, AMX_ROWS * 64), bp)
+    copied = builder.bitcast(_tile_buffer(builder, AMX_ROWS * 64), bp)
+    aligned = builder.icmp_unsigned("==", builder.and_(builder.ptrtoint(a.qbase, _I64), _c64(63)), _c64(0))
+    accs = [cgutils.alloca_once(builder, _VF) for _ in range(AMX_ROWS)]  # registers after mem2reg
+    _tile_config(builder)
+    _tile_op(builder, "tilezero", _TMM_SUMS)
+    for half in range(AMX_BLOCK_ROWS // AMX_ROWS):
+        rows = builder.gep(a.qbase, [builder.mul(a.nb, _c64(AMX_ROWS * half))])
+        for j, used in enumerate(a.used):
+            with builder.if_then(used):
+                for acc in accs:
+                    builder.store(_cvec(_VF, 0.0), acc)
+
+                def step(weights, stride, k):  # weights k..k + 63 of the 16 rows x activation tile j
+                    _tile_op(builder, "tileloadd64", _TMM_W, weights, stride)
+                    _tile_op(builder, "tileloadd64", _TMM_X, builder.gep(a.x[j], [builder.shl(k, _c64(4))]), _c64(64))
+                    _tile_op(builder, "tdpbssd", _TMM_SUMS, _TMM_W, _TMM_X)
+                    with builder.if_then(a.group_ends(builder, k)):
+                        _tile_op(builder, "tilestored64", _TMM_SUMS, sums, _c64(64))
+                        _tile_op(builder, "tilezero", _TMM_SUMS)
+                        g = builder.lshr(k, a.gs)
+                        xd = _vload(builder, a.xd[j], builder.shl(g, _c64(4)), _VF)
+                        for i, acc in enumerate(accs):
+                            c = builder.sitofp(_vload(builder, sums, _c64(64 * i), _V32), _VF)
+                            scale = builder.fmul(_splat(builder, _load(builder, a.row_scales[AMX_ROWS * half + i], g)),
+                                                 xd)
+                            builder.store(_vfma(builder, c, scale, builder.load(acc)), acc)
+
+                with cgutils.for_range(builder, builder.lshr(a.nb, _c64(6))) as loop:  # 64 weights of each row a step
+                    k = builder.shl(loop.index, _c64(6))
+                    offs = [builder.add(k, builder.mul(_c64(i), a.nb)) for i in range(AMX_ROWS)]
+                    if j == 0:  # these rows' next steps, for this activation tile and the next
+                        for off in offs:
+                            _prefetch(builder, rows, off, 512)
+                    # a tile row across two cache lines loads 6x slower: rows not starting on one are copied first
+                    with builder.if_else(aligned) as (direct, unaligned):
+                        with direct:
+                            step(builder.gep(rows, [k]), a.nb, k)
+                        with unaligned:
+                            for i, off in enumerate(offs):
+                                _vstore(builder, _vload(builder, rows, off, _B64), copied, _c64(64 * i))
+                            step(copied, _c64(64), k)
+                op = builder.gep(a.outa.data, [_c64(j * AMX_BLOCK_ROWS * AMX_ROWS + AMX_ROWS * AMX_ROWS * half)])
+                for i, acc in enumerate(accs):
+                    _vstore(builder, builder.load(acc), op, _c64(16 * i))
+    _tile_op(builder, "tilerelease")
 
 
 @intrinsic
