@@ -593,7 +593,7 @@ class _BlockArgs:
     def __init__(self, context, builder, sig, args):
         qa, sa, xba, xdba, self.outa = (context.make_array(sig.args[i])(context, builder, args[i])
                                         for i in (0, 1, 3, 4, 8))
-        r0, t0, self.nt, self.gs = args[2], args[5], args[6], args[7]
+        r0, t0, nt, self.gs = args[2], args[5], args[6], args[7]
         self.nb = cgutils.unpack_tuple(builder, qa.shape)[1]  # stored bytes of a row
         n_groups = cgutils.unpack_tuple(builder, sa.shape)[1]
         tile_bytes = builder.mul(cgutils.unpack_tuple(builder, xba.shape)[1], _c64(64))
@@ -601,7 +601,7 @@ class _BlockArgs:
         self.row_scales = [builder.gep(sa.data, [builder.mul(builder.add(r0, _c64(i)), n_groups)])
                            for i in range(AMX_BLOCK_ROWS)]
         tiles = [builder.add(t0, _c64(j)) for j in range(AMX_TOKEN_TILES)]
-        self.used = [builder.icmp_signed(">", self.nt, _c64(j)) for j in range(AMX_TOKEN_TILES)]
+        self.used = [builder.icmp_signed(">", nt, _c64(j)) for j in range(AMX_TOKEN_TILES)]
         self.x = [builder.bitcast(builder.gep(xba.data, [builder.mul(t, tile_bytes)]), _I8.as_pointer()) for t in tiles]
         self.xd = [builder.gep(xdba.data, [builder.mul(t, builder.mul(n_groups, _c64(AMX_ROWS)))]) for t in tiles]
         self.last = builder.sub(builder.shl(_c64(1), self.gs), _c64(64))  # k & (group - 1) of a group's last 64
@@ -864,20 +864,26 @@ def transpose_sums(typingctx, src, dst):
     return sig, codegen
 
 
+@njit(nogil=True, cache=True, inline="always")
+def quantize_group(x, q):
+    """q = round(x * 127 / max |x|) (int8, to nearest even; zeros where x is all zeros) for one group x (fp32, a
+    multiple of 16 values); returns its scale max |x| / 127."""
+    amax = abs_max(x)
+    scale_to_codes(x, np.float32(127.0) / amax if amax > 0 else np.float32(0.0), q)
+    return amax / np.float32(127.0)
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def quantize_groups(x, group_shift):
     """x [R, Kp] fp32 -> (xq [R, Kp] int8, xd [R, Kp >> group_shift] fp32): each group of 2**group_shift values
-    quantized with scale xd = max |x| / 127 (round to nearest even)."""
+    quantized (quantize_group)."""
     gsize = 1 << group_shift
     xq = np.empty(x.shape, np.int8)
     xd = np.empty((x.shape[0], x.shape[1] >> group_shift), np.float32)
     for r in prange(x.shape[0]):
         xr, qr = x[r], xq[r]
         for g in range(xd.shape[1]):
-            amax = abs_max(xr[g * gsize:(g + 1) * gsize])
-            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            xd[r, g] = amax / np.float32(127.0)
-            scale_to_codes(xr[g * gsize:(g + 1) * gsize], inv, qr[g * gsize:(g + 1) * gsize])
+            xd[r, g] = quantize_group(xr[g * gsize:(g + 1) * gsize], qr[g * gsize:(g + 1) * gsize])
     return xq, xd
 
 
@@ -1306,15 +1312,11 @@ def quantize_activations(x, xq, xd, xo):
     """x [Kp] fp32 (Kp a multiple of 32) -> int8 activations per 32-block b: xd[b] = max |x| / 127,
     xq = round(x * 127 / max |x|) (to nearest even), xo[b] = 8 xd[b] sum_b xq (INT4's offset term)."""
     for b in range(xd.shape[0]):
-        xb = x[XS_BLOCK * b:XS_BLOCK * (b + 1)]
-        amax = abs_max(xb)
-        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        qb = xq[XS_BLOCK * b:XS_BLOCK * (b + 1)]
+        xd[b] = quantize_group(x[XS_BLOCK * b:XS_BLOCK * (b + 1)], qb)
         total = 0
         for j in range(XS_BLOCK):
-            v = np.int32(np.rint(xb[j] * inv))
-            xq[XS_BLOCK * b + j] = v
-            total += v
-        xd[b] = amax / np.float32(127.0)
+            total += np.int32(qb[j])
         xo[b] = np.float32(8.0) * xd[b] * np.float32(total)
 
 
