@@ -48,7 +48,9 @@ from ktlite.kernels.cpu.fp8 import fill_fp8_rows
 from ktlite.kernels.cpu.gguf_quants import BLOCKS
 from ktlite.kernels.cpu.target import bf16_gemm_wins, configure_numba
 from ktlite.kernels.cpu.quant import (
+    DEFAULT_GROUP_SIZES,
     RAWINT4_GROUP,
+    check_group_size,
     dequantize,
     empty_quantized,
     int8_activation_values,
@@ -214,7 +216,7 @@ def fill_kept(dst, w: torch.Tensor, fmt: str, seed: int) -> None:
             dst.qweight["dmin"] = np.float16(rng.uniform(0, 1e-3, dst.qweight.shape)).view(np.uint16)
 
 
-def build(shape: Shape, variant: str, src: list[tuple[torch.Tensor, ...]], group: int, **kw) -> CPUMoE:
+def build(shape: Shape, variant: str, src: list[tuple[torch.Tensor, ...]], group: int | None, **kw) -> CPUMoE:
     """A CPUMoE whose slots hold copies of N_DISTINCT really quantized experts (own memory each)."""
     method, activations = split_variant(variant)
     moe = CPUMoE(method, group, activations=activations, **kw)
@@ -260,7 +262,7 @@ def per_row_int4(t: torch.Tensor) -> torch.Tensor:
     return (t / s).round().clamp(-8, 7) * s
 
 
-def accuracy(src: list[tuple[torch.Tensor, ...]], variant: str, group: int) -> tuple[float, float]:
+def accuracy(src: list[tuple[torch.Tensor, ...]], variant: str, group: int | None) -> tuple[float, float]:
     """(weight relative error, MoE-output relative error) vs the unquantized expert; variant may be
     "per-row INT4" (KTransformers' layout). With int8 activations each matmul's input is quantized too."""
     method, activations = split_variant(variant)
@@ -289,13 +291,13 @@ def _kept(w: torch.Tensor, fmt: tuple[str, int]) -> torch.Tensor:
     return dequantize(dst)
 
 
-def quantizer_speed(shape: Shape, group: int) -> dict[str, float]:
+def quantizer_speed(shape: Shape, group: int | None) -> dict[str, float]:
     """GB/s of bf16 source the INT4/INT8 quantizer (load and `ktlite convert`) takes: 4 gate_up matrices
     of `shape` (fastest of 3 runs)."""
     w = (torch.randn(4 * 2 * shape.inter, shape.hidden, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16()
     out = {}
     for method in ("INT4", "INT8"):
-        dst = empty_quantized(method, group, (), *w.shape)
+        dst = empty_quantized(method, check_group_size(method, group), (), *w.shape)
         quantize_into(dst, (slice(0, 64),), w[:64])  # compile
         out[method] = w.numel() * 2 / timed(lambda i: quantize_into(dst, (), w), 1.0, max_calls=3) / 1e9
     return out
@@ -400,7 +402,7 @@ def peer_rows(peer: KtPeer, shape: Shape, src: list[tuple[torch.Tensor, ...]], m
     return out
 
 
-def bench_shape(shape: Shape, methods: list[str], tokens: list[int], group: int, budget: float,
+def bench_shape(shape: Shape, methods: list[str], tokens: list[int], group: int | None, budget: float,
                 peer: KtPeer | None = None) -> tuple[list[dict], dict]:
     g = torch.Generator().manual_seed(0)
     src = [(torch.randn(shape.inter, shape.hidden, generator=g) * 0.02,
@@ -465,11 +467,12 @@ def bench_shape(shape: Shape, methods: list[str], tokens: list[int], group: int,
     return rows, {"accuracy": acc, "overlap": overlap, "quantizer": quantizer_speed(shape, group), "ktkernel": peer_out}
 
 
-def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int) -> str:
+def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int | None) -> str:
+    sizes = group or ", ".join(f"{m} {g}" for m, g in DEFAULT_GROUP_SIZES.items()) + " (the defaults)"
     lines = [SECTION, "",
              f"CPU: {hw['cpu']} ({hw['host']}; vector flags: {hw['flags']}), {hw['cores']} cores, numba {numba.__version__} "
              f"({hw['layer']} threading layer, {hw['threads']} threads), torch {torch.__version__} "
-             f"({torch.get_num_threads()} threads). Group size {group}. Load average (1/5/15 min) at start "
+             f"({torch.get_num_threads()} threads). Group size {sizes}. Load average (1/5/15 min) at start "
              f"{hw['load']}, at end {hw['load_end']}: other processes share these cores, so times are the fastest "
              f"of several calls.",
              f"Measured memory bandwidth (numpy sum of 256 MiB): {hw['bw1']:.1f} GB/s with 1 thread, "
@@ -607,7 +610,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer T values and a short time budget")
     ap.add_argument("--methods", default="INT4,INT8,INT4:fp32,INT8:fp32,BF16,FP8,RAWINT4,LLAMAFILE",
                     help="methods; METHOD:fp32 / METHOD:int8 set --cpu-activations (default: auto)")
-    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--group-size", type=int, default=None, help="INT4/INT8 group size [the methods' defaults]")
     ap.add_argument("--tokens", default="", help="T values (comma-separated); --quick still leaves V3's last one out")
     ap.add_argument("--no-write", action="store_true", help="print only, leave bench/RESULTS.md alone")
     ap.add_argument("--ktkernel-python", metavar="PATH",

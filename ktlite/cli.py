@@ -79,7 +79,7 @@ _ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--schedule-policy",), "schedule_policy", dict(type=click.Choice(["fcfs", "lpm"]), help="Admission order: fcfs (arrival), lpm (longest cached prefix first, none starved) [fcfs].")),
     (("--hicache-size",), "hicache_size", dict(type=float, help="GiB of CPU RAM for KV evicted from the GPU pool, copied back instead of recomputed [0: off].")),
     (("--kt-method", "--kt-amx-method"), "kt_method", dict(type=str, help="CPU expert format, KTransformers names: FP8, BF16, RAWINT4 (compressed-tensors INT4), LLAMAFILE (GGUF) keep the checkpoint's weights; INT4/INT8 (AMXINT4, MOE_INT8, ...) quantize group-wise [INT4].")),
-    (("--kt-group-size",), "kt_group_size", dict(type=int, help="Quantization group size of CPU experts [64].")),
+    (("--kt-group-size",), "kt_group_size", dict(type=int, help="Quantization group size of CPU experts [64 for INT4, 128 for INT8].")),
     (("--kt-weight-path", "--kt-amx-weight-path"), "kt_weight_path", dict(type=str, help="Where the CPU experts come from: an HF folder (default: --model), a `ktlite convert` folder, or a GGUF file/folder (LLAMAFILE).")),
     (("--kt-cpuinfer",), "kt_cpuinfer", dict(type=int, help="CPU threads for the experts [chosen: physical cores].")),
     (("--kt-threadpool-count",), "kt_threadpool_count", dict(type=int, help="Expert thread pools, each owning a share of the experts [chosen: NUMA nodes].")),
@@ -604,8 +604,8 @@ def doctor(as_json: bool) -> None:
               help="HF checkpoint folder (bf16/fp16/fp32 or block-FP8).")
 @click.option("--output", required=True, type=click.Path(file_okay=False), help="Folder for --kt-weight-path.")
 @click.option("--method", default="INT4", show_default=True, help="INT4, INT8 or BF16 (KTransformers names accepted).")
-@click.option("--group-size", type=int, default=64, show_default=True, help="Values per quantization group.")
-def convert(model: str, output: str, method: str, group_size: int) -> None:
+@click.option("--group-size", type=int, default=None, help="Values per quantization group [64 for INT4, 128 for INT8].")
+def convert(model: str, output: str, method: str, group_size: int | None) -> None:
     """Quantize the routed experts for the CPU, layer by layer (resumable); serve with --kt-weight-path."""
     from ktlite.errors import KtliteError
     from ktlite.runtime.convert import convert_checkpoint

@@ -56,7 +56,7 @@ class EngineConfig:
     hicache_size: float = 0.0  # GiB of CPU RAM holding KV evicted from the device pool (0: no host tier)
     # hybrid experts (KTransformers names)
     kt_method: str = "INT4"
-    kt_group_size: int = 64
+    kt_group_size: int | None = None  # None: the method's default (quant.DEFAULT_GROUP_SIZES)
     kt_weight_path: str | None = None
     kt_cpuinfer: int | None = None
     kt_threadpool_count: int = 1

@@ -26,7 +26,7 @@ from ktlite.errors import ConfigError
 from ktlite.kernels.cpu import dense_linear, kernels, mla_block
 from ktlite.kernels.cpu.dense_linear import QuantizedHeads, QuantizedLinear
 from ktlite.kernels.cpu.quant import dequantize, int8_activation_values, quantize, relative_error
-from ktlite.runtime.cpu_dense import (GROUP_SIZE, apply_cpu_dense, eligible_linears, fused_groups, head_matrix_owners,
+from ktlite.runtime.cpu_dense import (apply_cpu_dense, eligible_linears, fused_groups, head_matrix_owners,
                                       planned_weight_bytes, quantize_dense)
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.memory import WEIGHT_COMPONENTS, allocated_by_component
@@ -58,7 +58,7 @@ def test_quantized_linear_equals_dequantized_matmul(method, tokens, bias):
         layer.weight.copy_(torch.randn(72, 100, generator=g))
         if bias:
             layer.bias.copy_(torch.randn(72, generator=g))
-    q = QuantizedLinear.from_linear(layer, method, GROUP_SIZE)
+    q = QuantizedLinear.from_linear(layer, method, None)
     x = torch.randn(tokens, 100, generator=g)
     want = x.double() @ q.dequantized().double().T + (layer.bias.double() if bias else 0.0)
     got = q(x)
@@ -84,7 +84,7 @@ def test_quantized_heads_equal_per_head_dequantized_matmuls(method, tokens, tile
     if tile is not None:
         monkeypatch.setattr(dense_linear, "TILE_WEIGHTS", tile)
     g = torch.Generator().manual_seed(tokens)
-    heads = QuantizedHeads.from_matrices(torch.randn(5, 40, 100, generator=g), method, GROUP_SIZE)
+    heads = QuantizedHeads.from_matrices(torch.randn(5, 40, 100, generator=g), method, None)
     x = torch.randn(2, tokens, 5, 100, generator=g)
     want = torch.einsum("btgk,gnk->btgn", x.double(), heads.dequantized().double())
     got = heads(x)
@@ -98,7 +98,7 @@ def test_quantized_heads_int8_activations(method):
     """Per-head matrices dotting int8 activations (with AVX512-VNNI: 4 x 4 tiles, each head's rows against its own
     rows of x), against float64 math on the same quantized activations."""
     g = torch.Generator().manual_seed(3)
-    heads = QuantizedHeads.from_matrices(torch.randn(5, 40, 100, generator=g), method, GROUP_SIZE, int8_activations=True)
+    heads = QuantizedHeads.from_matrices(torch.randn(5, 40, 100, generator=g), method, None, int8_activations=True)
     x = torch.randn(6, 5, 100, generator=g)
     want = torch.einsum("tgk,gnk->tgn", int8_activation_values(x), heads.dequantized().double())
     assert relative_error(heads(x), want) < 1e-6
@@ -108,7 +108,7 @@ def test_quantized_linear_tiles_and_leading_dims(monkeypatch):
     """The matmul path in several dequantized tiles, for x [B, S, K]."""
     monkeypatch.setattr(dense_linear, "TILE_WEIGHTS", 3 * 64)  # 3 rows per tile: 7 tiles, the last partial
     layer = nn.Linear(64, 20, bias=True)
-    q = QuantizedLinear.from_linear(layer, "INT8", GROUP_SIZE)
+    q = QuantizedLinear.from_linear(layer, "INT8", None)
     x = torch.randn(2, 5, 64)
     want = x.double() @ q.dequantized().double().T + layer.bias.double()
     torch.testing.assert_close(q(x).double(), want, rtol=1e-5, atol=1e-5)
@@ -347,14 +347,14 @@ def as_rank_shards_dequantized(model: nn.Module, shards: list[dict], method: str
     run along K, so a split into rows or heads changes nothing, and head matrices are quantized whole)."""
     for _, module, matrices in list(head_matrix_owners(model)):
         for name, w in matrices.items():
-            setattr(module, name, DenseHeads(dequantize(quantize(w, method, GROUP_SIZE))))
+            setattr(module, name, DenseHeads(dequantize(quantize(w, method, None))))
     for name, _, _, layer in eligible_linears(model):
         w = layer.weight.detach()
         cuts = sorted({rank[name + ".weight"][1:] for rank in shards
                        if rank.get(name + ".weight", (0,))[0] == 1})
         parts = [w[:, lo:hi] for lo, hi in cuts] or [w]
         with torch.no_grad():
-            layer.weight.copy_(torch.cat([dequantize(quantize(p, method, GROUP_SIZE)) for p in parts], dim=1))
+            layer.weight.copy_(torch.cat([dequantize(quantize(p, method, None)) for p in parts], dim=1))
 
 
 def test_tensor_parallel_ranks_quantize_their_shards(tiny_v3):

@@ -111,7 +111,8 @@ def test_default_prefill_dtype_follows_the_cpu(monkeypatch, native):
         fp32 = (moe_module.Q8_TILES_FP32_PREFILL_THRESHOLD if kernels.INT_TILES else moe_module.Q8_FP32_PREFILL_THRESHOLD)
         assert m.prefill_threshold == (moe_module.Q8_BF16_PREFILL_THRESHOLD if native else fp32)
     with CPUMoE("INT8", 64, activations="int8") as m, CPUMoE("INT8", 32, activations="int8") as no_amx:
-        assert m.prefill_threshold == (moe_module.Q8_AMX_PREFILL_THRESHOLD if kernels.AMX else no_amx.prefill_threshold)
+        assert m.prefill_threshold == (moe_module.Q8_AMX_PREFILL_THRESHOLD["INT8"] if kernels.AMX
+                                       else no_amx.prefill_threshold)
 
 
 def bf16_reference(moe: CPUMoE, x, ids, w) -> torch.Tensor:
@@ -294,15 +295,16 @@ def test_transpose_sums_matches_numpy():
     assert (got == src.T).all()
 
 
-@pytest.mark.parametrize("group_shift", [6, 7])
-def test_quantize_groups_to_nearest_code(group_shift):
-    """kernels.quantize_groups (the AMX tiles' activations, each row once): per group of 2**group_shift values the
-    scale max |x| / 127 (to fp32 rounding: fastmath divides by a reciprocal) and each code the nearest one, the
-    largest value at +-127 (an all-zero group: scale 0, zeros)."""
-    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(group_shift)).numpy()
+@pytest.mark.parametrize("group", [64, 128, 384])
+def test_quantize_groups_to_nearest_code(group):
+    """kernels.quantize_groups (the AMX tiles' activations, each row once): per group of values (a weight group, or
+    the whole row: 384) the scale max |x| / 127 (to fp32 rounding: fastmath divides by a reciprocal) and each code the
+    nearest one, the largest value at +-127 (an all-zero group: scale 0, zeros)."""
+    x = torch.randn(5, 384, generator=torch.Generator().manual_seed(group)).numpy()
     x[1, :64] = 0.0
-    xq, xd = kernels.quantize_groups(x, group_shift)
-    groups = x.reshape(5, -1, 1 << group_shift)
+    x[2] = 0.0
+    xq, xd = kernels.quantize_groups(x, group)
+    groups = x.reshape(5, -1, group)
     np.testing.assert_allclose(xd, np.abs(groups).max(-1) / 127, rtol=1e-6)
     codes = xq.reshape(groups.shape).astype(np.float64)
     step = xd[..., None].astype(np.float64)

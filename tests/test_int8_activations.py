@@ -19,6 +19,7 @@ from ktlite.config import EngineConfig
 from ktlite.doctor import cpu_flags
 from ktlite.errors import ConfigError
 from ktlite.kernels.cpu import kernels
+from ktlite.kernels.cpu import moe as moe_module
 from ktlite.kernels.cpu.dense_linear import QuantizedHeads, QuantizedLinear
 from ktlite.kernels.cpu.moe import AMX_MIN_TOKENS, CPUMoE
 from ktlite.kernels.cpu.quant import dequantize, int8_activation_values, quantize, relative_error
@@ -98,18 +99,18 @@ def test_quantized_linear_int8_activations(method):
 
 
 def _moe_reference(moe: CPUMoE, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                   blocks: dict[int, int] | None = None) -> torch.Tensor:
+                   blocks: dict[int, int | None] | None = None) -> torch.Tensor:
     """float64 MoE on the stored weights, each matmul's input quantized as the kernels quantize it: per 32 values,
-    or per blocks[e] for expert e (the AMX tiles: per weight group)."""
+    or per blocks[e] for expert e (the AMX tiles: per weight group, or None: per token, where INT4 scales fold)."""
     gu, dn = (dequantize(q).double() for q in (moe.layers[0].gate_up, moe.layers[0].down))
     inter = dn.shape[-1]
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
     for t in range(x.shape[0]):
         for e, weight in zip(ids[t].tolist(), w[t].tolist()):
             block = (blocks or {}).get(e, 32)
-            h = int8_activation_values(x[t], block) @ gu[e].T
+            h = int8_activation_values(x[t], block or x.shape[1]) @ gu[e].T
             act = torch.nn.functional.silu(h[:inter]) * h[inter:]
-            out[t] += weight * (int8_activation_values(act.float(), block) @ dn[e].T)
+            out[t] += weight * (int8_activation_values(act.float(), block or inter) @ dn[e].T)
     return out
 
 
@@ -139,12 +140,14 @@ AMX = pytest.param(True, id="amx") if kernels.AMX else pytest.param(True, id="am
 @pytest.mark.parametrize("amx", [AMX])
 @pytest.mark.parametrize("method", ["INT4", "INT8"])
 @pytest.mark.parametrize("group", [64, 128])
-@pytest.mark.parametrize("tokens", [6, 40, 150])
+@pytest.mark.parametrize("tokens", [6, 40, 80, 150])
 def test_cpu_moe_amx_tiles(amx, method, group, tokens, monkeypatch):
     """The AMX tiles (kernels.moe_amx, experts with >= AMX_MIN_TOKENS[method] tokens): float64 math on the same int8
-    activations, quantized per weight group. I = 40 and H = 200 (Kp 256): blocks of 32 rows that overlap at
-    the end, padded rows; 4 experts, top 2: 1-75 tokens each, so partial, whole and more than
-    AMX_TOKEN_TILES activation tiles per weight block, and (6 tokens) experts left to the row dots."""
+    activations, quantized per weight group (INT8) or per token (INT4, whose scales fold into the weights: the sums
+    run whole rows). I = 40 and H = 200 (Kp 256): blocks of 32 rows that overlap at
+    the end, padded rows; 4 experts, top 2: 1-75 tokens each, so partial, whole and more than AMX_TOKEN_TILES
+    (FOLDED_TOKEN_TILES: 80 and 150 tokens) activation tiles per weight block, and (6 tokens) experts left to the row
+    dots."""
     g = torch.Generator().manual_seed(tokens + group)
     gate, up = torch.randn(4, 40, 200, generator=g) * 0.1, torch.randn(4, 40, 200, generator=g) * 0.1
     down = torch.randn(4, 200, 40, generator=g) * 0.1
@@ -155,7 +158,8 @@ def test_cpu_moe_amx_tiles(amx, method, group, tokens, monkeypatch):
     with CPUMoE(method, group, activations="int8", prefill_threshold=10**6) as moe:
         moe.add_layer(0, gate, up, down)
         counts = torch.bincount(ids.flatten(), minlength=4).tolist()
-        on_amx = {e: group for e in range(4) if counts[e] >= AMX_MIN_TOKENS[method]}
+        assert all(steps.shape[0] == (4 if method == "INT4" else 0) for steps in moe.layers[0].fold_steps())
+        on_amx = {e: group if method == "INT8" else None for e in range(4) if counts[e] >= AMX_MIN_TOKENS[method]}
         want = _moe_reference(moe, x, ids, w, on_amx)
         # forward: one compiled call (moe_rows_routed) splitting the experts between the tiles and the row dots itself;
         # the reference quantizes the tiles' experts' activations per weight group, the others' per 32 values
@@ -166,6 +170,34 @@ def test_cpu_moe_amx_tiles(amx, method, group, tokens, monkeypatch):
         got = moe.submit(0, x, ids, w).wait()
         assert calls == ([len(on_amx)] if on_amx else [])  # the experts with enough tokens, in one call
         assert relative_error(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("amx", [AMX])
+def test_amx_int4_scales_that_do_not_fold(amx, caplog):
+    """INT4 scales that are not whole multiples of their row's step (written through slot_views, as an expert source
+    or a conversion from before the multiples would): fold_steps says so, and the layer's AMX tiles keep the
+    per-group path (activations quantized per weight group); quantizing the expert into its slot again folds again."""
+    g = torch.Generator().manual_seed(5)
+    gate, up = torch.randn(4, 96, 200, generator=g) * 0.1, torch.randn(4, 96, 200, generator=g) * 0.1
+    down = torch.randn(4, 200, 96, generator=g) * 0.1  # rows of two groups of 64 (a row of one always folds)
+    x = torch.randn(40, 200, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(40)])
+    w = torch.rand(40, 2, generator=g)
+    with CPUMoE("INT4", 64, activations="int8", prefill_threshold=10**6) as moe:
+        moe.add_layer(0, gate, up, down)
+        layer = moe.layers[0]
+        folded = moe.submit(0, x, ids, w).wait()
+        for view in moe.slot_views(0, 2):
+            view.scales[5, 0] *= 1.01  # m x 1.01: no longer a whole multiple of the row's step
+        moe_module._warn_unfolded.cache_clear()
+        assert [steps.shape[0] for steps in layer.fold_steps()] == [0, 0]
+        assert "convert them again" in caplog.text
+        want = _moe_reference(moe, x, ids, w, dict.fromkeys(range(4), 64))
+        assert relative_error(moe.submit(0, x, ids, w).wait(), want) < 1e-4
+        assert relative_error(moe.forward(0, x, ids, w), want) < 1e-4
+        moe.set_expert(0, 2, gate[2], up[2], down[2])
+        assert [steps.shape[0] for steps in layer.fold_steps()] == [4, 4]
+        np.testing.assert_array_equal(moe.submit(0, x, ids, w).wait(), folded)
 
 
 @pytest.mark.parametrize("amx", [AMX])
@@ -190,7 +222,8 @@ def test_amx_int8_rows_from_unaligned_storage(amx):
     outs = []
     for gate_up, down in ((gu.qweight, dn.qweight), (off_line(gu.qweight), off_line(dn.qweight))):
         out = np.zeros((40, 200), np.float32)
-        kernels.moe_amx(x, *routing, gate_up, gu.scales, down, dn.scales, gu.group_shift, dn.group_shift,
+        kernels.moe_amx(x, *routing, gate_up, gu.scales, kernels.NO_STEPS, down, dn.scales, kernels.NO_STEPS,
+                        gu.group_shift, dn.group_shift,
                         kernels.numba.config.NUMBA_NUM_THREADS, np.zeros((40, dn.kp), np.float32), out)
         outs.append((gate_up.ctypes.data % 64, out))
     (line_a, out_a), (line_b, out_b) = outs
@@ -201,17 +234,21 @@ def test_amx_int8_rows_from_unaligned_storage(amx):
 @pytest.mark.parametrize("amx", [AMX])
 @pytest.mark.parametrize("method", ["INT4", "INT8"])
 @pytest.mark.parametrize("group", [64, 128])
-@pytest.mark.parametrize("past_rows", [0, 37, 200])
+@pytest.mark.parametrize("past_rows", [0, 37, 1000])
 def test_quantized_heads_amx_tiles(amx, method, group, past_rows, monkeypatch):
     """The CPU-only device side on AMX tiles (kernels.linear_amx, from where the row dots stop up to the matmul
     path): 3 stacked matrices of 40 rows (blocks of 32 overlapping) x 200 (padded to 256), float64 math on the
-    same per-group int8 activations; one token fewer stays on the row dots. fp32 inputs stay on the tiles past
-    the bf16 inputs' crossover (200 past the row dots: 264 tokens), where the matmul path's fp32 GEMM is slower."""
+    same int8 activations (per weight group; per token for INT4, whose scales fold); one token fewer stays on the
+    row dots. fp32 inputs stay on the tiles past INT8's bf16 crossover (1000 past the row dots: 1064 tokens), where
+    the matmul path's fp32 GEMM is slower; INT4's folded tiles keep bf16 inputs as long as fp32 ones."""
     g = torch.Generator().manual_seed(past_rows + group)
     heads = QuantizedHeads.from_matrices(torch.randn(3, 40, 200, generator=g), method, group, int8_activations=True)
     tokens = heads.rows_tokens[torch.float32] + past_rows
     assert tokens < heads.gemm_tokens[torch.float32]
-    assert past_rows < 200 or heads.gemm_tokens[torch.bfloat16] <= tokens
+    if method == "INT8":
+        assert past_rows < 1000 or heads.gemm_tokens[torch.bfloat16] <= tokens
+    else:
+        assert heads.gemm_tokens[torch.bfloat16] == heads.gemm_tokens[torch.float32]
     calls = []
     amx_kernel = kernels.linear_amx
     monkeypatch.setattr(kernels, "linear_amx", lambda *a: calls.append(a[0].shape) or amx_kernel(*a))
@@ -220,7 +257,8 @@ def test_quantized_heads_amx_tiles(amx, method, group, past_rows, monkeypatch):
     heads.project(x[:heads.rows_tokens[torch.float32] - 1])
     assert calls == [(tokens, 3, 200)]
     weights = heads.dequantized().double()
-    want = torch.stack([int8_activation_values(x[:, h], group) @ weights[h].T for h in range(3)], 1)
+    block = group if method == "INT8" else 200  # INT4: per token, the scales folding into the weights
+    want = torch.stack([int8_activation_values(x[:, h], block) @ weights[h].T for h in range(3)], 1)
     assert relative_error(got, want) < 1e-5
 
 
@@ -240,6 +278,7 @@ def test_cpu_activations_setting(tmp_path):
 _PATH_SCRIPT = """
 import json, numpy as np, torch
 from ktlite.kernels.cpu import kernels
+from ktlite.kernels.cpu import moe as moe_module
 from ktlite.kernels.cpu.quant import dequantize, int8_activation_values, quantize, relative_error
 errors = {"path": kernels.int_dot_path()}
 x = torch.randn(2, 300, generator=torch.Generator().manual_seed(1))
@@ -318,6 +357,7 @@ def test_engine_int8_activations_stay_close_to_fp32(tiny_v3):
 _ONE_CALL_SCRIPT = """
 import json, torch
 from ktlite.kernels.cpu import kernels
+from ktlite.kernels.cpu import moe as moe_module
 from ktlite.kernels.cpu.moe import CPUMoE
 g = torch.Generator().manual_seed(0)
 gate, up = torch.randn(4, 64, 128, generator=g), torch.randn(4, 64, 128, generator=g)

@@ -83,11 +83,12 @@ def _layer_tensors(gate_up: QuantizedWeight, down: QuantizedWeight) -> dict[str,
             "down.qweight": t(down.qweight), "down.scales": t(down.scales)}
 
 
-def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, method: str, group_size: int = 64,
+def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, method: str, group_size: int | None = None,
                        progress: bool = True) -> Path:
-    """Quantize every routed expert of `model_dir` into `output_dir`; returns the manifest path."""
+    """Quantize every routed expert of `model_dir` into `output_dir` (group_size None: the method's default); returns
+    the manifest path."""
     method = normalize_kt_method(method)
-    check_group_size(method, group_size)
+    group_size = check_group_size(method, group_size)
     reader = CheckpointReader(model_dir)
     cfg = parse_config(reader.config)
     n_experts, hidden, inter = _dims(reader.config)

@@ -32,13 +32,10 @@ from torch import nn
 
 from ktlite.config import EngineConfig
 from ktlite.kernels.cpu.dense_linear import DenseWorkspace, QuantizedHeads, QuantizedLinear
-from ktlite.kernels.cpu.quant import matrix_bytes, quantize
+from ktlite.kernels.cpu.quant import check_group_size, matrix_bytes, quantize
 from ktlite.runtime.memory import allocated_by_component, components_of
 
 logger = logging.getLogger(__name__)
-
-GROUP_SIZE = 64  # weights per scale, as the CPU experts' default (--kt-group-size)
-
 
 def eligible_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Linear]]:
     """(qualified name, parent, attribute name, layer) of every Linear the CPU dense path quantizes. The
@@ -73,7 +70,7 @@ def head_matrix_owners(model: nn.Module) -> Iterator[tuple[str, nn.Module, dict[
             yield prefix, module, matrices
 
 
-def quantize_dense(model: nn.Module, method: str, group_size: int = GROUP_SIZE, int8_activations: bool = False) -> int:
+def quantize_dense(model: nn.Module, method: str, group_size: int | None = None, int8_activations: bool = False) -> int:
     """Swap every eligible Linear of `model` (weights loaded, on the CPU) for a QuantizedLinear in `method`
     (INT8 or INT4; dotted with int8 activations if asked), in place, one layer (or fused group) at a time (the
     full-precision weight is freed as its replacement arrives), and store every offered set of head matrices as
@@ -107,13 +104,14 @@ def apply_cpu_dense(model: nn.Module, config: EngineConfig) -> None:
     int8 = config.cpu_int8_activations
     count = quantize_dense(model, method, int8_activations=int8)
     logger.info("--cpu-dense-method %s: %d device-side linear layers / head stacks quantized (group %d), %s activations", method,
-                count, GROUP_SIZE, "int8" if int8 else "fp32")
+                count, check_group_size(method, None), "int8" if int8 else "fp32")
 
 
-def planned_weight_bytes(model: nn.Module, method: str, group_size: int = GROUP_SIZE) -> dict[str, int]:
+def planned_weight_bytes(model: nn.Module, method: str, group_size: int | None = None) -> dict[str, int]:
     """Bytes per memory-plan component of `model`'s parameters and buffers once `quantize_dense(model,
     method)` has run (what `allocated_by_component` then reports); works on a meta-device model, as the
     memory plan builds it."""
+    group_size = check_group_size(method, group_size)
     out = allocated_by_component(model)
     owner = components_of(model)
     for qualified, _, _, layer in eligible_linears(model):

@@ -110,7 +110,7 @@ class Hardware:
 # ---- CPU expert bytes ------------------------------------------------------------------------
 
 
-def cpu_expert_bytes(cfg: ModelConfig, method: str, group_size: int) -> int | None:
+def cpu_expert_bytes(cfg: ModelConfig, method: str, group_size: int | None) -> int | None:
     """Bytes of one routed expert (gate, up, down) in the CPU store for `--kt-method`; None for
     LLAMAFILE, whose size is the GGUF file's own (not in config.json)."""
     method = normalize_kt_method(method)

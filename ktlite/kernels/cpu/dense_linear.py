@@ -126,11 +126,16 @@ class QuantizedHeads(nn.Module):
                and weight.group_size >= kernels.AMX_MIN_GROUP)  # as for an expert's matrices (moe.amx_fits)
         # tokens from which the matmul path wins: after the AMX tiles where they run (against oneDNN's bf16 GEMM as
         # for the experts, its fp32 one much later), else after the row dots
-        amx_until = {torch.bfloat16: Q8_AMX_PREFILL_THRESHOLD, torch.float32: AMX_FP32_GEMM_TOKENS}
-        self.gemm_tokens = {dt: max(n, amx_until[dt]) if amx else n for dt, n in self.rows_tokens.items()}
+        if amx:
+            amx_until = {torch.bfloat16: Q8_AMX_PREFILL_THRESHOLD[weight.method], torch.float32: AMX_FP32_GEMM_TOKENS}
+            self.gemm_tokens = {dt: max(n, amx_until[dt]) for dt, n in self.rows_tokens.items()}
+        else:
+            self.gemm_tokens = dict(self.rows_tokens)
+        # whether the AMX tiles sum whole rows (INT4 scales folding into the weights, kernels.fold_steps)
+        self._steps = kernels.fold_steps(weight.scales) if amx and weight.method == "INT4" else kernels.NO_STEPS
 
     @classmethod
-    def from_matrices(cls, w: torch.Tensor, method: str, group_size: int, workspace: DenseWorkspace | None = None,
+    def from_matrices(cls, w: torch.Tensor, method: str, group_size: int | None, workspace: DenseWorkspace | None = None,
                       int8_activations: bool = False) -> QuantizedHeads:
         """`w [G, N, K]` quantized to `method` (INT8/INT4)."""
         return cls(quantize(w.detach(), method, group_size), workspace, int8_activations)
@@ -166,7 +171,7 @@ class QuantizedHeads(nn.Module):
     def _amx(self, x: torch.Tensor) -> torch.Tensor:
         """More tokens on an AMX CPU: the AMX tiles on x in fp32 (int8-quantized per weight group inside)."""
         return self._fused(x, lambda xf, w, out: kernels.linear_amx(
-            xf, w.qweight, w.scales, w.group_shift, w.kp, numba.config.NUMBA_NUM_THREADS, out))
+            xf, w.qweight, w.scales, self._steps, w.group_shift, w.kp, numba.config.NUMBA_NUM_THREADS, out))
 
     def _fused(self, x: torch.Tensor,
                kernel: Callable[[np.ndarray, QuantizedWeight, np.ndarray], None]) -> torch.Tensor:
@@ -211,7 +216,7 @@ class QuantizedLinear(QuantizedHeads):
         self.output_op = output_op
 
     @classmethod
-    def from_linear(cls, layer: nn.Linear, method: str, group_size: int, workspace: DenseWorkspace | None = None,
+    def from_linear(cls, layer: nn.Linear, method: str, group_size: int | None, workspace: DenseWorkspace | None = None,
                     int8_activations: bool = False) -> QuantizedLinear:
         """`layer`'s weight quantized to `method` (INT8/INT4); its bias, memory-plan component tag and
         `output_op` carry over."""

@@ -40,7 +40,10 @@ owns whole rows of `act`/`out`, so there are no races. For many tokens gemm.py's
 `scatter_add_bf16` adds its bf16 expert outputs, weighted, into the fp32 result.
 
 `moe_amx` is moe_rows on AMX-INT8 tiles (CPUs with AMX, INT4/INT8 experts with groups of >= 64): per expert,
-blocks of 32 weight rows times pairs of tiles of 16 tokens' int8 activations (amx_block_dot, see AMX_ROWS below).
+blocks of 32 weight rows times pairs of tiles of 16 tokens' int8 activations quantized per weight group, each group's
+int32 sums rescaled (amx_block_dot, see AMX_ROWS below); INT4 rows whose group scales are whole multiples of one step
+per row (fold_steps; ktlite's quantizer makes them so) unpack as code x multiple instead and sum whole rows against
+activations quantized per token, a 16-row weight tile times up to four token tiles (amx_folded_block_dot).
 
 `linear_rows` is the same GEMV for a stack of plain matrices, each with its own inputs: the device-side
 Linear layers (one matrix) and per-head matrices (MLA's W_UK / W_UV) of a CPU-only run (dense_linear.py).
@@ -65,6 +68,7 @@ from numba.extending import intrinsic, overload
 
 from ktlite.kernels.cpu.fp8 import E4M3
 from ktlite.kernels.cpu.gguf_quants import BLOCKS
+from ktlite.kernels.cpu.quantizer import INT4_MULTIPLES
 from ktlite.kernels.cpu.target import amx_permitted, configure_numba
 from ktlite.kernels.cpu.threads import ensure_threadsafe_layer
 
@@ -553,6 +557,12 @@ AMX_ROWS = 16  # rows of an AMX tile: weight rows per tile, and tokens per activ
 AMX_BLOCK_ROWS = 2 * AMX_ROWS  # weight rows per amx_block_dot: two weight tiles
 AMX_TOKEN_TILES = 2  # activation tiles per amx_block_dot
 AMX_MIN_GROUP = 64  # weights per group at least (one tile is 64 weights deep)
+FOLDED_TOKEN_TILES = 4  # activation tiles per amx_folded_block_dot
+SUMS_TILES = max(AMX_TOKEN_TILES, FOLDED_TOKEN_TILES)  # activation tiles' sums per block dot, either kind
+# activation tiles' bytes a thread walks its weight blocks with (they stay in its L2: 2 MB a core on Sapphire
+# Rapids): an expert with more tokens runs over its weights again per share of this size. V3 at 512 tokens per expert
+# (32 tiles of 7168 x 16 bytes, 3.6 MB) took 5x its time at 128 with all tiles at once.
+AMX_TILE_BYTES = 1 << 20
 # INT4 (2 x 2): tmm0-3 sums, tmm4/5 the two weight tiles, tmm6/7 the two activation tiles; INT8: tmm0 / 4 / 6
 _TMM_SUMS, _TMM_W, _TMM_X = 0, 4, 6
 
@@ -590,7 +600,7 @@ class _BlockArgs:
     """amx_block_dot's arguments as LLVM values: the weight rows from r0 on (bytes), their scale rows, and activation
     tile j's int8 bytes and scales."""
 
-    def __init__(self, context, builder, sig, args):
+    def __init__(self, context, builder, sig, args, n_tiles: int = 2):
         qa, sa, xba, xdba, self.outa = (context.make_array(sig.args[i])(context, builder, args[i])
                                         for i in (0, 1, 3, 4, 8))
         r0, t0, nt, self.gs = args[2], args[5], args[6], args[7]
@@ -600,8 +610,8 @@ class _BlockArgs:
         self.qbase = builder.bitcast(builder.gep(qa.data, [builder.mul(r0, self.nb)], inbounds=True), _I8.as_pointer())
         self.row_scales = [builder.gep(sa.data, [builder.mul(builder.add(r0, _c64(i)), n_groups)])
                            for i in range(AMX_BLOCK_ROWS)]
-        tiles = [builder.add(t0, _c64(j)) for j in range(AMX_TOKEN_TILES)]
-        self.used = [builder.icmp_signed(">", nt, _c64(j)) for j in range(AMX_TOKEN_TILES)]
+        tiles = [builder.add(t0, _c64(j)) for j in range(n_tiles)]
+        self.used = [builder.icmp_signed(">", nt, _c64(j)) for j in range(n_tiles)]
         self.x = [builder.bitcast(builder.gep(xba.data, [builder.mul(t, tile_bytes)]), _I8.as_pointer()) for t in tiles]
         self.xd = [builder.gep(xdba.data, [builder.mul(t, builder.mul(n_groups, _c64(AMX_ROWS)))]) for t in tiles]
         self.last = builder.sub(builder.shl(_c64(1), self.gs), _c64(64))  # k & (group - 1) of a group's last 64
@@ -611,6 +621,13 @@ class _BlockArgs:
         return builder.icmp_unsigned("==", builder.and_(k, builder.add(self.last, _c64(63))), self.last)
 
 
+def _block_dot_types(q, s, xb, xdb, out) -> bool:
+    return (isinstance(q, types.Array) and q.dtype in (types.int8, types.uint8)
+            and all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == d and a.ndim == n
+                    for a, d, n in ((q, q.dtype, 2), (s, types.float32, 2), (xb, types.int8, 3),
+                                    (xdb, types.float32, 3), (out, types.float32, 3))))
+
+
 @intrinsic
 def amx_block_dot(typingctx, q, s, r0, xb, xdb, t0, nt, gs, out):
     """out[j, i, c] = (row r0 + i of q/s) . (token c of activation tile t0 + j) for i < 32, c < 16 and j < nt <=
@@ -618,11 +635,7 @@ def amx_block_dot(typingctx, q, s, r0, xb, xdb, t0, nt, gs, out):
     activation tiles in VNNI layout, xdb [tiles, Kp >> gs, 16] their scales per group; out [>= nt, 32, 16].
     INT4 rows: 2 x 2 tiles of sums, each 64-byte step unpacked once for both activation tiles (_int4_block_dot);
     INT8 rows: one weight tile x one activation tile at a time, the scaled sums in registers (_int8_block_dot)."""
-    ok = (isinstance(q, types.Array) and q.dtype in (types.int8, types.uint8)
-          and all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == d and a.ndim == n
-                  for a, d, n in ((q, q.dtype, 2), (s, types.float32, 2), (xb, types.int8, 3),
-                                  (xdb, types.float32, 3), (out, types.float32, 3))))
-    if not ok:
+    if not _block_dot_types(q, s, xb, xdb, out):
         return None
     sig = types.void(q, s, types.int64, xb, xdb, types.int64, types.int64, types.int64, out)
     block_dot = _int8_block_dot if q.dtype == types.int8 else _int4_block_dot
@@ -632,6 +645,55 @@ def amx_block_dot(typingctx, q, s, r0, xb, xdb, t0, nt, gs, out):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def amx_folded_block_dot(typingctx, q, s, r0, xb, xdb, t0, nt, gs, out, m):
+    """amx_block_dot for INT4 rows whose group scales are whole multiples of one step per row (fold_steps): s [N, 1]
+    the steps, m [32, G] int8 the multiples of rows r0..r0 + 31, xdb [tiles, 1, 16] one activation scale per token. Each weight is
+    unpacked as code x m, so the int32 sums run the whole row in the tiles and are scaled once, by step x activation
+    scale: no per-group rescale, which costs twice the multiply (bench/RESULTS.md)."""
+    if not (_block_dot_types(q, s, xb, xdb, out) and q.dtype == types.uint8 and isinstance(m, types.Array)
+            and m.dtype == types.int8 and m.ndim == 2 and m.layout == "C"):
+        return None
+    sig = types.void(q, s, types.int64, xb, xdb, types.int64, types.int64, types.int64, out, m)
+
+    def codegen(context, builder, sig, args):
+        ma = context.make_array(sig.args[9])(context, builder, args[9])
+        _int4_folded_dot(builder, _BlockArgs(context, builder, sig, args, FOLDED_TOKEN_TILES), ma)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _times_m_tables(builder):
+    """Byte tables code -> (code - 8) x m for m = -INT4_MULTIPLES..INT4_MULTIPLES, 16 bytes each (vpshufb's)."""
+    name = "ktlite_int4_times_m"
+    table = builder.module.globals.get(name)
+    if table is None:
+        values = [(n - 8) * m for m in range(-INT4_MULTIPLES, INT4_MULTIPLES + 1) for n in range(16)]
+        table = cgutils.global_constant(builder.module, name, ir.Constant(ir.ArrayType(_I8, len(values)), values))
+        table.align = 16
+    return builder.bitcast(table, _I8.as_pointer())
+
+
+def _times_m(builder, tables, m, nibbles):
+    """(nibbles - 8) x m for 64 nibbles (bytes 0..15) and one multiple m (i8): its table in each 16-byte lane."""
+    at = builder.mul(builder.add(builder.sext(m, _I64), _c64(INT4_MULTIPLES)), _c64(16))
+    lane = builder.load(builder.bitcast(builder.gep(tables, [at]), ir.VectorType(_I8, 16).as_pointer()), align=1)
+    table = builder.shuffle_vector(lane, ir.Constant(ir.VectorType(_I8, 16), None),
+                                   ir.Constant(ir.VectorType(_I32, 64), [n % 16 for n in range(64)]))
+    return _call(builder, "llvm.x86.avx512.pshuf.b.512", _B64, [table, nibbles])
+
+
+def _unpack_int4(builder, a: _BlockArgs, rows: range, step, unpacked, decode):
+    """Rows `rows` of the block, 64 stored bytes each (128 weights: low nibbles weights 0-63 of the step, high nibbles
+    64-127, quant.py) into unpacked (128 bytes a row, the low half first) as decode(row, half, nibbles) gives them."""
+    b0 = builder.shl(step, _c64(6))
+    for n, i in enumerate(rows):
+        w = _vload(builder, a.qbase, builder.add(b0, builder.mul(_c64(i), a.nb)), _B64)
+        for half, nibbles in enumerate((builder.and_(w, _cvec(_B64, 15)), builder.lshr(w, _cvec(_B64, 4)))):
+            _vstore(builder, decode(i, half, nibbles), unpacked, _c64(128 * n + 64 * half))
 
 
 def _int4_block_dot(builder, a: _BlockArgs):
@@ -688,22 +750,65 @@ def _int4_block_dot(builder, a: _BlockArgs):
             flush(builder.lshr(k, a.gs))
 
     with cgutils.for_range(builder, builder.lshr(a.nb, _c64(6))) as loop:  # 64 stored bytes of each row a step
-        b0 = builder.shl(loop.index, _c64(6))
-        offs = [builder.add(b0, builder.mul(_c64(i), a.nb)) for i in range(AMX_BLOCK_ROWS)]
         # the block 32 rows on (contiguous, the next call but one for gate/up) read in order: 32 lines a step
         ahead = builder.add(builder.mul(_c64(AMX_BLOCK_ROWS), a.nb), builder.shl(loop.index, _c64(11)))
         for i in range(AMX_BLOCK_ROWS):
             _prefetch(builder, a.qbase, ahead, 64 * i)
-        # 128 weights: low nibbles are weights 0-63, high nibbles 64-127 (quant.py), minus 8
         eight = _cvec(_B64, 8)
-        for i, off in enumerate(offs):
-            w = _vload(builder, a.qbase, off, _B64)
-            _vstore(builder, builder.sub(builder.and_(w, _cvec(_B64, 15)), eight), unpacked, _c64(128 * i))
-            _vstore(builder, builder.sub(builder.lshr(w, _cvec(_B64, 4)), eight), unpacked, _c64(128 * i + 64))
+        _unpack_int4(builder, a, range(AMX_BLOCK_ROWS), loop.index, unpacked, lambda i, half, v: builder.sub(v, eight))
         k0 = builder.shl(loop.index, _c64(7))
         for half in range(2):
             step([builder.gep(unpacked, [_c64(64 * half + 128 * AMX_ROWS * w)]) for w in range(2)],
                  builder.add(k0, _c64(64 * half)))
+    _tile_op(builder, "tilerelease")
+
+
+def _int4_folded_dot(builder, a: _BlockArgs, multiples):
+    """32 INT4 rows whose scales fold (amx_folded_block_dot), one weight tile of 16 at a time over the whole row x up
+    to FOLDED_TOKEN_TILES activation tiles: each 64-byte step of the 16 rows unpacked once (code x m, a vpshufb table
+    per row and group) for all of them, the int32 sums in tmm0-3 until the row ends, then scaled once into out."""
+    bp = _I8.as_pointer()
+    sums = builder.bitcast(_tile_buffer(builder, AMX_ROWS * 64), bp)
+    unpacked = builder.bitcast(_tile_buffer(builder, AMX_ROWS * 128), bp)
+    tables = _times_m_tables(builder)
+    n_groups = cgutils.unpack_tuple(builder, multiples.shape)[1]
+    _tile_config(builder)
+    for w in range(AMX_BLOCK_ROWS // AMX_ROWS):
+        rows = range(AMX_ROWS * w, AMX_ROWS * (w + 1))
+        for j, used in enumerate(a.used):
+            with builder.if_then(used):
+                _tile_op(builder, "tilezero", j)
+
+        def times_m(i, half, nibbles):
+            g = builder.lshr(builder.add(k0, _c64(64 * half)), a.gs)
+            return _times_m(builder, tables, _load(builder, multiples.data, builder.add(builder.mul(_c64(i), n_groups),
+                                                                                          g)), nibbles)
+
+        with cgutils.for_range(builder, builder.lshr(a.nb, _c64(6))) as loop:  # 64 stored bytes of each row a step
+            k0 = builder.shl(loop.index, _c64(7))
+            # the next 16 rows (the other weight tile, then the next block) read in the same order: 16 lines a step
+            ahead = builder.add(builder.mul(_c64(AMX_ROWS * (w + 1)), a.nb), builder.shl(loop.index, _c64(6)))
+            for i in range(AMX_ROWS):
+                _prefetch(builder, a.qbase, ahead, 0)
+                ahead = builder.add(ahead, a.nb)
+            _unpack_int4(builder, a, rows, loop.index, unpacked, times_m)
+            for half in range(2):
+                k = builder.add(k0, _c64(64 * half))
+                _tile_op(builder, "tileloadd64", _TMM_W + half, builder.gep(unpacked, [_c64(64 * half)]), _c64(128))
+                for j, used in enumerate(a.used):
+                    with builder.if_then(used):
+                        x = _TMM_X + (2 * half + j) % 2
+                        _tile_op(builder, "tileloadd64", x, builder.gep(a.x[j], [builder.shl(k, _c64(4))]), _c64(64))
+                        _tile_op(builder, "tdpbssd", j, _TMM_W + half, x)
+        for j, used in enumerate(a.used):  # out[j, row] = sums x step of the row x the tokens' scales
+            with builder.if_then(used):
+                _tile_op(builder, "tilestored64", j, sums, _c64(64))
+                xd = _vload(builder, a.xd[j], _c64(0), _VF)
+                for n, i in enumerate(rows):
+                    c = builder.sitofp(_vload(builder, sums, _c64(64 * n), _V32), _VF)
+                    scale = builder.fmul(_splat(builder, _load(builder, a.row_scales[i], _c64(0))), xd)
+                    _vstore(builder, builder.fmul(c, scale), a.outa.data,
+                            _c64(j * AMX_BLOCK_ROWS * AMX_ROWS + AMX_ROWS * i))
     _tile_op(builder, "tilerelease")
 
 
@@ -874,12 +979,11 @@ def quantize_group(x, q):
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def quantize_groups(x, group_shift):
-    """x [R, Kp] fp32 -> (xq [R, Kp] int8, xd [R, Kp >> group_shift] fp32): each group of 2**group_shift values
-    quantized (quantize_group)."""
-    gsize = 1 << group_shift
+def quantize_groups(x, gsize):
+    """x [R, Kp] fp32 -> (xq [R, Kp] int8, xd [R, Kp / gsize] fp32): each group of gsize values (a multiple of 16
+    dividing Kp) quantized (quantize_group)."""
     xq = np.empty(x.shape, np.int8)
-    xd = np.empty((x.shape[0], x.shape[1] >> group_shift), np.float32)
+    xd = np.empty((x.shape[0], x.shape[1] // gsize), np.float32)
     for r in prange(x.shape[0]):
         xr, qr = x[r], xq[r]
         for g in range(xd.shape[1]):
@@ -1570,41 +1674,148 @@ def cache_line_bytes(n):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _pack_tiles(x, rows, first, end, group_shift):
-    """The activation tiles (pack_amx_tile) of every expert: tile t holds x[rows[p]] for its pairs first[t]:end[t].
-    Each row of x is quantized once, however many experts it goes to (V3: 8)."""
-    xq, xd = quantize_groups(x, group_shift)
+def _pack_tiles(x, rows, first, end, gsize):
+    """The activation tiles (pack_amx_tile) of every expert: tile t holds x[rows[p]] for its pairs first[t]:end[t],
+    quantized per gsize values. Each row of x is quantized once, however many experts it goes to (V3: 8)."""
+    xq, xd = quantize_groups(x, gsize)
     xb = cache_line_bytes(first.shape[0] * x.shape[1] * 16).view(np.int8).reshape((first.shape[0], x.shape[1] // 4, 64))
-    xdb = np.empty((first.shape[0], x.shape[1] >> group_shift, AMX_ROWS), np.float32)
+    xdb = np.empty((first.shape[0], x.shape[1] // gsize, AMX_ROWS), np.float32)
     for t in prange(first.shape[0]):
         pack_amx_tile(xq, xd, rows[first[t]:end[t]], xb[t], xdb[t])
     return xb, xdb
 
 
+NO_STEPS = np.empty((0, 0, 1), np.float32)  # fold_steps' answer where the scales do not fold
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def fold_steps(s):
+    """The step of each row of INT4 group scales s [S, N, G] ([S, N, 1] fp32) if every scale is a whole multiple m of
+    its row's step (1 <= |m| <= INT4_MULTIPLES, or a zero scale; quantizer._row_multiples makes them so), else
+    NO_STEPS: the AMX tiles then unpack code x m and sum whole rows (_amx_matrices). INT4 weights made otherwise (a
+    conversion from before the multiples) keep the per-group path. Once per stored matrix (moe.ExpertLayer,
+    dense_linear)."""
+    n_rows, n_groups = s.shape[1], s.shape[2]
+    steps = np.empty((s.shape[0], n_rows, 1), np.float32)
+    misses = np.zeros(s.shape[0] * n_rows, np.int64)
+    limit = np.float32(INT4_MULTIPLES)
+    for sr in prange(s.shape[0] * n_rows):
+        row = s[sr // n_rows, sr % n_rows]
+        top = np.float32(0.0)
+        for g in range(n_groups):
+            top = max(top, abs(row[g]))
+        step = top / limit
+        steps[sr // n_rows, sr % n_rows, 0] = step
+        inv = np.float32(1.0) / step if step > 0 else np.float32(0.0)
+        for g in range(n_groups):
+            m = np.rint(row[g] * inv)
+            misses[sr] += (abs(m) > limit) | (m * step != row[g])
+    return steps if misses.sum() == 0 else steps[:0]
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _block_multiples(s, steps, r0, m):
+    """m [32, G] int8 = s[r0 + i] / steps[r0 + i] for the 32 rows of a block (fold_steps: whole numbers)."""
+    for i in range(AMX_BLOCK_ROWS):
+        inv = np.float32(1.0) / steps[r0 + i, 0] if steps[r0 + i, 0] > 0 else np.float32(0.0)
+        row, mi = s[r0 + i], m[i]
+        for g in range(row.shape[0]):
+            mi[g] = np.int8(np.rint(row[g] * inv))
+
+
+def _int4_rows(q):  # pragma: no cover - replaced in jit code
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+@overload(_int4_rows, inline="always")
+def _int4_rows_impl(q):
+    """Whether stored matrices q hold INT4 rows (a constant of q's type)."""
+    answer = q.dtype == types.uint8
+    return lambda q: answer
+
+
+def _folded_block_dot(q, s, r0, xb, xdb, t0, nt, gs, out, m):  # pragma: no cover - replaced in jit code
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+@overload(_folded_block_dot, inline="always")
+def _folded_block_dot_impl(q, s, r0, xb, xdb, t0, nt, gs, out, m):
+    """amx_folded_block_dot for INT4 rows; nothing for INT8 rows, whose steps _amx_project empties."""
+    if q.dtype == types.uint8:
+        return lambda q, s, r0, xb, xdb, t0, nt, gs, out, m: amx_folded_block_dot(q, s, r0, xb, xdb, t0, nt, gs, out, m)
+    return lambda q, s, r0, xb, xdb, t0, nt, gs, out, m: None
+
+
+@njit(nogil=True, cache=True)
+def _weight_passes(tile_ptr, per_pass):
+    """The passes over the experts' weights, per_pass of an expert's activation tiles each: (expert, first tile)."""
+    n = 0
+    for e in range(tile_ptr.shape[0] - 1):
+        n += (tile_ptr[e + 1] - tile_ptr[e] + per_pass - 1) // per_pass
+    passes = np.empty((n, 2), np.int64)
+    n = 0
+    for e in range(tile_ptr.shape[0] - 1):
+        for p0 in range(tile_ptr[e], tile_ptr[e + 1], per_pass):
+            passes[n, 0], passes[n, 1] = e, p0
+            n += 1
+    return passes
+
+
+@njit(nogil=True, cache=True)
+def _amx_project(q, s, steps, group_shift, x, rows, slots, tile_ptr, first, end, threads, sums, act, tok_idx, tok_w,
+                 out):
+    """x[rows[p]] of pairs p (tiles as _token_tiles gives them) through the matrices q[slots] on AMX tiles
+    (_amx_matrices): with one activation scale per token where the scales fold (steps: fold_steps), else with the
+    activations quantized per weight group."""
+    if not _int4_rows(q):
+        steps = steps[:0]  # INT8 rows never fold: their codes fill the byte
+    gsize = x.shape[1] if steps.shape[0] > 0 else 1 << group_shift
+    xb, xdb = _pack_tiles(x, rows, first, end, gsize)
+    _amx_matrices(q, s, steps, group_shift, xb, xdb, slots, tile_ptr, first, end, threads, sums, act, tok_idx, tok_w,
+                  out)
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _amx_matrices(q, s, group_shift, xb, xdb, slots, tile_ptr, first, end, threads, sums, act, tok_idx, tok_w, out):
+def _amx_matrices(q, s, steps, group_shift, xb, xdb, slots, tile_ptr, first, end, threads, sums, act, tok_idx, tok_w,
+                  out):
     """One matrix per expert on AMX tiles, pairs' activations in tiles (xb, xdb; tile_ptr, first, end as
-    _token_tiles gives them). With act (gate_up: q [E, 2I, ...], gate rows then up rows) act[p, i] = SiLU(gate_i .
-    x_p) * (up_i . x_p); without (act empty; down: q [E, H, ...]) out[tok_idx[p], h] += tok_w[p] * (row_h . x_p).
+    _token_tiles gives them). Where steps is not NO_STEPS (fold_steps; xdb then has one scale per token) each block's
+    multiples are taken from the scales and the sums run whole rows (amx_folded_block_dot). With act
+    (gate_up: q [E, 2I, ...], gate rows then up rows) act[p, i] = SiLU(gate_i . x_p) * (up_i . x_p); without (act empty; down: q [E, H, ...]) out[tok_idx[p], h] += tok_w[p] * (row_h . x_p).
     Each of `threads` tasks owns a contiguous share of the blocks of AMX_BLOCK_ROWS rows (whole columns of act /
     out) and runs every expert over it, so an expert's activation tiles stay in cache across the share. The last
-    block starts at N - 32 and writes only the rows no other block wrote. sums [threads, 2, AMX_TOKEN_TILES, 32, 16]."""
+    block starts at N - 32 and writes only the rows no other block wrote. sums [threads, 2, SUMS_TILES, 32, 16]."""
     gated = act.shape[0] > 0
     rows = q.shape[1] // 2 if gated else q.shape[1]
     blocks = (rows + AMX_BLOCK_ROWS - 1) // AMX_BLOCK_ROWS
     share = (blocks + threads - 1) // threads
     by_token = np.empty((threads, AMX_ROWS, AMX_BLOCK_ROWS), np.float32)  # per thread: one tile's sums, transposed
+    folded = steps.shape[0] > 0
+    per_call = FOLDED_TOKEN_TILES if folded else AMX_TOKEN_TILES  # activation tiles per block dot
+    per_pass = max(1, AMX_TILE_BYTES // (xb.shape[1] * 64 * per_call)) * per_call  # activation tiles per weight pass
+    passes = _weight_passes(tile_ptr, per_pass)
+    halves = 2 if gated else 1  # gated: the gate rows, then the up rows
+    multiples = np.empty((threads, halves, AMX_BLOCK_ROWS, s.shape[2]), np.int8)
     for task in prange(threads):
         tid = get_thread_id()
-        for m in range(slots.shape[0]):
+        for pn in range(passes.shape[0]):
+            e, p0 = passes[pn, 0], passes[pn, 1]
+            qe, se = q[slots[e]], s[slots[e]]
             for b in range(task * share, min(blocks, (task + 1) * share)):
                 r0 = min(b * AMX_BLOCK_ROWS, rows - AMX_BLOCK_ROWS)
                 skip = b * AMX_BLOCK_ROWS - r0  # the rows the block before this (last) one wrote
-                for t0 in range(tile_ptr[m], tile_ptr[m + 1], AMX_TOKEN_TILES):
-                    nt = min(AMX_TOKEN_TILES, tile_ptr[m + 1] - t0)
-                    amx_block_dot(q[slots[m]], s[slots[m]], r0, xb, xdb, t0, nt, group_shift, sums[tid, 0])
-                    if gated:
-                        amx_block_dot(q[slots[m]], s[slots[m]], rows + r0, xb, xdb, t0, nt, group_shift, sums[tid, 1])
+                if folded:
+                    for half in range(halves):
+                        _block_multiples(se, steps[slots[e]], half * rows + r0, multiples[tid, half])
+                for t0 in range(p0, min(p0 + per_pass, tile_ptr[e + 1]), per_call):
+                    nt = min(per_call, tile_ptr[e + 1] - t0)
+                    for half in range(halves):
+                        r = half * rows + r0
+                        if folded:
+                            _folded_block_dot(qe, steps[slots[e]], r, xb, xdb, t0, nt, group_shift, sums[tid, half],
+                                              multiples[tid, half])
+                        else:
+                            amx_block_dot(qe, se, r, xb, xdb, t0, nt, group_shift, sums[tid, half])
                     for j in range(nt):
                         if gated:
                             silu_mul(sums[tid, 0, j], sums[tid, 1, j])
@@ -1622,24 +1833,25 @@ def _amx_matrices(q, s, group_shift, xb, xdb, slots, tile_ptr, first, end, threa
 
 
 @njit(nogil=True, cache=True)
-def moe_amx(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act, out):
+def moe_amx(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, gu_steps, d_q, d_s, d_steps, gu_shift, d_shift, threads, act,
+            out):
     """moe_rows with int8 activations on AMX tiles (INT4/INT8 rows, groups of >= AMX_MIN_GROUP, I and H >= 32):
     per expert, its pairs' activations in tiles of 16 tokens, 32-row weight blocks times AMX_TOKEN_TILES of them
-    at once (_amx_matrices). threads: numba's thread count (per-thread sums); the other arguments as moe_rows."""
+    at once (_amx_matrices). gu_steps / d_steps: fold_steps of the matrices (NO_STEPS: per-group path). threads:
+    numba's thread count (per-thread sums); the other arguments as moe_rows."""
     tile_ptr, first, end = _token_tiles(tok_ptr)
-    sums = np.empty((threads, 2, AMX_TOKEN_TILES, AMX_BLOCK_ROWS, AMX_ROWS), np.float32)
-    xb, xdb = _pack_tiles(x, tok_idx, first, end, gu_shift)
-    _amx_matrices(gu_q, gu_s, gu_shift, xb, xdb, slots, tile_ptr, first, end, threads, sums, act, tok_idx, tok_w, out)
-    ab, adb = _pack_tiles(act, np.arange(act.shape[0]), first, end, d_shift)
-    _amx_matrices(d_q, d_s, d_shift, ab, adb, slots, tile_ptr, first, end, threads, sums, act[:0], tok_idx, tok_w,
-                  out)
+    sums = np.empty((threads, 2, SUMS_TILES, AMX_BLOCK_ROWS, AMX_ROWS), np.float32)
+    _amx_project(gu_q, gu_s, gu_steps, gu_shift, x, tok_idx, slots, tile_ptr, first, end, threads, sums, act, tok_idx,
+                 tok_w, out)
+    _amx_project(d_q, d_s, d_steps, d_shift, act, np.arange(act.shape[0]), slots, tile_ptr, first, end, threads, sums,
+                 act[:0], tok_idx, tok_w, out)
 
 
 @njit(nogil=True, cache=True)
-def linear_amx(x, q, s, group_shift, kp, threads, out):
+def linear_amx(x, q, s, steps, group_shift, kp, threads, out):
     """linear_rows' job (same arguments, int8 activations) on AMX tiles: INT4/INT8 rows, groups of >= AMX_MIN_GROUP,
-    N >= 32. Matrix g's tokens x[:, g] are its "pairs": _amx_matrices as for the experts' down projection, each
-    token weighted 1 into out (zeroed here) viewed as [T * G, N]."""
+    N >= 32; steps: fold_steps(s) (or NO_STEPS). Matrix g's tokens x[:, g] are its "pairs": _amx_matrices as for the
+    experts' down projection, each token weighted 1 into out (zeroed here) viewed as [T * G, N]."""
     tokens, groups = x.shape[0], x.shape[1]
     xp = _stacked_inputs(x, kp)
     rows = np.empty(tokens * groups, np.int64)  # pair g * tokens + t (matrix g's t-th) reads row t * groups + g
@@ -1647,12 +1859,11 @@ def linear_amx(x, q, s, group_shift, kp, threads, out):
         for g in range(groups):
             rows[g * tokens + t] = t * groups + g
     tile_ptr, first, end = _token_tiles(np.arange(groups + 1) * tokens)
-    xb, xdb = _pack_tiles(xp, rows, first, end, group_shift)
     flat = out.reshape((tokens * groups, out.shape[2]))
     flat[:] = 0.0
-    sums = np.empty((threads, 2, AMX_TOKEN_TILES, AMX_BLOCK_ROWS, AMX_ROWS), np.float32)
-    _amx_matrices(q, s, group_shift, xb, xdb, np.arange(groups), tile_ptr, first, end, threads, sums,
-                  np.empty((0, 0), np.float32), rows, np.ones(tokens * groups, np.float32), flat)
+    sums = np.empty((threads, 2, SUMS_TILES, AMX_BLOCK_ROWS, AMX_ROWS), np.float32)
+    _amx_project(q, s, steps, group_shift, xp, rows, np.arange(groups), tile_ptr, first, end, threads, sums,
+                 np.empty((0, 0), np.float32), rows, np.ones(tokens * groups, np.float32), flat)
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -1839,9 +2050,9 @@ def moe_rows_routed(x, ids, weights, skip, experts):  # pragma: no cover - compi
     pool's in one list), x [T, H] padded to kp_h, the experts with amx_from or more pairs through moe_amx and the
     others through moe_rows, as CPUMoE._run_pool splits them -> (out [T, H] fp32, the id of an expert neither stored
     nor skipped, else -1: nothing is computed then). experts = (slot_of, pool_of, n_pools, gu_q, gu_s, d_q, d_s,
-    gu_shift, d_shift, kp_h, kp_i, q8, scratch, amx_from, threads): CPUMoE.decode_experts."""
-    slot_of, pool_of, n_pools, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, kp_h, kp_i, q8, scratch, amx_from, threads = \
-        experts
+    gu_shift, d_shift, kp_h, kp_i, q8, scratch, amx_from, threads, gu_steps, d_steps): CPUMoE.decode_experts."""
+    (slot_of, pool_of, n_pools, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, kp_h, kp_i, q8, scratch, amx_from, threads,
+     gu_steps, d_steps) = experts
     slots, tok_ptr, tok_idx, tok_w, _, missing = group_pairs(ids, weights, slot_of, pool_of, skip, n_pools)
     out = np.zeros((x.shape[0], x.shape[1]), np.float32)
     if missing >= 0 or slots.size == 0:
@@ -1856,25 +2067,30 @@ def moe_rows_routed(x, ids, weights, skip, experts):  # pragma: no cover - compi
     if tiles.any():
         a_slots, a_ptr, a_idx, a_w = _selected_slots(slots, tok_ptr, tok_idx, tok_w, tiles)
         act = np.zeros((a_idx.shape[0], kp_i), np.float32)
-        _moe_amx_on_int_rows(xp, a_slots, a_ptr, a_idx, a_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act, out)
+        _moe_amx_on_int_rows(xp, a_slots, a_ptr, a_idx, a_w, gu_q, gu_s, gu_steps, d_q, d_s, d_steps, gu_shift, d_shift,
+                             threads, act, out)
     return out, missing
 
 
-def _moe_amx_on_int_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act,
-                         out):  # pragma: no cover - replaced in jit code
+def _moe_amx_on_int_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, gu_steps, d_q, d_s, d_steps, gu_shift, d_shift,
+                         threads, act, out):  # pragma: no cover - replaced in jit code
     raise NotImplementedError("_moe_amx_on_int_rows is only callable from numba-compiled code")
 
 
 @overload(_moe_amx_on_int_rows, inline="always")
-def _moe_amx_on_int_rows_impl(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act,
-                              out):
+def _moe_amx_on_int_rows_impl(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, gu_steps, d_q, d_s, d_steps, gu_shift,
+                              d_shift, threads, act, out):
     """moe_amx for INT4/INT8 rows on a CPU with AMX; nothing elsewhere: other formats never get there
     (CPUMoE._amx_tokens) and moe_amx's tiles do not type for them, and without AMX in the compile target LLVM cannot
     emit the tile instructions at all. A choice at compile time, so moe_rows_routed compiles for every format and CPU."""
     if AMX and gu_q.dtype in (types.uint8, types.int8) and d_q.dtype in (types.uint8, types.int8):
-        return lambda x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act, out: \
-            moe_amx(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act, out)
-    return lambda x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, threads, act, out: None
+        def on_amx(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, gu_steps, d_q, d_s, d_steps, gu_shift, d_shift,
+                   threads, act, out):
+            moe_amx(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, gu_steps, d_q, d_s, d_steps, gu_shift, d_shift,
+                    threads, act, out)
+        return on_amx
+    return lambda x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, gu_steps, d_q, d_s, d_steps, gu_shift, d_shift, \
+        threads, act, out: None
 
 
 @njit(nogil=True, cache=True)

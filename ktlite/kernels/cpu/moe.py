@@ -2,7 +2,7 @@
 
 API (what the runtime calls):
 
-    moe = CPUMoE(method="INT4", group_size=64, num_threads=None, threadpool_count=1,
+    moe = CPUMoE(method="INT4", group_size=None, num_threads=None, threadpool_count=1,
                  prefill_threshold=None, prefill_dtype=None,  # None: bf16 where it beats fp32 here
                  activations="fp32")  # --cpu-activations: int8, fp32 or auto (quant.int8_activations)
     moe.add_layer(layer_idx, gate[E, I, H], up[E, I, H], down[E, H, I], cpu_experts=None)
@@ -51,11 +51,12 @@ all the threads: for a caller with nothing to overlap (a CPU device), where the 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numba
 import numpy as np
@@ -103,9 +104,11 @@ Q8_METHODS = (*INT_DOT_METHODS, "RAWINT4")  # --kt-method values stored as INT4/
 # 37.6 ms, at 3 39.9 vs 45.0 ms). Not from a tie on: the AMX tiles quantize activations per weight group, the row
 # dots per 32 values, so an expert's output depends on how many tokens share it from here on.
 AMX_MIN_TOKENS = {"INT4": 4, "INT8": 3}
-# the AMX tiles against bf16 (AMX) GEMMs, same VM, V3 layer: the tiles won at 128 tokens per expert (INT4 360 vs
-# 507 ms, INT8 402 vs 507 ms), tied at 256 (INT4 732 vs 698 ms, INT8 749 vs 750 ms)
-Q8_AMX_PREFILL_THRESHOLD = 256
+# the AMX tiles against bf16 (AMX) GEMMs (dequantize + oneDNN), same VM, V3 layer (8 experts, each token to all),
+# ms at 256 / 512 / 1024 / 2048 tokens per expert: INT4 (scales folded) 85.7 / 158.8 / 325.4 / 745 vs 167.0 / 270.3 /
+# 447.2 / 821 (0.51x rising to 0.91x: oneDNN from 4096, the trend's tie); INT8 (groups of 128) 103.4 / 232.0 / 458.9
+# vs 190.7 / 267.3 / 455.7 (tied at 1024). INT4 weights whose scales do not fold run their tiles per group, slower.
+Q8_AMX_PREFILL_THRESHOLD = {"INT4": 4096, "INT8": 1024}
 
 
 def default_prefill_threshold(method: str, prefill_dtype: torch.dtype, int8_activations: bool = False,
@@ -114,7 +117,7 @@ def default_prefill_threshold(method: str, prefill_dtype: torch.dtype, int8_acti
     fused kernel has AMX tiles for these weights (CPUMoE with groups of >= 64 on an AMX CPU)."""
     q8 = int8_activations and method in Q8_METHODS
     if q8 and amx:
-        return Q8_AMX_PREFILL_THRESHOLD
+        return Q8_AMX_PREFILL_THRESHOLD[method]
     if prefill_dtype == torch.bfloat16:
         return Q8_BF16_PREFILL_THRESHOLD if q8 else DEFAULT_PREFILL_THRESHOLD[method]
     if q8:
@@ -139,9 +142,53 @@ class ExpertLayer:
     pool_of: np.ndarray  # [S] pool that owns each slot
     gate_up: QuantizedWeight  # [S, 2I, H]: gate rows then up rows
     down: QuantizedWeight  # [S, H, I]
+    # kernels.fold_steps of gate_up / down per slot, and whether each slot's scales fold; slots written since the
+    # last check are checked again (a dynamic placement swap re-checks one slot, not the layer)
+    _steps: list[np.ndarray] = field(default_factory=list)
+    _folds: np.ndarray = field(default_factory=lambda: np.zeros((2, 0), bool))
+    _unchecked: set[int] = field(default_factory=set)
+    _checking: threading.Lock = field(default_factory=threading.Lock)  # the pools' threads share the layer
 
     def nbytes(self) -> int:
         return self.gate_up.nbytes() + self.down.nbytes()
+
+    def fold_steps(self) -> tuple[np.ndarray, np.ndarray]:
+        """The steps (kernels.fold_steps) of gate_up and of down where every slot's INT4 scales fold, else NO_STEPS
+        (also for INT8 and off AMX): the AMX tiles then sum whole rows."""
+        with self._checking:
+            return self._checked_steps()
+
+    def _checked_steps(self) -> tuple[np.ndarray, np.ndarray]:
+        folding = [w if w.method == "INT4" and amx_fits(self) else None for w in (self.gate_up, self.down)]
+        if not self._steps:
+            self._steps = [np.zeros((self.experts.size, 0 if w is None else w.scales.shape[1], 1), np.float32)
+                           for w in folding]
+            self._folds = np.zeros((2, self.experts.size), bool)
+            self._unchecked = set(range(self.experts.size))
+        for slot in self._unchecked:
+            for i, w in enumerate(folding):
+                steps = kernels.NO_STEPS if w is None else kernels.fold_steps(w.scales[slot:slot + 1])
+                self._folds[i, slot] = steps.shape[0] > 0
+                if steps.shape[0]:
+                    self._steps[i][slot] = steps[0]
+        self._unchecked.clear()
+        unfolded = [w is not None and not folds.all() for w, folds in zip(folding, self._folds)]
+        if any(unfolded):
+            _warn_unfolded()
+        return tuple(kernels.NO_STEPS if w is None or off else steps
+                     for w, steps, off in zip(folding, self._steps, unfolded))
+
+    def written(self, slot: int) -> None:
+        """The slot was (or is about to be) written: fold_steps checks it again."""
+        with self._checking:
+            self._unchecked.add(slot)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_unfolded() -> None:  # once per process
+    logger.warning("INT4 experts whose group scales are not whole multiples of one step per row (quantized before "
+                   "ktlite made them so, e.g. an older `ktlite convert`): their AMX tiles rescale each group's sums, "
+                   "~1.6-2.3x slower in prefill; convert them again to fold the scales into the weights")
 
 
 def amx_fits(layer: ExpertLayer) -> bool:
@@ -216,7 +263,7 @@ class CPUMoE:
     def __init__(
         self,
         method: str,
-        group_size: int = 64,
+        group_size: int | None = None,
         num_threads: int | None = None,
         threadpool_count: int = 1,
         prefill_threshold: int | None = None,
@@ -279,7 +326,9 @@ class CPUMoE:
     @staticmethod
     def _fill(layer: ExpertLayer, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         slot = int(layer.slot_of[expert])
-        if slot >= 0:  # gate and up straight into their halves of the stack: no concatenated copy
+        if slot >= 0:
+            layer.written(slot)
+            # gate and up straight into their halves of the stack: no concatenated copy
             quantize_into(layer.gate_up, (slot, slice(0, layer.inter)), gate)
             quantize_into(layer.gate_up, (slot, slice(layer.inter, 2 * layer.inter)), up)
             quantize_into(layer.down, (slot,), down)
@@ -288,6 +337,8 @@ class CPUMoE:
         """(gate_up [2I, H], down [H, I]) storage of an expert's slot, to fill in place; None if not on CPU."""
         layer = self._layer(layer_idx)
         slot = int(layer.slot_of[expert])
+        if slot >= 0:
+            layer.written(slot)
         return None if slot < 0 else (layer.gate_up[slot], layer.down[slot])
 
     def add_layer(
@@ -316,6 +367,7 @@ class CPUMoE:
             raise KtliteError(f"layer {layer_idx}: expert {old} is already on CPU")
         layer.slot_of[new], layer.slot_of[old] = -1, slot
         layer.experts[slot] = old
+        layer.written(slot)
         if self.native_fill is not None:  # the checkpoint's own encoding, not a re-quantization
             self.native_fill(layer_idx, old, layer.gate_up[slot], layer.down[slot])
         else:
@@ -365,7 +417,7 @@ class CPUMoE:
         tiles_from = self._amx_tokens(layer)
         return (layer.slot_of, layer.pool_of, self.pools.count, gu.qweight, gu.scales, dn.qweight, dn.scales,
                 gu.group_shift, dn.group_shift, gu.kp, dn.kp, self._int8_dots(layer), self._scratch(layer),
-                tokens + 1 if tiles_from is None else tiles_from, numba.config.NUMBA_NUM_THREADS)
+                tokens + 1 if tiles_from is None else tiles_from, numba.config.NUMBA_NUM_THREADS, *layer.fold_steps())
 
     def run_here(self, fn: Callable, *args):
         """fn(*args) on the calling thread with every pool's numba threads (ExpertPools.run_here)."""
@@ -443,8 +495,9 @@ class CPUMoE:
             if tiles.any():
                 on_amx = light.select(tiles)
                 act = self._act_buffer(on_amx.tok_idx.size, layer)
+                gu_steps, d_steps = layer.fold_steps()
                 kernels.moe_amx(xp, on_amx.slots, on_amx.tok_ptr, on_amx.tok_idx, on_amx.tok_w, gu.qweight, gu.scales,
-                                dn.qweight, dn.scales, gu.group_shift, dn.group_shift,
+                                gu_steps, dn.qweight, dn.scales, d_steps, gu.group_shift, dn.group_shift,
                                 numba.config.NUMBA_NUM_THREADS, act, out.numpy())
         if heavy.any():
             self._run_matmul(layer, work.select(heavy), x.to(self.prefill_dtype), out)

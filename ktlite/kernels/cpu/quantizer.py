@@ -14,6 +14,8 @@ with 7 accumulators (vectorized with `reassoc`), 8 fp32 lanes per op. Two things
   reassociating function, or LLVM folds the multiply back into a division;
 - the errors accumulate in fp32 in vector order (torch sums in its own order): the choice differs
   only when two candidates' errors tie to ~1e-7, which the tests did not meet in millions of groups.
+INT4 scales are then rounded to whole multiples of one step per row (_row_multiples), and the codes taken with the
+rounded scales.
 Source rows are bf16 bits (uint16, the checkpoints' dtype: no fp32 copy) or fp32.
 """
 
@@ -29,6 +31,7 @@ from ktlite.kernels.cpu.threads import ensure_threadsafe_layer
 ensure_threadsafe_layer()
 
 INT4_DIVISORS = (7.0, 7.5, 8.0, 8.5, 9.0, 9.5, 10.0)  # candidate scales: peak / -d
+INT4_MULTIPLES = 15  # a row's group scales are m x its step, |m| <= 15: |code x m| <= 120 fits int8
 _NEG_DIVISORS = np.array([-d for d in INT4_DIVISORS] + [-INT4_DIVISORS[-1]], np.float32)  # padded to 8 lanes
 _REASSOC = {"reassoc", "nsz"}
 
@@ -131,6 +134,26 @@ def _int4_scale(x, neg_divisors, sr, errs):
     return sr[best]
 
 
+@njit(nogil=True, cache=True)
+def _row_multiples(s, bits):
+    """Each group scale of one row rounded to a whole multiple m of the row's step = max |s| / INT4_MULTIPLES
+    (|m| in 1..INT4_MULTIPLES, zero scales stay zero): code x m then fits a signed byte, so the AMX tiles multiply
+    the stored weights as (code x m) and sum a whole row without a per-group rescale (kernels.fold_scales). The
+    step keeps 20 significant bits, so step x m is exact in fp32 and max |s| / INT4_MULTIPLES gives it back.
+    bits: a 1-element uint32 scratch."""
+    top = _amax(s)
+    if top == 0:
+        return
+    f = bits.view(np.float32)
+    f[0] = top / np.float32(INT4_MULTIPLES)
+    bits[0] = (bits[0] + np.uint32(8)) & np.uint32(0xFFFFFFF0)  # round to 20 significant bits
+    step = f[0]
+    for b in range(s.shape[0]):
+        if s[b] != 0:
+            m = min(max(np.rint(abs(s[b]) / step), np.float32(1.0)), np.float32(INT4_MULTIPLES))
+            s[b] = step * m if s[b] > 0 else -step * m
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def quantize_int4_rows(w, neg_divisors, group, scratch, codes, q, s):
     """w [R, K] bf16 bits or fp32 -> q uint8 [R, Kp / 2] (quant.py's nibble layout), s fp32 [R, Kp / G].
@@ -145,10 +168,10 @@ def quantize_int4_rows(w, neg_divisors, group, scratch, codes, q, s):
         errs = np.empty(8, np.float32)
         _to_f32(w[r], k, g)
         for b in range(kp // group):
-            x = g[b * group:(b + 1) * group]
-            scale = _int4_scale(x, neg_divisors, sr, errs)
-            s[r, b] = scale
-            _codes(x, scale, np.float32(-8.0), np.float32(7.0), c[b * group:(b + 1) * group])
+            s[r, b] = _int4_scale(g[b * group:(b + 1) * group], neg_divisors, sr, errs)
+        _row_multiples(s[r], sr[:1].view(np.uint32))
+        for b in range(kp // group):
+            _codes(g[b * group:(b + 1) * group], s[r, b], np.float32(-8.0), np.float32(7.0), c[b * group:(b + 1) * group])
         qr = q[r]
         for ch in range(kp // 128):  # byte j of a 128-weight chunk: k = j (low nibble), k = j + 64 (high)
             lo = c[ch * 128:ch * 128 + 64]
