@@ -87,7 +87,8 @@ def test_many_groups_agree_up_to_fp32_ties():
         peak = g.gather(-1, g.abs().argmax(-1, keepdim=True))
         cands = torch.cat([peak / -d for d in _INT4_DIVISORS], -1)  # [224, 7]
         safe = torch.where(cands == 0, torch.ones_like(cands), cands)
-        err = ((g[:, None, :] / safe[..., None]).round().clamp(-8, 7) * cands[..., None] - g[:, None, :]).square().sum(-1)
+        codes = (g[:, None, :] / safe[..., None]).round().clamp(-8, 7)
+        err = (codes * cands[..., None] - g[:, None, :]).square().sum(-1)
         best2 = err.sort(-1).values[:, :2]
         assert ((best2[:, 1] - best2[:, 0]) <= 1e-6 * best2[:, 1]).any()
     byte = np.arange(q.shape[1])

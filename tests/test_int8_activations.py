@@ -201,11 +201,12 @@ def test_amx_int4_scales_that_do_not_fold(amx, caplog):
 
 
 @pytest.mark.parametrize("amx", [AMX])
-def test_amx_int8_rows_from_unaligned_storage(amx):
+@pytest.mark.parametrize("group", [64, 128])  # the sums in registers, in tiles
+def test_amx_int8_rows_from_unaligned_storage(amx, group):
     """INT8 rows whose storage does not start on a cache line (not made by quant.empty_quantized: a view, another
     loader's bytes) take amx_block_dot's copying path: the same sums as tile loads straight from aligned storage."""
     g = torch.Generator().manual_seed(3)
-    with CPUMoE("INT8", 64, activations="int8") as moe:
+    with CPUMoE("INT8", group, activations="int8") as moe:
         moe.add_layer(0, *(torch.randn(4, *shape, generator=g) for shape in ((40, 200), (40, 200), (200, 40))))
         gu, dn = moe.layers[0].gate_up, moe.layers[0].down
 

@@ -135,7 +135,8 @@ class QuantizedHeads(nn.Module):
         self._steps = kernels.fold_steps(weight.scales) if amx and weight.method == "INT4" else kernels.NO_STEPS
 
     @classmethod
-    def from_matrices(cls, w: torch.Tensor, method: str, group_size: int | None, workspace: DenseWorkspace | None = None,
+    def from_matrices(cls, w: torch.Tensor, method: str, group_size: int | None,
+                      workspace: DenseWorkspace | None = None,
                       int8_activations: bool = False) -> QuantizedHeads:
         """`w [G, N, K]` quantized to `method` (INT8/INT4)."""
         return cls(quantize(w.detach(), method, group_size), workspace, int8_activations)

@@ -555,10 +555,16 @@ def _tile_dot_q8_impl(q, s, r0, xq, xd, tix, group_shift, out):
 # (target.amx_permitted). Groups of 32 would need half-deep tiles: there the VNNI tiles run instead.
 AMX_ROWS = 16  # rows of an AMX tile: weight rows per tile, and tokens per activation tile
 AMX_BLOCK_ROWS = 2 * AMX_ROWS  # weight rows per amx_block_dot: two weight tiles
-AMX_TOKEN_TILES = 2  # activation tiles per amx_block_dot
+AMX_TOKEN_TILES = 2  # activation tiles per amx_block_dot of INT4 rows
 AMX_MIN_GROUP = 64  # weights per group at least (one tile is 64 weights deep)
 FOLDED_TOKEN_TILES = 4  # activation tiles per amx_folded_block_dot
-SUMS_TILES = max(AMX_TOKEN_TILES, FOLDED_TOKEN_TILES)  # activation tiles' sums per block dot, either kind
+# INT8 rows: activation tiles per amx_block_dot, and the groups from which their sums live in tiles (_int8_tiles_dot)
+# rather than registers (_int8_block_dot). A/B on /tmp variants (ms, two runs each): groups of 128, V3 T=128 48.5-50.6
+# -> 42.3-43.7, T=512 195-196 -> 166-170, V2-Lite T=512 52.9-53.0 -> 51.9-53.5; groups of 64 V2-Lite T=512 62-65
+# -> 71-74 (a flush every step), V3 T=128 63-66 -> 61-64. Six tiles instead of four: V3 T=128 47 -> 57.
+INT8_TOKEN_TILES = 4
+INT8_TILES_GROUP_SHIFT = 7
+SUMS_TILES = max(AMX_TOKEN_TILES, FOLDED_TOKEN_TILES, INT8_TOKEN_TILES)  # activation tiles' sums per block dot
 # activation tiles' bytes a thread walks its weight blocks with (they stay in its L2: 2 MB a core on Sapphire
 # Rapids): an expert with more tokens runs over its weights again per share of this size. V3 at 512 tokens per expert
 # (32 tiles of 7168 x 16 bytes, 3.6 MB) took 5x its time at 128 with all tiles at once.
@@ -631,17 +637,27 @@ def _block_dot_types(q, s, xb, xdb, out) -> bool:
 @intrinsic
 def amx_block_dot(typingctx, q, s, r0, xb, xdb, t0, nt, gs, out):
     """out[j, i, c] = (row r0 + i of q/s) . (token c of activation tile t0 + j) for i < 32, c < 16 and j < nt <=
-    AMX_TOKEN_TILES: q/s [N, ...] INT8 (int8) or INT4 (uint8) rows, N >= r0 + 32; xb [tiles, Kp / 4, 64] int8
-    activation tiles in VNNI layout, xdb [tiles, Kp >> gs, 16] their scales per group; out [>= nt, 32, 16].
-    INT4 rows: 2 x 2 tiles of sums, each 64-byte step unpacked once for both activation tiles (_int4_block_dot);
-    INT8 rows: one weight tile x one activation tile at a time, the scaled sums in registers (_int8_block_dot)."""
+    AMX_TOKEN_TILES (INT4) / INT8_TOKEN_TILES (INT8): q/s [N, ...] INT8 (int8) or INT4 (uint8) rows, N >= r0 + 32;
+    xb [tiles, Kp / 4, 64] int8 activation tiles in VNNI layout, xdb [tiles, Kp >> gs, 16] their scales per group;
+    out [>= nt, 32, 16]. INT4 rows: 2 x 2 tiles of sums, each 64-byte step unpacked once for both activation tiles
+    (_int4_block_dot); INT8 rows in groups of >= 2**INT8_TILES_GROUP_SHIFT: one weight tile x the activation tiles,
+    their sums in tiles (_int8_tiles_dot); in smaller groups one weight tile x one activation tile at a time, the
+    scaled sums in registers (_int8_block_dot)."""
     if not _block_dot_types(q, s, xb, xdb, out):
         return None
     sig = types.void(q, s, types.int64, xb, xdb, types.int64, types.int64, types.int64, out)
-    block_dot = _int8_block_dot if q.dtype == types.int8 else _int4_block_dot
+    int8 = q.dtype == types.int8
 
     def codegen(context, builder, sig, args):
-        block_dot(builder, _BlockArgs(context, builder, sig, args))
+        if int8:
+            a = _BlockArgs(context, builder, sig, args, INT8_TOKEN_TILES)
+            with builder.if_else(builder.icmp_signed(">=", a.gs, _c64(INT8_TILES_GROUP_SHIFT))) as (long, short):
+                with long:
+                    _int8_tiles_dot(builder, a)
+                with short:
+                    _int8_block_dot(builder, a)
+        else:
+            _int4_block_dot(builder, _BlockArgs(context, builder, sig, args))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -650,9 +666,9 @@ def amx_block_dot(typingctx, q, s, r0, xb, xdb, t0, nt, gs, out):
 @intrinsic
 def amx_folded_block_dot(typingctx, q, s, r0, xb, xdb, t0, nt, gs, out, m):
     """amx_block_dot for INT4 rows whose group scales are whole multiples of one step per row (fold_steps): s [N, 1]
-    the steps, m [32, G] int8 the multiples of rows r0..r0 + 31, xdb [tiles, 1, 16] one activation scale per token. Each weight is
-    unpacked as code x m, so the int32 sums run the whole row in the tiles and are scaled once, by step x activation
-    scale: no per-group rescale, which costs twice the multiply (bench/RESULTS.md)."""
+    the steps, m [32, G] int8 the multiples of rows r0..r0 + 31, xdb [tiles, 1, 16] one activation scale per token,
+    j < nt <= FOLDED_TOKEN_TILES. Each weight is unpacked as code x m, so the int32 sums run the whole row in the
+    tiles and are scaled once, by step x activation scale: no per-group rescale, which costs twice the multiply."""
     if not (_block_dot_types(q, s, xb, xdb, out) and q.dtype == types.uint8 and isinstance(m, types.Array)
             and m.dtype == types.int8 and m.ndim == 2 and m.layout == "C"):
         return None
@@ -809,6 +825,62 @@ def _int4_folded_dot(builder, a: _BlockArgs, multiples):
                     scale = builder.fmul(_splat(builder, _load(builder, a.row_scales[i], _c64(0))), xd)
                     _vstore(builder, builder.fmul(c, scale), a.outa.data,
                             _c64(j * AMX_BLOCK_ROWS * AMX_ROWS + AMX_ROWS * i))
+    _tile_op(builder, "tilerelease")
+
+
+def _int8_tiles_dot(builder, a: _BlockArgs):
+    """32 INT8 rows, one weight tile of 16 at a time over the whole row x up to INT8_TOKEN_TILES activation tiles
+    (tmm0-3 their sums): each weight tile loaded once a step for all of them; after each group the sums are stored and
+    scaled into out."""
+    bp = _I8.as_pointer()
+    sums = builder.bitcast(_tile_buffer(builder, AMX_ROWS * 64), bp)
+    copied = builder.bitcast(_tile_buffer(builder, AMX_ROWS * 64), bp)
+    aligned = builder.icmp_unsigned("==", builder.and_(builder.ptrtoint(a.qbase, _I64), _c64(63)), _c64(0))
+    for j, used in enumerate(a.used):
+        with builder.if_then(used):
+            for i in range(AMX_BLOCK_ROWS):
+                _vstore(builder, _cvec(_VF, 0.0), a.outa.data, _c64(j * AMX_BLOCK_ROWS * AMX_ROWS + AMX_ROWS * i))
+    _tile_config(builder)
+    for w in range(AMX_BLOCK_ROWS // AMX_ROWS):
+        rows = builder.gep(a.qbase, [builder.mul(a.nb, _c64(AMX_ROWS * w))])
+        for j, used in enumerate(a.used):
+            with builder.if_then(used):
+                _tile_op(builder, "tilezero", j)
+
+        def step(weights, stride, k):
+            _tile_op(builder, "tileloadd64", _TMM_W, weights, stride)
+            for j, used in enumerate(a.used):
+                with builder.if_then(used):
+                    x = _TMM_X + j % 2
+                    _tile_op(builder, "tileloadd64", x, builder.gep(a.x[j], [builder.shl(k, _c64(4))]), _c64(64))
+                    _tile_op(builder, "tdpbssd", j, _TMM_W, x)
+            with builder.if_then(a.group_ends(builder, k)):
+                g = builder.lshr(k, a.gs)
+                for j, used in enumerate(a.used):
+                    with builder.if_then(used):
+                        _tile_op(builder, "tilestored64", j, sums, _c64(64))
+                        _tile_op(builder, "tilezero", j)
+                        xd = _vload(builder, a.xd[j], builder.shl(g, _c64(4)), _VF)
+                        for n in range(AMX_ROWS):
+                            i = AMX_ROWS * w + n
+                            c = builder.sitofp(_vload(builder, sums, _c64(64 * n), _V32), _VF)
+                            scale = builder.fmul(_splat(builder, _load(builder, a.row_scales[i], g)), xd)
+                            off = _c64(j * AMX_BLOCK_ROWS * AMX_ROWS + AMX_ROWS * i)
+                            _vstore(builder, _vfma(builder, c, scale, _vload(builder, a.outa.data, off, _VF)),
+                                    a.outa.data, off)
+
+        with cgutils.for_range(builder, builder.lshr(a.nb, _c64(6))) as loop:  # 64 weights of each row a step
+            k = builder.shl(loop.index, _c64(6))
+            offs = [builder.add(k, builder.mul(_c64(i), a.nb)) for i in range(AMX_ROWS)]
+            for off in offs:  # these rows' next steps
+                _prefetch(builder, rows, off, 512)
+            with builder.if_else(aligned) as (direct, unaligned):
+                with direct:
+                    step(builder.gep(rows, [k]), a.nb, k)
+                with unaligned:
+                    for i, off in enumerate(offs):
+                        _vstore(builder, _vload(builder, rows, off, _B64), copied, _c64(64 * i))
+                    step(copied, _c64(64), k)
     _tile_op(builder, "tilerelease")
 
 
@@ -1781,7 +1853,8 @@ def _amx_matrices(q, s, steps, group_shift, xb, xdb, slots, tile_ptr, first, end
     """One matrix per expert on AMX tiles, pairs' activations in tiles (xb, xdb; tile_ptr, first, end as
     _token_tiles gives them). Where steps is not NO_STEPS (fold_steps; xdb then has one scale per token) each block's
     multiples are taken from the scales and the sums run whole rows (amx_folded_block_dot). With act
-    (gate_up: q [E, 2I, ...], gate rows then up rows) act[p, i] = SiLU(gate_i . x_p) * (up_i . x_p); without (act empty; down: q [E, H, ...]) out[tok_idx[p], h] += tok_w[p] * (row_h . x_p).
+    (gate_up: q [E, 2I, ...], gate rows then up rows) act[p, i] = SiLU(gate_i . x_p) * (up_i . x_p); without (act
+    empty; down: q [E, H, ...]) out[tok_idx[p], h] += tok_w[p] * (row_h . x_p).
     Each of `threads` tasks owns a contiguous share of the blocks of AMX_BLOCK_ROWS rows (whole columns of act /
     out) and runs every expert over it, so an expert's activation tiles stay in cache across the share. The last
     block starts at N - 32 and writes only the rows no other block wrote. sums [threads, 2, SUMS_TILES, 32, 16]."""
@@ -1791,7 +1864,7 @@ def _amx_matrices(q, s, steps, group_shift, xb, xdb, slots, tile_ptr, first, end
     share = (blocks + threads - 1) // threads
     by_token = np.empty((threads, AMX_ROWS, AMX_BLOCK_ROWS), np.float32)  # per thread: one tile's sums, transposed
     folded = steps.shape[0] > 0
-    per_call = FOLDED_TOKEN_TILES if folded else AMX_TOKEN_TILES  # activation tiles per block dot
+    per_call = FOLDED_TOKEN_TILES if folded else AMX_TOKEN_TILES if _int4_rows(q) else INT8_TOKEN_TILES  # per dot
     per_pass = max(1, AMX_TILE_BYTES // (xb.shape[1] * 64 * per_call)) * per_call  # activation tiles per weight pass
     passes = _weight_passes(tile_ptr, per_pass)
     halves = 2 if gated else 1  # gated: the gate rows, then the up rows
@@ -1836,8 +1909,8 @@ def _amx_matrices(q, s, steps, group_shift, xb, xdb, slots, tile_ptr, first, end
 def moe_amx(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, gu_steps, d_q, d_s, d_steps, gu_shift, d_shift, threads, act,
             out):
     """moe_rows with int8 activations on AMX tiles (INT4/INT8 rows, groups of >= AMX_MIN_GROUP, I and H >= 32):
-    per expert, its pairs' activations in tiles of 16 tokens, 32-row weight blocks times AMX_TOKEN_TILES of them
-    at once (_amx_matrices). gu_steps / d_steps: fold_steps of the matrices (NO_STEPS: per-group path). threads:
+    per expert, its pairs' activations in tiles of 16 tokens, 32-row weight blocks times a few of them at once
+    (_amx_matrices). gu_steps / d_steps: fold_steps of the matrices (NO_STEPS: per-group path). threads:
     numba's thread count (per-thread sums); the other arguments as moe_rows."""
     tile_ptr, first, end = _token_tiles(tok_ptr)
     sums = np.empty((threads, 2, SUMS_TILES, AMX_BLOCK_ROWS, AMX_ROWS), np.float32)

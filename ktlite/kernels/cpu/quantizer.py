@@ -171,7 +171,8 @@ def quantize_int4_rows(w, neg_divisors, group, scratch, codes, q, s):
             s[r, b] = _int4_scale(g[b * group:(b + 1) * group], neg_divisors, sr, errs)
         _row_multiples(s[r], sr[:1].view(np.uint32))
         for b in range(kp // group):
-            _codes(g[b * group:(b + 1) * group], s[r, b], np.float32(-8.0), np.float32(7.0), c[b * group:(b + 1) * group])
+            x = g[b * group:(b + 1) * group]
+            _codes(x, s[r, b], np.float32(-8.0), np.float32(7.0), c[b * group:(b + 1) * group])
         qr = q[r]
         for ch in range(kp // 128):  # byte j of a 128-weight chunk: k = j (low nibble), k = j + 64 (high)
             lo = c[ch * 128:ch * 128 + 64]
