@@ -106,9 +106,10 @@ Q8_METHODS = (*INT_DOT_METHODS, "RAWINT4")  # --kt-method values stored as INT4/
 AMX_MIN_TOKENS = {"INT4": 4, "INT8": 3}
 # the AMX tiles against bf16 (AMX) GEMMs (dequantize + oneDNN), same VM, V3 layer (8 experts, each token to all),
 # ms at 256 / 512 / 1024 / 2048 tokens per expert: INT4 (scales folded) 85.7 / 158.8 / 325.4 / 745 vs 167.0 / 270.3 /
-# 447.2 / 821 (0.51x rising to 0.91x: oneDNN from 4096, the trend's tie); INT8 (groups of 128) 103.4 / 232.0 / 458.9
-# vs 190.7 / 267.3 / 455.7 (tied at 1024). INT4 weights whose scales do not fold run their tiles per group, slower.
-Q8_AMX_PREFILL_THRESHOLD = {"INT4": 4096, "INT8": 1024}
+# 447.2 / 821 (0.51x rising to 0.91x: oneDNN from 4096, the trend's tie); INT8 (groups of 128, sums in tiles) at
+# 512 / 1024 / 2048 222.5 / 427.0 / 858.1 vs 254.3 / 453.0 / 792.3 (0.88x, 0.94x, 1.08x: oneDNN from 1536). INT4
+# weights whose scales do not fold run their tiles per group, slower.
+Q8_AMX_PREFILL_THRESHOLD = {"INT4": 4096, "INT8": 1536}
 
 
 def default_prefill_threshold(method: str, prefill_dtype: torch.dtype, int8_activations: bool = False,
