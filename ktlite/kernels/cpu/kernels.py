@@ -869,19 +869,27 @@ def _int8_tiles_dot(builder, a: _BlockArgs):
                             _vstore(builder, _vfma(builder, c, scale, _vload(builder, a.outa.data, off, _VF)),
                                     a.outa.data, off)
 
-        with cgutils.for_range(builder, builder.lshr(a.nb, _c64(6))) as loop:  # 64 weights of each row a step
-            k = builder.shl(loop.index, _c64(6))
-            offs = [builder.add(k, builder.mul(_c64(i), a.nb)) for i in range(AMX_ROWS)]
-            for off in offs:  # these rows' next steps
-                _prefetch(builder, rows, off, 512)
-            with builder.if_else(aligned) as (direct, unaligned):
-                with direct:
-                    step(builder.gep(rows, [k]), a.nb, k)
-                with unaligned:
-                    for i, off in enumerate(offs):
-                        _vstore(builder, _vload(builder, rows, off, _B64), copied, _c64(64 * i))
-                    step(copied, _c64(64), k)
+        _int8_row_steps(builder, a, rows, aligned, copied, step, True)
     _tile_op(builder, "tilerelease")
+
+
+def _int8_row_steps(builder, a: _BlockArgs, rows, aligned, copied, step, prefetch: bool) -> None:
+    """step(weights, stride, k) for each 64-weight step k of the 16 INT8 rows from `rows`, the weight tile straight
+    from storage where the rows start on cache lines, else copied first (a tile row across two lines loads 6x
+    slower); with prefetch, these rows' next steps are prefetched."""
+    with cgutils.for_range(builder, builder.lshr(a.nb, _c64(6))) as loop:
+        k = builder.shl(loop.index, _c64(6))
+        offs = [builder.add(k, builder.mul(_c64(i), a.nb)) for i in range(AMX_ROWS)]
+        if prefetch:
+            for off in offs:
+                _prefetch(builder, rows, off, 512)
+        with builder.if_else(aligned) as (direct, unaligned):
+            with direct:
+                step(builder.gep(rows, [k]), a.nb, k)
+            with unaligned:
+                for i, off in enumerate(offs):
+                    _vstore(builder, _vload(builder, rows, off, _B64), copied, _c64(64 * i))
+                step(copied, _c64(64), k)
 
 
 def _int8_block_dot(builder, a: _BlockArgs):
@@ -917,20 +925,8 @@ def _int8_block_dot(builder, a: _BlockArgs):
                                                  xd)
                             builder.store(_vfma(builder, c, scale, builder.load(acc)), acc)
 
-                with cgutils.for_range(builder, builder.lshr(a.nb, _c64(6))) as loop:  # 64 weights of each row a step
-                    k = builder.shl(loop.index, _c64(6))
-                    offs = [builder.add(k, builder.mul(_c64(i), a.nb)) for i in range(AMX_ROWS)]
-                    if j == 0:  # these rows' next steps, for this activation tile and the next
-                        for off in offs:
-                            _prefetch(builder, rows, off, 512)
-                    # a tile row across two cache lines loads 6x slower: rows not starting on one are copied first
-                    with builder.if_else(aligned) as (direct, unaligned):
-                        with direct:
-                            step(builder.gep(rows, [k]), a.nb, k)
-                        with unaligned:
-                            for i, off in enumerate(offs):
-                                _vstore(builder, _vload(builder, rows, off, _B64), copied, _c64(64 * i))
-                            step(copied, _c64(64), k)
+                # the rows' next steps prefetched once, for this activation tile and the next
+                _int8_row_steps(builder, a, rows, aligned, copied, step, j == 0)
                 op = builder.gep(a.outa.data, [_c64(j * AMX_BLOCK_ROWS * AMX_ROWS + AMX_ROWS * AMX_ROWS * half)])
                 for i, acc in enumerate(accs):
                     _vstore(builder, builder.load(acc), op, _c64(16 * i))
