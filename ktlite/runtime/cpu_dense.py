@@ -37,6 +37,7 @@ from ktlite.runtime.memory import allocated_by_component, components_of
 
 logger = logging.getLogger(__name__)
 
+
 def eligible_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Linear]]:
     """(qualified name, parent, attribute name, layer) of every Linear the CPU dense path quantizes. The
     caller may replace each layer as it comes: only parents and names are held, so a replaced layer's

@@ -819,13 +819,20 @@ def _int4_folded_dot(builder, a: _BlockArgs, multiples):
         for j, used in enumerate(a.used):  # out[j, row] = sums x step of the row x the tokens' scales
             with builder.if_then(used):
                 _tile_op(builder, "tilestored64", j, sums, _c64(64))
-                xd = _vload(builder, a.xd[j], _c64(0), _VF)
-                for n, i in enumerate(rows):
-                    c = builder.sitofp(_vload(builder, sums, _c64(64 * n), _V32), _VF)
-                    scale = builder.fmul(_splat(builder, _load(builder, a.row_scales[i], _c64(0))), xd)
-                    _vstore(builder, builder.fmul(c, scale), a.outa.data,
-                            _c64(j * AMX_BLOCK_ROWS * AMX_ROWS + AMX_ROWS * i))
+                _scaled_into_out(builder, a, sums, rows, j, _c64(0), False)
     _tile_op(builder, "tilerelease")
+
+
+def _scaled_into_out(builder, a: _BlockArgs, sums, rows: range, j: int, g, add: bool) -> None:
+    """out[j, i] = (or += with add) row n of the stored sums tile x (row i's weight scale of group g x activation tile
+    j's token scales of group g) for the block rows i = rows[n]."""
+    xd = _vload(builder, a.xd[j], builder.shl(g, _c64(4)), _VF)
+    for n, i in enumerate(rows):
+        c = builder.sitofp(_vload(builder, sums, _c64(64 * n), _V32), _VF)
+        scale = builder.fmul(_splat(builder, _load(builder, a.row_scales[i], g)), xd)
+        off = _c64(j * AMX_BLOCK_ROWS * AMX_ROWS + AMX_ROWS * i)
+        _vstore(builder, _vfma(builder, c, scale, _vload(builder, a.outa.data, off, _VF)) if add
+                else builder.fmul(c, scale), a.outa.data, off)
 
 
 def _int8_tiles_dot(builder, a: _BlockArgs):
@@ -855,19 +862,12 @@ def _int8_tiles_dot(builder, a: _BlockArgs):
                     _tile_op(builder, "tileloadd64", x, builder.gep(a.x[j], [builder.shl(k, _c64(4))]), _c64(64))
                     _tile_op(builder, "tdpbssd", j, _TMM_W, x)
             with builder.if_then(a.group_ends(builder, k)):
-                g = builder.lshr(k, a.gs)
                 for j, used in enumerate(a.used):
                     with builder.if_then(used):
                         _tile_op(builder, "tilestored64", j, sums, _c64(64))
                         _tile_op(builder, "tilezero", j)
-                        xd = _vload(builder, a.xd[j], builder.shl(g, _c64(4)), _VF)
-                        for n in range(AMX_ROWS):
-                            i = AMX_ROWS * w + n
-                            c = builder.sitofp(_vload(builder, sums, _c64(64 * n), _V32), _VF)
-                            scale = builder.fmul(_splat(builder, _load(builder, a.row_scales[i], g)), xd)
-                            off = _c64(j * AMX_BLOCK_ROWS * AMX_ROWS + AMX_ROWS * i)
-                            _vstore(builder, _vfma(builder, c, scale, _vload(builder, a.outa.data, off, _VF)),
-                                    a.outa.data, off)
+                        _scaled_into_out(builder, a, sums, range(AMX_ROWS * w, AMX_ROWS * (w + 1)), j,
+                                         builder.lshr(k, a.gs), True)
 
         _int8_row_steps(builder, a, rows, aligned, copied, step, True)
     _tile_op(builder, "tilerelease")

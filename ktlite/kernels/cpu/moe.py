@@ -149,6 +149,7 @@ class ExpertLayer:
     _folds: np.ndarray = field(default_factory=lambda: np.zeros((2, 0), bool))
     _unchecked: set[int] = field(default_factory=set)
     _checking: threading.Lock = field(default_factory=threading.Lock)  # the pools' threads share the layer
+    _answer: tuple[np.ndarray, np.ndarray] | None = None  # fold_steps' until a slot is written (every decode step asks)
 
     def nbytes(self) -> int:
         return self.gate_up.nbytes() + self.down.nbytes()
@@ -157,7 +158,9 @@ class ExpertLayer:
         """The steps (kernels.fold_steps) of gate_up and of down where every slot's INT4 scales fold, else NO_STEPS
         (also for INT8 and off AMX): the AMX tiles then sum whole rows."""
         with self._checking:
-            return self._checked_steps()
+            if self._answer is None:
+                self._answer = self._checked_steps()
+            return self._answer
 
     def _checked_steps(self) -> tuple[np.ndarray, np.ndarray]:
         folding = [w if w.method == "INT4" and amx_fits(self) else None for w in (self.gate_up, self.down)]
@@ -183,6 +186,7 @@ class ExpertLayer:
         """The slot was (or is about to be) written: fold_steps checks it again."""
         with self._checking:
             self._unchecked.add(slot)
+            self._answer = None
 
 
 @functools.lru_cache(maxsize=None)
