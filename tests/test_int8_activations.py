@@ -173,6 +173,29 @@ def test_cpu_moe_amx_tiles(amx, method, group, tokens, monkeypatch):
 
 
 @pytest.mark.parametrize("amx", [AMX])
+@pytest.mark.parametrize("method", ["INT4", "INT8"])
+def test_one_call_reuses_its_intermediate_rows(amx, method):
+    """forward's one compiled call (moe_rows_routed) keeps its [pairs, Kp] intermediate rows in a buffer reused across
+    calls (CPUMoE.decode_experts): whatever an earlier call left there, in the padding after I too, changes nothing.
+    I = 40 (Kp 64), 4 experts, top 2 of 80 tokens: experts on the tiles where the CPU has AMX, and (the second call,
+    6 tokens) on the row dots."""
+    g = torch.Generator().manual_seed(11)
+    gate, up = torch.randn(4, 40, 200, generator=g) * 0.1, torch.randn(4, 40, 200, generator=g) * 0.1
+    down = torch.randn(4, 200, 40, generator=g) * 0.1
+    with CPUMoE(method, 64, activations="int8", prefill_threshold=10**6) as moe:
+        moe.add_layer(0, gate, up, down)
+        for tokens in (80, 6):
+            x = torch.randn(tokens, 200, generator=g)
+            ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(tokens)])
+            w = torch.rand(tokens, 2, generator=g)
+            first = moe.forward(0, x, ids, w)
+            assert moe._bufs, "forward kept no buffer"
+            for buf in moe._bufs.values():
+                buf.fill_(float("nan"))
+            assert torch.equal(moe.forward(0, x, ids, w), first)
+
+
+@pytest.mark.parametrize("amx", [AMX])
 def test_amx_int4_scales_that_do_not_fold(amx, caplog):
     """INT4 scales that are not whole multiples of their row's step (written through slot_views, as an expert source
     or a conversion from before the multiples would): fold_steps says so, and the layer's AMX tiles keep the

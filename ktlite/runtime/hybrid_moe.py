@@ -56,7 +56,7 @@ class CPUExperts(Protocol):
 
     def dequantized_expert(self, layer: int, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def decode_experts(self, layer: int, tokens: int, width: int) -> tuple | None: ...
+    def decode_experts(self, layer: int, tokens: int, width: int, top_k: int) -> tuple | None: ...
 
     def run_here(self, fn: Callable, *args): ...
 
@@ -160,7 +160,7 @@ class HybridMoE:
             shared = swiglu_weights(mlp.gate_up_proj, mlp.down_proj, tokens)
             if shared is None:
                 return None
-        experts = self.cpu.decode_experts(self.layer_idx, tokens, norm.weight.shape[0])
+        experts = self.cpu.decode_experts(self.layer_idx, tokens, norm.weight.shape[0], self.router.spec.top_k)
         if experts is None:
             return None
         bias = self.router.e_score_correction_bias

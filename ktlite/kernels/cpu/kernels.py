@@ -2119,26 +2119,48 @@ def moe_rows_routed(x, ids, weights, skip, experts):  # pragma: no cover - compi
     pool's in one list), x [T, H] padded to kp_h, the experts with amx_from or more pairs through moe_amx and the
     others through moe_rows, as CPUMoE._run_pool splits them -> (out [T, H] fp32, the id of an expert neither stored
     nor skipped, else -1: nothing is computed then). experts = (slot_of, pool_of, n_pools, gu_q, gu_s, d_q, d_s,
-    gu_shift, d_shift, kp_h, kp_i, q8, scratch, amx_from, threads, gu_steps, d_steps): CPUMoE.decode_experts."""
+    gu_shift, d_shift, kp_h, kp_i, q8, scratch, amx_from, threads, gu_steps, d_steps, work): CPUMoE.decode_experts;
+    work: >= T * k * kp_i fp32, the fused kernels' intermediate rows (reused across calls: a fresh one page-faults,
+    ~10 % of a 512-token V3 layer)."""
     (slot_of, pool_of, n_pools, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, kp_h, kp_i, q8, scratch, amx_from, threads,
-     gu_steps, d_steps) = experts
+     gu_steps, d_steps, work) = experts
     slots, tok_ptr, tok_idx, tok_w, _, missing = group_pairs(ids, weights, slot_of, pool_of, skip, n_pools)
     out = np.zeros((x.shape[0], x.shape[1]), np.float32)
     if missing >= 0 or slots.size == 0:
         return out, missing
-    xp = np.zeros((x.shape[0], kp_h), np.float32)
-    xp[:, :x.shape[1]] = x
+    xp = padded_rows(x, kp_h)
     tiles = (tok_ptr[1:] - tok_ptr[:-1]) >= amx_from
+    inter = gu_q.shape[1] // 2
     if not tiles.all():
         r_slots, r_ptr, r_idx, r_w = _selected_slots(slots, tok_ptr, tok_idx, tok_w, ~tiles)
-        act = np.zeros((r_idx.shape[0], kp_i), np.float32)
+        act = _pair_rows(work, r_idx.shape[0], kp_i, inter)
         moe_rows(xp, r_slots, r_ptr, r_idx, r_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, q8, scratch, act, out)
     if tiles.any():
         a_slots, a_ptr, a_idx, a_w = _selected_slots(slots, tok_ptr, tok_idx, tok_w, tiles)
-        act = np.zeros((a_idx.shape[0], kp_i), np.float32)
+        act = _pair_rows(work, a_idx.shape[0], kp_i, inter)
         _moe_amx_on_int_rows(xp, a_slots, a_ptr, a_idx, a_w, gu_q, gu_s, gu_steps, d_q, d_s, d_steps, gu_shift, d_shift,
                              threads, act, out)
     return out, missing
+
+
+@njit(nogil=True, cache=True)
+def padded_rows(x, kp):  # pragma: no cover - compiled
+    """x [T, K] with zero columns up to kp (the row kernels read whole padded rows): x itself where K == kp (a
+    fresh copy of 512 V3 rows is 15 MB of page faults)."""
+    if x.shape[1] == kp:
+        return x
+    xp = np.zeros((x.shape[0], kp), np.float32)
+    xp[:, :x.shape[1]] = x
+    return xp
+
+
+@njit(nogil=True, cache=True)
+def _pair_rows(work, pairs, kp, inter):  # pragma: no cover - compiled
+    """[pairs, kp] fp32 rows over the reused buffer `work`: the kernels write columns < inter of every row, and read
+    the padding after them as zeros."""
+    act = work[:pairs * kp].reshape((pairs, kp))
+    act[:, inter:] = 0.0
+    return act
 
 
 def _moe_amx_on_int_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, gu_steps, d_q, d_s, d_steps, gu_shift, d_shift,

@@ -402,15 +402,17 @@ class CPUMoE:
                 skip_mask: torch.Tensor | None = None) -> torch.Tensor:
         """submit(...).wait(), computed on the calling thread (ExpertPools.run_here): for a caller with
         nothing to overlap."""
-        experts = self.decode_experts(layer_idx, hidden.shape[0], hidden.shape[-1]) if hidden.dim() == 2 else None
+        experts = (self.decode_experts(layer_idx, hidden.shape[0], hidden.shape[-1], topk_ids.shape[-1])
+                   if hidden.dim() == 2 else None)
         if experts is not None:
             return self.pools.run_here(self._one_call, layer_idx, experts, hidden, topk_ids, topk_weights, skip_mask)
         layer, works, x = self._prepare(layer_idx, hidden, topk_ids, topk_weights, skip_mask)
         parts = [self.pools.run_here(self._run_pool, layer, w, x) for w in works if w.slots.size]
         return _summed(parts, hidden)
 
-    def decode_experts(self, layer_idx: int, tokens: int, width: int) -> tuple | None:
-        """kernels.moe_rows_routed's `experts` for the layer where `forward` takes `tokens` rows of `width` in that one
+    def decode_experts(self, layer_idx: int, tokens: int, width: int, top_k: int) -> tuple | None:
+        """kernels.moe_rows_routed's `experts` for the layer where `forward` takes `tokens` rows of `width` (each
+        routed to `top_k` experts: the fused kernels' intermediate rows are a reused buffer) in that one
         compiled call, else None. It does where there are too few tokens for any expert to reach the matmul path, so
         every pool's work is the fused kernels' anyway, split between the row dots and the AMX tiles as _run_pool
         splits it (a decode step; the general path spends ~15 numpy / torch operations a layer choosing that, ~130 us
@@ -422,7 +424,8 @@ class CPUMoE:
         tiles_from = self._amx_tokens(layer)
         return (layer.slot_of, layer.pool_of, self.pools.count, gu.qweight, gu.scales, dn.qweight, dn.scales,
                 gu.group_shift, dn.group_shift, gu.kp, dn.kp, self._int8_dots(layer), self._scratch(layer),
-                tokens + 1 if tiles_from is None else tiles_from, numba.config.NUMBA_NUM_THREADS, *layer.fold_steps())
+                tokens + 1 if tiles_from is None else tiles_from, numba.config.NUMBA_NUM_THREADS, *layer.fold_steps(),
+                self._buffer("fused_act", tokens * top_k * dn.kp, torch.float32).numpy())
 
     def run_here(self, fn: Callable, *args):
         """fn(*args) on the calling thread with every pool's numba threads (ExpertPools.run_here)."""
@@ -485,9 +488,7 @@ class CPUMoE:
         light = work.select(~heavy) if heavy.any() else work  # decode: no selection to build
         if light.slots.size:
             gu, dn = layer.gate_up, layer.down
-            # the row kernels read whole padded rows: x and act get zero columns up to Kp
-            xp = np.zeros((x.shape[0], gu.kp), np.float32)
-            xp[:, :layer.hidden] = x.float().numpy()
+            xp = kernels.padded_rows(np.ascontiguousarray(x.float().numpy()), gu.kp)
             q8 = self._int8_dots(layer)
             tiles_from = self._amx_tokens(layer)
             tiles = np.diff(light.tok_ptr) >= tiles_from if tiles_from is not None else np.zeros(0, bool)
