@@ -1741,6 +1741,20 @@ def cache_line_bytes(n):
     return buf[start:start + n]
 
 
+@njit(nogil=True, cache=True)
+def _on_cache_lines(n):
+    """np.empty(n, float32) starting on a cache line: numba's np.empty starts 32 bytes into one, so every 16-float row
+    of the block dots' out split across two lines, for each load and store of the rescale after each group."""
+    return cache_line_bytes(4 * n).view(np.float32)
+
+
+@njit(nogil=True, cache=True)
+def _block_sums(threads):
+    """The block dots' out for each thread and half (gate / up): [threads, 2, SUMS_TILES, 32, 16] fp32."""
+    return _on_cache_lines(threads * 2 * SUMS_TILES * AMX_BLOCK_ROWS * AMX_ROWS).reshape(
+        (threads, 2, SUMS_TILES, AMX_BLOCK_ROWS, AMX_ROWS))
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def _pack_tiles(x, rows, first, end, gsize):
     """The activation tiles (pack_amx_tile) of every expert: tile t holds x[rows[p]] for its pairs first[t]:end[t],
@@ -1858,7 +1872,8 @@ def _amx_matrices(q, s, steps, group_shift, xb, xdb, slots, tile_ptr, first, end
     rows = q.shape[1] // 2 if gated else q.shape[1]
     blocks = (rows + AMX_BLOCK_ROWS - 1) // AMX_BLOCK_ROWS
     share = (blocks + threads - 1) // threads
-    by_token = np.empty((threads, AMX_ROWS, AMX_BLOCK_ROWS), np.float32)  # per thread: one tile's sums, transposed
+    # per thread: one tile's sums, transposed
+    by_token = _on_cache_lines(threads * AMX_ROWS * AMX_BLOCK_ROWS).reshape((threads, AMX_ROWS, AMX_BLOCK_ROWS))
     folded = steps.shape[0] > 0
     per_call = FOLDED_TOKEN_TILES if folded else AMX_TOKEN_TILES if _int4_rows(q) else INT8_TOKEN_TILES  # per dot
     per_pass = max(1, AMX_TILE_BYTES // (xb.shape[1] * 64 * per_call)) * per_call  # activation tiles per weight pass
@@ -1909,7 +1924,7 @@ def moe_amx(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, gu_steps, d_q, d_s, d
     (_amx_matrices). gu_steps / d_steps: fold_steps of the matrices (NO_STEPS: per-group path). threads:
     numba's thread count (per-thread sums); the other arguments as moe_rows."""
     tile_ptr, first, end = _token_tiles(tok_ptr)
-    sums = np.empty((threads, 2, SUMS_TILES, AMX_BLOCK_ROWS, AMX_ROWS), np.float32)
+    sums = _block_sums(threads)
     _amx_project(gu_q, gu_s, gu_steps, gu_shift, x, tok_idx, slots, tile_ptr, first, end, threads, sums, act, tok_idx,
                  tok_w, out)
     _amx_project(d_q, d_s, d_steps, d_shift, act, np.arange(act.shape[0]), slots, tile_ptr, first, end, threads, sums,
@@ -1930,7 +1945,7 @@ def linear_amx(x, q, s, steps, group_shift, kp, threads, out):
     tile_ptr, first, end = _token_tiles(np.arange(groups + 1) * tokens)
     flat = out.reshape((tokens * groups, out.shape[2]))
     flat[:] = 0.0
-    sums = np.empty((threads, 2, SUMS_TILES, AMX_BLOCK_ROWS, AMX_ROWS), np.float32)
+    sums = _block_sums(threads)
     _amx_project(q, s, steps, group_shift, xp, rows, np.arange(groups), tile_ptr, first, end, threads, sums,
                  np.empty((0, 0), np.float32), rows, np.ones(tokens * groups, np.float32), flat)
 
