@@ -177,8 +177,8 @@ def test_cpu_moe_amx_tiles(amx, method, group, tokens, monkeypatch):
 def test_one_call_reuses_its_intermediate_rows(amx, method):
     """forward's one compiled call (moe_rows_routed) keeps its [pairs, Kp] intermediate rows in a buffer reused across
     calls (CPUMoE.decode_experts): whatever an earlier call left there, in the padding after I too, changes nothing.
-    I = 40 (Kp 64), 4 experts, top 2 of 80 tokens: experts on the tiles where the CPU has AMX, and (the second call,
-    6 tokens) on the row dots."""
+    I = 40 (Kp 64), 4 experts, top 2 of 80 tokens (experts on the tiles where the CPU has AMX), then of 6 tokens (a
+    smaller call over the rows the first one left)."""
     g = torch.Generator().manual_seed(11)
     gate, up = torch.randn(4, 40, 200, generator=g) * 0.1, torch.randn(4, 40, 200, generator=g) * 0.1
     down = torch.randn(4, 200, 40, generator=g) * 0.1
