@@ -2148,11 +2148,11 @@ def moe_rows_routed(x, ids, weights, skip, experts):  # pragma: no cover - compi
     inter = gu_q.shape[1] // 2
     if not tiles.all():
         r_slots, r_ptr, r_idx, r_w = _selected_slots(slots, tok_ptr, tok_idx, tok_w, ~tiles)
-        act = _pair_rows(work, r_idx.shape[0], kp_i, inter)
+        act = pair_rows(work, r_idx.shape[0], kp_i, inter)
         moe_rows(xp, r_slots, r_ptr, r_idx, r_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, q8, scratch, act, out)
     if tiles.any():
         a_slots, a_ptr, a_idx, a_w = _selected_slots(slots, tok_ptr, tok_idx, tok_w, tiles)
-        act = _pair_rows(work, a_idx.shape[0], kp_i, inter)
+        act = pair_rows(work, a_idx.shape[0], kp_i, inter)
         _moe_amx_on_int_rows(xp, a_slots, a_ptr, a_idx, a_w, gu_q, gu_s, gu_steps, d_q, d_s, d_steps, gu_shift, d_shift,
                              threads, act, out)
     return out, missing
@@ -2170,9 +2170,9 @@ def padded_rows(x, kp):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def _pair_rows(work, pairs, kp, inter):  # pragma: no cover - compiled
-    """[pairs, kp] fp32 rows over the reused buffer `work`: the kernels write columns < inter of every row, and read
-    the padding after them as zeros."""
+def pair_rows(work, pairs, kp, inter):  # pragma: no cover - compiled
+    """The fused kernels' intermediate [pairs, kp] fp32 rows over a reused flat buffer `work` (a fresh array per call
+    page-faults): the kernels write columns < inter of every row, and read the padding after them as zeros."""
     act = work[:pairs * kp].reshape((pairs, kp))
     act[:, inter:] = 0.0
     return act

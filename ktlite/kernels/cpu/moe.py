@@ -563,9 +563,8 @@ class CPUMoE:
     def _act_buffer(self, pairs: int, layer: ExpertLayer) -> np.ndarray:
         """The fused kernels' [pairs, Kp] fp32 intermediate: every row is written up to I, the padding read as
         zeros (reused: at 512 tokens a fresh one is 17 MB of page faults per call)."""
-        act = self._buffer("fused_act", pairs * layer.down.kp, torch.float32).view(pairs, layer.down.kp).numpy()
-        act[:, layer.inter:] = 0.0
-        return act
+        return kernels.pair_rows(self._buffer("fused_act", pairs * layer.down.kp, torch.float32).numpy(), pairs,
+                                 layer.down.kp, layer.inter)
 
     def warmup(self) -> None:
         """Compile (or load from numba's cache) and run both paths once in every pool, for every pair of
