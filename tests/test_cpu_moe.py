@@ -295,6 +295,27 @@ def test_transpose_sums_matches_numpy():
     assert (got == src.T).all()
 
 
+@pytest.mark.parametrize("skip", [0, 5, 16, 21])
+@pytest.mark.parametrize("weighted", [False, True], ids=["act-stored", "out-added"])
+def test_tile_into_rows_matches_numpy(weighted, skip):
+    """kernels.tile_into_rows (the AMX path's write of one tile's results into its pairs' rows; masked vector
+    stores, run here on any CPU): pairs p0..p0 + n - 1 write columns col0 + skip .. col0 + 31 of their rows, stored
+    (gate_up's act) or added with the pair's weight (down's out); every other value of dst is left as it was."""
+    gen = torch.Generator().manual_seed(2)
+    by_token = torch.randn(kernels.AMX_ROWS, kernels.AMX_BLOCK_ROWS, generator=gen).numpy()
+    dst = torch.randn(9, 80, generator=gen).numpy()
+    rows = np.array([7, 3, 3, 0, 8, 1, 5, 2], np.int64)  # a row twice: two pairs of one token add up
+    w = torch.rand(8, generator=gen).numpy() if weighted else np.empty(0, np.float32)
+    p0, n, col0 = 1, 5, 40
+    want = dst.astype(np.float64)
+    for c in range(n):
+        v = by_token[c, skip:].astype(np.float64)
+        cols = slice(col0 + skip, col0 + kernels.AMX_BLOCK_ROWS)
+        want[rows[p0 + c], cols] = want[rows[p0 + c], cols] + w[p0 + c] * v if weighted else v
+    numba.njit(lambda *a: kernels.tile_into_rows(*a))(by_token, dst, rows, p0, n, w, col0, skip)
+    np.testing.assert_allclose(dst, want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("group", [64, 128, 384])
 def test_quantize_groups_to_nearest_code(group):
     """kernels.quantize_groups (the AMX tiles' activations, each row once): per group of values (a weight group, or
