@@ -76,9 +76,9 @@ def normalize_kt_method(name: str) -> str:
 
 # INT8 defaults to groups of 128: its MoE-output error stays below kt-kernel's per-channel INT8 (1.9-2.0 % vs 2.8-3.0 %
 # in bench/cpu_moe.py), and on AMX tiles each group costs a rescale of the int32 sums that costs twice the multiply
-# (groups of 64: 1.07-1.26x kt-kernel's prefill time; 128, with the four-tile kernel: 0.62-0.88x, V3 at 512 tokens
-# per expert 1.09x). INT4 keeps 64: its group scales fold into
-# the weights on the tiles (quantizer._row_multiples), and its error doubles from 64 to per-channel.
+# (groups of 64: 1.07-1.26x kt-kernel's prefill time when last measured, before the AMX results' vector stores; 128:
+# 0.53-0.85x after them, V3 at 512 tokens per expert the 0.82-0.85x; bench/RESULTS.md). INT4 keeps 64: its scales fold
+# into the weights on the tiles (quantizer._row_multiples), and its error doubles from 64 to per-channel.
 DEFAULT_GROUP_SIZES = {"INT4": 64, "INT8": 128}
 
 
