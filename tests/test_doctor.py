@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
-import time
 
 from click.testing import CliRunner
 
@@ -19,24 +17,39 @@ EXPECTED = {"cpu", "cores", "numa", "cpu vector flags", "numba target", "ram", "
             "triton", "numba", "numpy", "numba threading layer"}
 
 
-def _doctor(*args: str, **env: str) -> tuple[subprocess.CompletedProcess, float, float]:
-    """Run `ktlite doctor` in a fresh process -> (result, wall seconds, CPU seconds of the process)."""
+def _doctor(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """Run `ktlite doctor` in a fresh process (the timeout only guards against a hang)."""
     environ = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"} | env
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "ktlite.cli", "doctor", *args], capture_output=True, text=True,
-                         timeout=120, env=environ)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return out, wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return subprocess.run([sys.executable, "-m", "ktlite.cli", "doctor", *args], capture_output=True, text=True,
+                          timeout=300, env=environ)
 
 
-def test_doctor_json_in_under_5_seconds():
-    out, wall, cpu = _doctor("--json")
+_COST_PROBE = """
+import gc, json, os, shutil, sys
+from numba.core.dispatcher import Dispatcher
+from ktlite.doctor import run_checks
+run_checks()
+gpu_driver = shutil.which("nvidia-smi") is not None or os.path.exists("/proc/driver/nvidia/version")
+print(json.dumps({"torch": "torch" in sys.modules, "gpu_driver": gpu_driver,
+                  "kernels": sum(isinstance(d, Dispatcher) for d in gc.get_objects()),
+                  "compiled": [d.py_func.__qualname__ for d in gc.get_objects() if isinstance(d, Dispatcher) and d.overloads]}))
+"""
+
+
+def test_doctor_compiles_nothing_and_imports_torch_only_for_a_gpu():
+    """What keeps `ktlite doctor` fast, counted instead of timed (a timing depends on the machine and its load):
+    it reads the kernels' module but compiles (or loads from numba's cache) no kernel, and imports torch (seconds)
+    only where an NVIDIA driver asks for the GPU checks."""
+    probe = json.loads(subprocess.run([sys.executable, "-c", _COST_PROBE], capture_output=True, text=True,
+                                      check=True, timeout=300).stdout)
+    assert probe["kernels"] > 0  # the probe sees the kernels' dispatchers, and none of them has run
+    assert probe["compiled"] == []
+    assert not probe["torch"] or probe["gpu_driver"]
+
+
+def test_doctor_json_lists_every_check():
+    out = _doctor("--json")
     checks = json.loads(out.stdout)
-    # the CPU time is what the doctor costs; the wall time also holds what other processes on this
-    # shared machine take from it, so it only guards against a hang
-    assert cpu < 5.0 and wall < 30.0, (cpu, wall)
     assert EXPECTED <= {c["name"] for c in checks}
     assert all(c["status"] in (OK, WARN, FAIL) and c["value"] for c in checks)
     assert all(c["fix"] for c in checks if c["status"] != OK)  # every warn/fail says what to do
@@ -44,7 +57,7 @@ def test_doctor_json_in_under_5_seconds():
 
 
 def test_doctor_flags_a_thread_unsafe_numba_layer():
-    out, _, _ = _doctor("--json", NUMBA_THREADING_LAYER="workqueue")
+    out = _doctor("--json", NUMBA_THREADING_LAYER="workqueue")
     layer = next(c for c in json.loads(out.stdout) if c["name"] == "numba threading layer")
     assert out.returncode == 1 and layer["status"] == FAIL
     assert "workqueue" in layer["value"] and "unset NUMBA_THREADING_LAYER" in layer["fix"]

@@ -31,13 +31,24 @@ TEXTS = ["Hello, world!", "  leading and trailing spaces  ", "line one\nline two
          "你好，世界。混合 English 文本", "emoji 🙂👍🏽 and accents: Ünïcödé ✓", "it's they're we'll", "\t\t", ""]
 
 
-@pytest.fixture(scope="module")
-def kimi_tokenizer(tmp_path_factory):
-    """(folder, the reference tiktoken.Encoding) with 400 BPE ranks trained here by tiktoken's own trainer."""
-    folder = tmp_path_factory.mktemp("kimi_tok")
-    docs = " ".join(d for d in (getattr(getattr(builtins, n), "__doc__", None) for n in sorted(dir(builtins)))
-                    if isinstance(d, str))
-    ranks = bpe_train(docs[:20000] + " 你好，世界。你好世界 Ünïcödé ✓", 400, DEFAULT_PATTERN, visualise=None)
+# Pre-tokenization as Kimi-K2's tokenizer splits text (written down, not derived from ktlite's pattern): the first
+# three are its published behaviour on mixed Han/Latin text; the rest follow by hand from the `pat_str` of the
+# checkpoints' tokenization_kimi.py (letter runs keep their leading capital and a contraction, digits go in threes,
+# a run of spaces gives all but its last space to the next word).
+KIMI_SPLITS = {
+    "中文English混合": ["中文", "English", "混合"],
+    "汉字abc": ["汉字", "abc"],
+    "北京市 Pascal": ["北京市", " Pascal"],
+    "HelloWorld's": ["Hello", "World's"],
+    "I'M don't": ["I'M", " don't"],
+    "1234567": ["123", "456", "7"],
+    "foo    bar": ["foo", "   ", " bar"],
+    "a,\n\nb": ["a", ",\n\n", "b"],
+}
+
+
+def write_tiktoken_folder(folder, ranks: dict[bytes, int]) -> None:
+    """A Kimi-style tokenizer folder: tiktoken.model (base64 token, rank per line) and tokenizer_config.json."""
     (folder / "tiktoken.model").write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % r
                                                      for t, r in sorted(ranks.items(), key=lambda x: x[1])))
     n = len(ranks)
@@ -45,6 +56,30 @@ def kimi_tokenizer(tmp_path_factory):
               "added_tokens_decoder": {str(n + i): {"content": t, "special": True} for i, t in enumerate(SPECIAL)},
               "tokenizer_class": "TikTokenTokenizer"}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def test_pre_tokenization_matches_kimis_published_splits(tmp_path):
+    """Ranks: the 256 bytes and each expected piece whole. BPE never merges across pre-tokenized pieces and cannot
+    build a piece of 3+ bytes from single bytes without the ranks in between, so every piece comes back as one token
+    exactly when the split regex cuts the text where Kimi's does; a wrong cut leaves byte tokens."""
+    pieces = sorted({p.encode() for split in KIMI_SPLITS.values() for p in split if len(p.encode()) > 1})
+    assert all(len(p) > 2 for p in pieces)  # two bytes could merge from two single-byte ranks
+    ranks = {bytes([b]): b for b in range(256)} | {p: 256 + i for i, p in enumerate(pieces)}
+    write_tiktoken_folder(tmp_path, ranks)
+    tok, token_bytes = Tokenizer(tmp_path), {r: t for t, r in ranks.items()}
+    for text, split in KIMI_SPLITS.items():
+        assert [token_bytes[i].decode() for i in tok.encode(text)] == split, text
+
+
+@pytest.fixture(scope="module")
+def kimi_tokenizer(tmp_path_factory):
+    """(folder, the reference tiktoken.Encoding) with 400 BPE ranks trained here by tiktoken's own trainer."""
+    folder = tmp_path_factory.mktemp("kimi_tok")
+    docs = " ".join(d for d in (getattr(getattr(builtins, n), "__doc__", None) for n in sorted(dir(builtins)))
+                    if isinstance(d, str))
+    ranks = bpe_train(docs[:20000] + " 你好，世界。你好世界 Ünïcödé ✓", 400, DEFAULT_PATTERN, visualise=None)
+    write_tiktoken_folder(folder, ranks)
+    n = len(ranks)
     special = {t: n + i for i, t in enumerate(SPECIAL)}
     special.update({f"<|reserved_token_{i}|>": i for i in range(n + len(SPECIAL), n + NUM_RESERVED_SPECIAL)})
     return folder, tiktoken.Encoding("ref", pat_str=DEFAULT_PATTERN, mergeable_ranks=ranks, special_tokens=special)
