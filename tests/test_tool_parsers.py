@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from ktlite.server import reasoning
+from ktlite.server.chat_output import OutputPlan, OutputStream, parse_output
 from ktlite.server.tool_parsers import PARSERS, ToolCallStream, dump_arguments, parse_tool_calls
 
 TOOLS = [
@@ -287,6 +289,24 @@ def test_partial_marker_at_end_is_content(parser):
     check_everywhere(parser, text, text, [])
 
 
+@pytest.mark.parametrize("parser", PARSERS)
+def test_text_around_calls_keeps_its_whitespace(parser):
+    """The content is the text outside the call markup, its whitespace as written (SGLang's MiniMax-M2
+    detector joins the text before and after each call block verbatim: "Checking now.\n\nI will ...").
+    Whitespace between a call and the content's start or end is still not content."""
+    oslo, job = ("get_weather", {"city": "Oslo"}), ("run_job", {})
+    one = RENDER[parser]("", [oslo]).strip()  # the call markup as the template writes it
+    two = RENDER[parser]("", [oslo, job]).strip()
+    check_everywhere(parser, f"Checking now.\n\n{one}I will report back.", "Checking now.\n\nI will report back.",
+                     [oslo])
+    check_everywhere(parser, f"Checking now.{one}\n\nI will report back.", "Checking now.\n\nI will report back.",
+                     [oslo], seed=1)
+    check_everywhere(parser, f"Checking now.\n{one}\nI will report back.", "Checking now.\n\nI will report back.",
+                     [oslo], seed=2)
+    check_everywhere(parser, f"A. {one}\tB.\n{two}\n\nC.\n", "A. \tB.\n\n\nC.\n", [oslo, oslo, job], seed=3)
+    check_everywhere(parser, f"\n{one}\n\nDone.\n\n{one} ", "Done.", [oslo, oslo], seed=4)
+
+
 def test_streaming_holds_back_only_possible_markers():
     stream = ToolCallStream("qwen3_coder", TOOLS)
     assert stream.feed("Hello <b>world</b>") == ("Hello <b>world</b>", [])
@@ -296,7 +316,7 @@ def test_streaming_holds_back_only_possible_markers():
     content, deltas = stream.feed("</parameter>\n</function>\n</tool_call>")
     assert content == "" and [d["function"] for d in deltas] == [
         {"name": "get_weather", "arguments": ""}, {"arguments": '{"city": "Rome"}'}]
-    assert stream.feed("\n\nDone.") == ("Done.", [])
+    assert stream.feed("\n\nDone.") == ("\n\n\n\nDone.", [])  # the text's own whitespace, both sides of the call
     assert stream.finish() == ("", [])
 
 
@@ -304,3 +324,39 @@ def test_unknown_parser_names_the_supported_ones():
     with pytest.raises(ValueError, match="qwen3_coder") as err:
         parse_tool_calls("hermes", "hi", TOOLS)
     assert all(name in str(err.value) for name in PARSERS)
+
+
+# ---- with a reasoning parser: the server's pipeline (chat_output.OutputStream), every pairing --------
+THINK_OPEN = {p: reasoning.think_format(p).open for p in reasoning.PARSERS}
+
+
+def run_output(plan: OutputPlan, pieces: list[str]) -> tuple[str, str, list[dict]]:
+    """Stream the pieces through the server's pipeline -> (reasoning, content, calls with parsed arguments)."""
+    stream = OutputStream(plan)
+    thought, content, names, args = "", "", {}, {}
+    for piece in [stream.feed(p) for p in pieces] + [stream.finish()]:
+        thought, content = thought + piece.reasoning, content + piece.content
+        for d in piece.tool_calls:
+            names.setdefault(d["index"], d["function"].get("name"))
+            args[d["index"]] = args.get(d["index"], "") + d["function"]["arguments"]
+    return thought, content, [{"name": names[i], "arguments": json.loads(args[i])} for i in sorted(names)]
+
+
+@pytest.mark.parametrize("tool_parser", PARSERS)
+@pytest.mark.parametrize("reasoning_parser", reasoning.PARSERS)
+def test_call_inside_an_unclosed_think_block_is_a_call(reasoning_parser, tool_parser):
+    """SGLang's rule (its reasoning detectors' tool_start_token): a call the model starts before closing
+    its think block ends the reasoning there and goes to the tool parser, whole and streamed (markers
+    cut across deltas), whether the model or the prompt opened the block."""
+    call = ("get_weather", {"city": "Paris", "days": 3})
+    markup = RENDER[tool_parser]("", [call])
+    expected = ("I need the weather first.", "", [{"name": call[0], "arguments": call[1]}])
+    for opener, opened in ((THINK_OPEN[reasoning_parser] + "\n", False), ("", True)):
+        plan = OutputPlan(reasoning_parser, opened, tool_parser, TOOLS)
+        text = f"{opener}I need the weather first.\n{markup}"
+        out = parse_output(plan, text)
+        got = (out.reasoning, out.content, [{"name": c.name, "arguments": json.loads(c.arguments)}
+                                            for c in out.tool_calls])
+        assert got == expected, text
+        for pieces in chunkings(text, seed=len(markup), count=6):
+            assert run_output(plan, pieces) == expected, pieces

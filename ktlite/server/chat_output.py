@@ -5,7 +5,9 @@
     s = OutputStream(plan); s.feed(delta) / s.finish()  -> Piece(reasoning, content, tool_calls deltas)
 
 Order: reasoning is split off first (`ktlite/server/reasoning.py`), then the content goes through
-the tool-call parser (`ktlite/server/tool_parsers/`), so call markup never reaches `content`.
+the tool-call parser (`ktlite/server/tool_parsers/`), so call markup never reaches `content`. The
+tool parser's region markers also end an unclosed think block (SGLang's rule), so a call the model
+starts while still reasoning is parsed as a call rather than swallowed into the reasoning.
 `parse_output` is one `feed` plus `finish`, so streamed and whole replies agree by construction.
 
 Forced calls (`tool_choice` "required" or a named function): the output was constrained by the
@@ -87,10 +89,11 @@ def forced_call_schema(tools: list[dict[str, Any]], name: str | None = None) -> 
 class OutputStream:
     def __init__(self, plan: OutputPlan):
         self.plan = plan
-        self._reasoning = ReasoningStream(plan.reasoning_parser, plan.prompt_opens_think) \
-            if plan.reasoning_parser else None
         self._tools = ToolCallStream(plan.tool_parser, plan.tools) \
             if plan.tool_parser and plan.tools and not plan.forced_call else None
+        self._reasoning = ReasoningStream(plan.reasoning_parser, plan.prompt_opens_think,
+                                          self._tools.region_starts if self._tools else ()) \
+            if plan.reasoning_parser else None
         self._forced: list[str] = []  # forced calls: the JSON text, parsed at the end
         self.calls: list[ToolCall] = []
         self._ids: dict[int, str] = {}  # parser's call index -> our id

@@ -1,16 +1,18 @@
 """Reasoning ("thinking") split from the answer, in the tag formats real models emit.
 
     reasoning, content = split_reasoning(parser, text, prompt_opens_think=False)
-    s = ReasoningStream(parser, prompt_opens_think=False)
+    s = ReasoningStream(parser, prompt_opens_think=False, tool_markers=())
     s.feed(delta) -> (reasoning_delta, content_delta); s.finish() -> (reasoning_delta, content_delta)
     prompt_opens_think(parser, rendered_prompt) -> bool
 
 `parser` is one of `PARSERS` (SGLang's names). Reasoning is the text of a think block that opens at
 the very start of the output (leading whitespace aside), or from the first token when the format
 always starts inside one (`deepseek-r1`) or the rendered prompt already opened it
-(`prompt_opens_think=True`). It ends at the closing tag, at a marker with which the format's model
-may start a tool call without closing the block (kept in the content for the tool-call parser), or
-with the text (a truncated think block is all reasoning). Whitespace around the reasoning and at the
+(`prompt_opens_think=True`). It ends at the closing tag, at a marker that starts a tool call (kept
+in the content for the tool-call parser), or with the text (a truncated think block is all
+reasoning). The call markers are the format's own (models that may start a call without closing the
+block, as SGLang's detectors list them) and `tool_markers`, the active tool-call parser's region
+markers: a call started inside an unclosed block is a call, never reasoning. Whitespace around the reasoning and at the
 start of the content after a closing tag is dropped; text with no think block is content, verbatim.
 An opening tag later in the text is content. Streamed pieces concatenate to `split_reasoning`'s
 answer (`split_reasoning` is one `feed` plus `finish`); text that may be the start of a tag is held
@@ -40,7 +42,7 @@ FORMATS: dict[str, ThinkFormat] = {
     "qwen3": ThinkFormat(*_THINK, interrupts=("<tool_call>",)),
     "kimi": ThinkFormat("\u25c1think\u25b7", "\u25c1/think\u25b7"),  # ◁think▷ ... ◁/think▷
     "kimi_k2": ThinkFormat(*_THINK, interrupts=("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")),
-    "glm45": ThinkFormat(*_THINK),
+    "glm45": ThinkFormat(*_THINK, interrupts=("<tool_call>",)),
     "minimax": ThinkFormat(*_THINK),  # the template ends the prompt with "<think>\n"
 }
 PARSERS: tuple[str, ...] = tuple(sorted(FORMATS))
@@ -62,8 +64,9 @@ def prompt_opens_think(parser: str, prompt_text: str) -> bool:
 class ReasoningStream:
     """Incremental split: `feed(delta)` and `finish()` return (reasoning_delta, content_delta)."""
 
-    def __init__(self, parser: str, prompt_opens_think: bool = False):
+    def __init__(self, parser: str, prompt_opens_think: bool = False, tool_markers: tuple[str, ...] = ()):
         self._fmt = think_format(parser)
+        self._ends = tuple(dict.fromkeys((self._fmt.close, *self._fmt.interrupts, *tool_markers)))
         self._inside = self._fmt.starts_inside or prompt_opens_think
         self._state = "start"  # -> "reasoning" -> "content", or "start" -> "content"
         self._buf = ""
@@ -106,9 +109,8 @@ class ReasoningStream:
 
     def _reasoning(self, final: bool, out: list[str]) -> bool:
         """Pass reasoning through up to the block's end; True when the block ended."""
-        markers = (self._fmt.close, *self._fmt.interrupts)
-        at, marker = first_marker(self._buf, markers)
-        hold = len(self._buf) if final else partial_start(self._buf, markers)
+        at, marker = first_marker(self._buf, self._ends)
+        hold = len(self._buf) if final else partial_start(self._buf, self._ends)
         if at < 0 or hold < at:
             # Trailing whitespace waits: it is dropped if the block ends right after it.
             text = self._take_leading(self._buf[:hold])

@@ -6,14 +6,17 @@ already seen *and* complete (a marker fully present, a call closed, or the end o
 never on where the deltas happened to be cut.
 
 Rules:
-- Content is passed through as it arrives, except a tail that could still be the start of a region
-  marker, and trailing whitespace (held until non-space follows, since whitespace touching a tool
-  call region is dropped: "Let me check.\n\n<tool_call>..." gives content "Let me check.").
+- Content is the text outside call regions, its whitespace as written (SGLang's MiniMax-M2 detector
+  joins the text around each call block verbatim): "Checking now.\n\n<call region>I will ..." gives
+  "Checking now.\n\nI will ...". Whitespace between a region and the content's start or end, or
+  between two regions, is not content: "Let me check.\n\n<tool_call>..." gives "Let me check.".
+  It is passed through as it arrives, except a tail that could still be the start of a region
+  marker, and trailing whitespace (held until the next non-space text shows which of those it is).
 - A call is emitted whole once its closing marker arrives: a first delta with id, type and name
   (arguments ""), then one delta with all its arguments as `dump_arguments(arguments)`.
 - Malformed text (unknown function, bad JSON, anything but whitespace between calls, a call still
   open at the end) falls back to content verbatim from where the broken call starts (from the
-  region's opening marker, preceding whitespace included, when it is the region's first call);
+  region's opening marker when it is the region's first call: then there was no region);
   scanning resumes right there, so a later well-formed region is still parsed.
 - A region whose calls are complete but whose closing marker never came (the model stopped at EOS)
   is accepted.
@@ -56,13 +59,22 @@ class ToolCallStream:
         self._buf = ""  # undecided text: content tail outside a region, the unparsed rest inside one
         self._in_region = False
         self._region_calls = 0
-        self._fallback = ""  # text given back as content if the region's first call is malformed
-        self._drop_space = False  # just after a region: leading whitespace is not content
+        self._fallback = ""  # the region's opening marker, content if the region's first call is malformed
+        # Whitespace outside regions waits until the next text decides it (the rules above).
+        self._held = ""  # since the last text (after a region: since the last region)
+        self._gap_head = ""  # between the last text and the regions that followed it
+        self._after_region = False  # a region came since the last text
+        self._text_seen = False
         # While a call's closing marker is awaited, deltas are only collected (not joined, not
         # searched) until the marker can be complete: long arguments stay linear in their length.
         self._awaited = ""
         self._parts: list[str] = []
         self._tail = ""  # the last len(_awaited) - 1 characters received
+
+    @property
+    def region_starts(self) -> tuple[str, ...]:
+        """The markers that open a call region (a reasoning split ends an unclosed think block at them)."""
+        return self._fmt.starts
 
     def feed(self, delta: str) -> tuple[str, list[CallDelta]]:
         self._parts.append(delta)
@@ -84,6 +96,8 @@ class ToolCallStream:
         deltas: list[CallDelta] = []
         while self._region_step(final, content, deltas) if self._in_region else self._content_step(final, content):
             pass
+        if final and not self._after_region:  # trailing whitespace of the text itself
+            content.append(self._held)
         return "".join(content), deltas
 
     def _content_step(self, final: bool, out: list[str]) -> bool:
@@ -92,27 +106,33 @@ class ToolCallStream:
         at, marker = first_marker(self._buf, starts)
         hold = len(self._buf) if final else partial_start(self._buf, starts)
         if at < 0 or hold < at:
-            text, self._buf = self._buf[:hold], self._buf[hold:]
-            text = self._strip_leading(text)
-            if not final:  # trailing whitespace waits: a region may follow it
-                body = text.rstrip()
-                self._buf = text[len(body):] + self._buf
-                text = body
-            out.append(text)
+            self._text(self._buf[:hold], out)
+            self._buf = self._buf[hold:]
             return False
-        text = self._strip_leading(self._buf[:at])
-        body = text.rstrip()
-        out.append(body)
-        self._fallback = text[len(body):] + marker
+        self._text(self._buf[:at], out)
+        self._fallback = marker
         self._buf = self._buf[at + len(marker):]
         self._in_region, self._region_calls = True, 0
         return True
 
-    def _strip_leading(self, text: str) -> str:
-        if self._drop_space:
-            text = text.lstrip()
-            self._drop_space = not text
-        return text
+    def _text(self, text: str, out: list[str]) -> None:
+        """Content outside regions: emitted up to its trailing whitespace, which is held."""
+        body = text.strip()
+        if not body:
+            self._held += text
+            return
+        space = self._held + text[:text.index(body[0])]
+        if self._after_region:  # kept only between two texts
+            space = self._gap_head + space if self._text_seen else ""
+        out.append(space + body)
+        self._held = text[len(text.rstrip()):]
+        self._gap_head, self._after_region, self._text_seen = "", False, True
+
+    def _region_found(self) -> None:
+        """The region is one (a call in it parsed, or it closed empty): the whitespace before it is a gap."""
+        if not self._after_region:
+            self._gap_head, self._after_region = self._held, True
+        self._held = ""  # whitespace between two regions is not content
 
     def _region_step(self, final: bool, out: list[str], deltas: list[CallDelta]) -> bool:
         """Consume one call or the region's end; False when more text is needed."""
@@ -143,6 +163,8 @@ class ToolCallStream:
             if parsed is None or parsed[0] not in self._schemas:
                 self._give_back(pos, out)
                 return True
+            if not self._region_calls:
+                self._region_found()
             self._emit(*parsed, deltas)
             self._buf = buf[close_at + len(fmt.call_close):]
             self._region_calls += 1
@@ -156,13 +178,14 @@ class ToolCallStream:
         return True
 
     def _close_region(self, consumed: int) -> None:
+        if not self._region_calls:
+            self._region_found()
         self._buf = self._buf[consumed:]
         self._in_region = False
-        self._drop_space = True
 
     def _give_back(self, pos: int, out: list[str]) -> None:
         """Malformed: what was held since the last good call is content; scan on from `pos` as content."""
-        out.append(self._fallback + self._buf[:pos])
+        self._text(self._fallback + self._buf[:pos], out)
         self._fallback, self._buf = "", self._buf[pos:]
         self._in_region = False
 
