@@ -9,6 +9,9 @@ import pytest
 from ktlite.runtime.tiny_model import write_tiny_model
 
 DATA = Path(__file__).parent / "data"
+# how long a test waits for something that should happen (a request aborted, KV freed, a reply) before it calls
+# it a hang: waits end as soon as the event happens, so this is sized for the slowest loaded CI machine, not a speed
+HANG_GUARD_S = 120.0
 
 
 @pytest.fixture(scope="session")

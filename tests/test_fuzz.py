@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import HANG_GUARD_S
 from ktlite import Engine
 from ktlite.server import ServerOptions, ServerThread
 from ktlite.server.openapi import OPENAPI, openapi
@@ -28,7 +29,7 @@ ENGINE_FLAGS = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 256
                 "chunked_prefill_size": 64, "max_running_requests": 8, "gpu_memory": "1GiB",
                 "served_model_name": "tiny"}
 MAX_BYTES = 64 * 1024
-TIMEOUT_S = 30.0
+TIMEOUT_S = HANG_GUARD_S
 EXAMPLES = {"chat": 200, "completion": 150, "raw": 100, "headers": 60}
 FUZZ_EXAMPLES = sum(EXAMPLES.values())
 SETTINGS = dict(deadline=None, database=None, derandomize=True, print_blob=True,
@@ -260,7 +261,7 @@ def test_deeply_nested_json_is_400(server):
 
 
 def test_server_healthy_and_idle_after_fuzzing(server, engine):
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + HANG_GUARD_S
     pool = engine.runtime.runner.kv_pool
     while pool.used_tokens or engine.scheduler.num_running or engine.scheduler.num_waiting:
         assert time.monotonic() < deadline, "KV not freed after fuzzing"

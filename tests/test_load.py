@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HANG_GUARD_S
 from ktlite import Engine
 from ktlite.server import ServerOptions, ServerThread
 
@@ -49,7 +50,7 @@ def rss_mib() -> float:
     raise RuntimeError("no VmRSS")
 
 
-def wait_idle(engine, server, timeout: float = 15.0) -> None:
+def wait_idle(engine, server, timeout: float = HANG_GUARD_S) -> None:
     deadline = time.monotonic() + timeout
     pool = engine.runtime.runner.kv_pool
     while time.monotonic() < deadline:

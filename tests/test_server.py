@@ -21,6 +21,7 @@ import pytest
 
 from ktlite import Engine
 from ktlite.server import ServerOptions, ServerThread
+from conftest import HANG_GUARD_S
 
 ENGINE_FLAGS = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 400, "chunked_prefill_size": 256,
                 "max_running_requests": 8, "gpu_memory": "1GiB", "served_model_name": "tiny"}
@@ -51,7 +52,7 @@ def client(url) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def wait_idle(engine, timeout: float = 10.0) -> None:
+def wait_idle(engine, timeout: float = HANG_GUARD_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if engine.runtime.runner.kv_pool.used_tokens == 0 and engine.scheduler.num_running == 0 \
@@ -317,7 +318,7 @@ async def test_queue_full_gets_503(engine):
                 assert err["code"] == "server_overloaded" and set(err) == {"message", "type", "param", "code"}
             assert engine.scheduler.num_waiting == 1
             streams.pop().close()  # a queued request whose client leaves is dropped before it runs
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + HANG_GUARD_S
             while engine.scheduler.num_waiting:
                 assert time.monotonic() < deadline, "queued request not aborted"
                 await asyncio.sleep(0.02)
@@ -338,7 +339,7 @@ async def test_disconnect_mid_stream_frees_kv(url, engine):
         assert metric(text, "ktlite_kv_pool_used_tokens") > 0 and metric(text, "ktlite_num_running_requests") == 1
         aborted_before = metric(text, "ktlite_aborted_requests_total")
         r.close()  # the client goes away mid-stream
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_GUARD_S
         while True:
             async with s.get(url + "/metrics") as m:
                 text = await m.text()

@@ -24,6 +24,7 @@ from ktlite.runtime.models import build, load_config
 from ktlite.runtime.models.tp_layers import TPContext
 from ktlite.runtime import parallel
 from ktlite.runtime.parallel import RankFailure
+from conftest import HANG_GUARD_S
 
 GREEDY = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True}
 EXACT = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 2048, "chunked_prefill_size": 256,
@@ -133,11 +134,11 @@ def test_a_dead_rank_fails_requests_with_a_clear_message_and_no_hang(tiny_v3, wa
 
         t = threading.Thread(target=long_request)
         t.start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + HANG_GUARD_S
         while eng.scheduler.steps < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         os.kill(worker.pid, signal.SIGKILL)
-        t.join(30)
+        t.join(HANG_GUARD_S)
         assert not t.is_alive(), "the request hung after a rank died"
         assert isinstance(outcome.get("error"), RankFailure), outcome
         assert "rank 1" in str(outcome["error"])
@@ -146,7 +147,7 @@ def test_a_dead_rank_fails_requests_with_a_clear_message_and_no_hang(tiny_v3, wa
     finally:
         start = time.monotonic()
         eng.shutdown()
-        assert time.monotonic() - start < 30
+        assert time.monotonic() - start < HANG_GUARD_S
 
 
 def test_loader_reads_fp8_shards_raw_or_dequantized(tmp_path):
@@ -194,7 +195,7 @@ def test_a_plan_that_does_not_fit_raises_and_leaves_no_worker(tiny_v3):
 
     with pytest.raises(PlanError):
         Engine(str(tiny_v3), **{**EXACT, "gpu_memory": "64KiB"}, tensor_parallel_size=2)
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + HANG_GUARD_S
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not multiprocessing.active_children()
