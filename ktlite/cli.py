@@ -30,9 +30,26 @@ def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
 
-# `ktlite tiny-model --arch` names (each family's TINY_CONFIGS)
-_TINY_ARCHS = ["deepseek_v3", "deepseek_v2", "deepseek_v32", "glm_moe_dsa", "qwen3_moe", "qwen3_next", "minimax_m2",
-               "glm4_moe"]
+def _tiny_archs() -> list[str]:
+    """`ktlite tiny-model --arch` names: every family's TINY_CONFIGS (importing the families, and torch)."""
+    from ktlite.runtime.models.registry import tiny_configs
+
+    return list(tiny_configs())
+
+
+class _TinyArch(click.ParamType):
+    """A tiny checkpoint's family, listed from the registry only when used or shown: `ktlite --help` and the
+    serving commands do not import every family for it."""
+
+    name = "arch"
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context) -> str:
+        return "[" + "|".join(_tiny_archs()) + "]"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        if value not in _tiny_archs():
+            self.fail(f"unknown tiny architecture {value!r} (one of {', '.join(_tiny_archs())})", param, ctx)
+        return value
 
 
 @click.group()
@@ -44,7 +61,7 @@ def main(verbose: bool) -> None:
 
 @main.command("tiny-model")
 @click.argument("path", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--arch", type=click.Choice(_TINY_ARCHS), default="deepseek_v3", show_default=True,
+@click.option("--arch", type=_TinyArch(), default="deepseek_v3", show_default=True,
               help="Model family of the checkpoint.")
 @click.option("--fp8", is_flag=True, help="Store linear weights as block-scaled float8_e4m3fn (as DeepSeek-V3, MiniMax-M2 and Qwen3 FP8 checkpoints do).")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -184,8 +201,8 @@ def _resolve_model_path(path: str) -> str:
         return path
     # "tiny" / "tiny:deepseek_v2": a cached random demo checkpoint (random text, for demos and smoke tests)
     arch = path.split(":", 1)[1] if ":" in path else "deepseek_v3"
-    if arch not in _TINY_ARCHS:
-        raise click.BadParameter(f"unknown tiny architecture {arch!r} (one of {', '.join(_TINY_ARCHS)})",
+    if arch not in _tiny_archs():
+        raise click.BadParameter(f"unknown tiny architecture {arch!r} (one of {', '.join(_tiny_archs())})",
                                  param_hint="--model-path")
     cache = Path(os.environ.get("KTLITE_CACHE", Path.home() / ".cache" / "ktlite")) / f"tiny-{arch}"
     if not (cache / "config.json").is_file():

@@ -71,10 +71,12 @@ def test_missing_field_is_named(name, field):
 
 
 def test_tiny_model_cli_writes_every_family(tmp_path):
-    from ktlite.cli import _TINY_ARCHS
     from ktlite.runtime.models.registry import tiny_configs
 
-    assert sorted(_TINY_ARCHS) == sorted(tiny_configs())
+    shown = CliRunner().invoke(main, ["tiny-model", "--help"]).output
+    assert "|".join(tiny_configs()) in shown  # every family's tiny configs, from the registry
+    refused = CliRunner().invoke(main, ["tiny-model", str(tmp_path / "x"), "--arch", "llama"])
+    assert refused.exit_code == 2 and all(name in refused.output for name in tiny_configs()), refused.output
     for arch in ("qwen3_moe", "minimax_m2", "glm4_moe"):
         result = CliRunner().invoke(main, ["tiny-model", str(tmp_path / arch), "--arch", arch, "--fp8"])
         assert result.exit_code == 0, result.output

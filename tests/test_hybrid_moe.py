@@ -78,3 +78,20 @@ def test_deferred_experts_are_an_exact_split(reference):
     assert (now - full).abs().max() > 1e-3  # something really was deferred
     torch.testing.assert_close(now + later, full, rtol=1e-4, atol=1e-4)
     cpu.close()
+
+
+def test_cpu_experts_protocol_is_what_hybrid_moe_calls_and_cpumoe_has():
+    """CPUExperts lists every method HybridMoE calls on its CPU experts, and CPUMoE has each with the same
+    parameters: the protocol is the contract between the two, not a partial copy of it."""
+    import inspect
+    import re
+
+    from ktlite.kernels.cpu.moe import CPUMoE
+    from ktlite.runtime import hybrid_moe
+
+    declared = {n for n, v in vars(hybrid_moe.CPUExperts).items() if inspect.isfunction(v)}
+    called = set(re.findall(r"self\.cpu\.(\w+)\(", inspect.getsource(hybrid_moe.HybridMoE)))
+    assert called <= declared, called - declared
+    for name in declared:
+        want = list(inspect.signature(getattr(hybrid_moe.CPUExperts, name)).parameters)
+        assert list(inspect.signature(getattr(CPUMoE, name)).parameters) == want, name

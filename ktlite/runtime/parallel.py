@@ -19,10 +19,13 @@ Design decisions:
   split along the intermediate size, embeddings and lm_head vocab-parallel; norms, q_a_proj,
   kv_a_proj_with_mqa and routers replicated. Each rank reads only its slice of a split tensor.
   One all-reduce after o_proj and one after each MLP/MoE block.
-- KV pool: every rank keeps a FULL copy of the MLA latent pool (as SGLang does). The latent
-  (kv_lora_rank + rope dims per token) is shared by all heads and kv_a_proj_with_mqa is
-  replicated, so every rank computes and writes the same latents; only the queries differ per
-  rank. Rank 0's scheduler owns the free lists; a worker's `req_to_token` is brought up to date
+- KV pool: each rank caches what its family declares per token per rank
+  (`cfg.token_cache_specs(tp)`). MLA's latent (kv_lora_rank + rope dims per token) is shared by all
+  heads and kv_a_proj_with_mqa is replicated, so every rank keeps a FULL copy (as SGLang does) and
+  computes and writes the same latents; only the queries differ per rank. GQA's kv heads split
+  across ranks (replicated when there are fewer kv heads than ranks); recurrent layers keep their
+  per-request state whole on every rank. Rank 0's scheduler owns the free lists; a worker's
+  `req_to_token` is brought up to date
   from each batch itself (request row, position and slot of every new token), so no table is sent.
   What a batch does not carry (a request row starting with prefix-cache slots, the host tier's
   copies) rank 0 records in its pool's journal and sends with the next batch's header; each

@@ -4,7 +4,7 @@ Each step the scheduler builds one batch, runs the forward (and sampling) in a w
 event loop keeps serving clients, then streams each request's new text to its own queue.
 
 Token accounting is uniform: a request's sequence is prompt + output; `computed` counts the tokens
-whose latents are in the pool. A step processes `sequence[computed:computed + n]` and samples when
+whose KV entries are in the pool. A step processes `sequence[computed:computed + n]` and samples when
 that reaches the end of the sequence. A decode is n = 1; a prefill chunk is larger; a preempted
 request (KV freed, computed = 0) simply prefills prompt + output again later.
 
