@@ -99,7 +99,7 @@ _ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--kt-group-size",), "kt_group_size", dict(type=int, help="Quantization group size of CPU experts [64 for INT4, 128 for INT8].")),
     (("--kt-weight-path", "--kt-amx-weight-path"), "kt_weight_path", dict(type=str, help="Where the CPU experts come from: an HF folder (default: --model), a `ktlite convert` folder, or a GGUF file/folder (LLAMAFILE).")),
     (("--kt-cpuinfer",), "kt_cpuinfer", dict(type=int, help="CPU threads for the experts [chosen: physical cores].")),
-    (("--kt-threadpool-count",), "kt_threadpool_count", dict(type=int, help="Expert thread pools, each owning a share of the experts [chosen: NUMA nodes].")),
+    (("--kt-threadpool-count",), "kt_threadpool_count", dict(type=int, help="Expert thread pools, each owning a share of the experts, pinned to a NUMA node's cpus with its experts' pages there [chosen: NUMA nodes].")),
     (("--kt-num-gpu-experts",), "kt_num_gpu_experts", dict(type=int, help="Routed experts per MoE layer kept on the GPU [chosen: the most that fit beside the KV pool].")),
     (("--kt-gpu-experts-ratio",), "kt_gpu_experts_ratio", dict(type=float, help="Fraction of routed experts on the GPU (wins over the count).")),
     (("--kt-gpu-prefill-token-threshold",), "kt_gpu_prefill_token_threshold", dict(type=int, help="Prefills of at least this many tokens run all experts on the GPU, layer by layer.")),

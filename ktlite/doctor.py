@@ -1,12 +1,13 @@
 """`ktlite doctor`: what matters for this engine on this machine, one line per check: ok, warn or
 fail, with the fix.
 
-CPU (model, physical cores, NUMA nodes, the vector flags the expert kernels use and what Numba
-compiles for), memory (RAM, free RAM, huge pages), GPUs (name, memory, compute capability, driver,
-whether ktlite's Triton and FP8 kernels run there), versions, and the Numba threading layer the
-expert pools need. Nothing is compiled or allocated, and torch is imported only when an NVIDIA
-driver is present, so it runs in a few seconds without a GPU. The machine probes here (usable CPUs,
-physical cores, NUMA nodes, available RAM) are also what ktlite.runtime.knobs chooses knobs from.
+CPU (model, physical cores, NUMA nodes and where each expert pool would run and keep its experts, the
+vector flags the expert kernels use and what Numba compiles for), memory (RAM, free RAM, huge pages),
+GPUs (name, memory, compute capability, driver, whether ktlite's Triton and FP8 kernels run there),
+versions, and the Numba threading layer the expert pools need. Nothing is compiled or allocated (but
+the one page the NUMA check places), and torch is imported only when an NVIDIA driver is present, so it
+runs in a few seconds without a GPU. The machine probes here (usable CPUs, physical cores, NUMA nodes,
+available RAM) are also what ktlite.runtime.knobs chooses knobs from.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from ktlite import numa
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 _GIB = 2**30
@@ -83,13 +86,7 @@ def _version(dist: str) -> str | None:
 # ---- the machine (also what ktlite.runtime.knobs chooses from) ----
 
 
-def _cpu_list(text: str) -> set[int]:
-    """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11}."""
-    out: set[int] = set()
-    for part in filter(None, text.split(",")):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
+_cpu_list = numa.cpu_list  # '0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11}
 
 
 def usable_cpus() -> set[int]:
@@ -120,11 +117,7 @@ def physical_cores(cpus: set[int]) -> int:
 
 def numa_nodes(cpus: set[int]) -> int:
     """NUMA nodes that hold at least one of `cpus` (1 when the kernel exposes no topology)."""
-    nodes = 0
-    for node in Path("/sys/devices/system/node").glob("node[0-9]*"):
-        if _cpu_list(_read(node / "cpulist") or "") & cpus:
-            nodes += 1
-    return max(nodes, 1)
+    return len(numa.Topology.probe(allowed=cpus).nodes)
 
 
 def meminfo() -> dict[str, int]:
@@ -173,6 +166,33 @@ def _cpu_checks() -> list[Check]:
                          "the CPU expert kernels expect at least AVX2; on this CPU they run as scalar code"))
     out.append(_numba_target(flags))
     return out
+
+
+def _numa_placement_check(layer: str | None) -> Check:
+    """Where the automatic pools (one per node) would run and keep their experts, and whether this process may do
+    it: pin a thread (sched_setaffinity) and place a page (mbind, get_mempolicy, move_pages), tried on one page."""
+    topology = numa.Topology.probe()
+    pools = "; ".join(p.describe() for p in numa.place_pools(topology, len(topology.nodes)))
+    team = {"omp": "pinned with its thread", "tbb": "not pinned: TBB's workers are shared by all pools"}
+    threads = f"each pool's thread pinned to its cpus, its numba team {team.get(layer, 'as its threading layer allows')}"
+    problems, fixes = [], []
+    pin = numa.probe_pinning(topology.nodes[next(iter(topology.nodes))])
+    if pin:
+        problems.append(f"sched_setaffinity refused ({pin}): pool threads run unpinned")
+        fixes.append("allow sched_setaffinity (it only fails where a seccomp profile or a cgroup forbids it)")
+    try:
+        placed = numa.probe_placement(next(iter(topology.nodes)))
+    except numa.NumaError as exc:
+        placed = ""
+        problems.append(f"{exc}: experts' pages go where the kernel's default policy puts them (first touch)")
+        fixes.append("in a container, allow mbind/get_mempolicy/move_pages (docker: --cap-add SYS_NICE, which its "
+                     "default seccomp profile requires for them)")
+    value = f"{pools}; {threads}; " + ("; ".join(problems) if problems else f"mbind/move_pages permitted: {placed}")
+    if problems and len(topology.nodes) > 1:
+        return Check("numa placement", WARN, value, "; ".join(fixes))
+    if problems:
+        value += " (one node: nothing to place)"
+    return Check("numa placement", OK, value)
 
 
 def _numba_target(flags: set[str]) -> Check:
@@ -260,21 +280,26 @@ def _version_checks() -> list[Check]:
     return out
 
 
-def _threading_check() -> Check:
-    """The expert pools launch Numba parallel regions from several threads at once, which only a
-    thread-safe threading layer allows (workqueue aborts the process)."""
+def _layers() -> tuple[str | None, list[str]]:
+    """(NUMBA_THREADING_LAYER, the thread-safe layers that load, in the order ktlite prefers them)."""
     from ktlite.kernels.cpu.threads import load_tbb  # numba: imported on use only
 
-    name = "numba threading layer"
-    forced = os.environ.get("NUMBA_THREADING_LAYER")
     load_tbb()  # as ktlite does before numba looks for the tbb layer
     available = []
     for layer, module in (("tbb", "numba.np.ufunc.tbbpool"), ("omp", "numba.np.ufunc.omppool")):
         try:
             importlib.import_module(module)
             available.append(layer)
-        except Exception:  # noqa: BLE001 - a layer whose library is missing is what this reports
+        except Exception:  # noqa: BLE001 - a layer whose library is missing is what the checks report
             pass
+    return os.environ.get("NUMBA_THREADING_LAYER"), available
+
+
+def _threading_check() -> Check:
+    """The expert pools launch Numba parallel regions from several threads at once, which only a
+    thread-safe threading layer allows (workqueue aborts the process)."""
+    name = "numba threading layer"
+    forced, available = _layers()
     if forced and forced not in THREADSAFE_LAYERS:
         return Check(name, FAIL, f"NUMBA_THREADING_LAYER={forced}: not thread-safe; the expert pools run one at a time "
                                  "(two at once would abort the process)",
@@ -295,7 +320,10 @@ def _threading_check() -> Check:
 
 
 def run_checks() -> list[Check]:
-    return [*_cpu_checks(), *_memory_checks(), *_gpu_checks(), *_version_checks(), _threading_check()]
+    forced, available = _layers()
+    layer = forced or (available[0] if available else None)
+    return [*_cpu_checks(), _numa_placement_check(layer), *_memory_checks(), *_gpu_checks(), *_version_checks(),
+            _threading_check()]
 
 
 def format_checks(checks: list[Check]) -> str:

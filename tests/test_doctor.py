@@ -10,10 +10,11 @@ import sys
 
 from click.testing import CliRunner
 
+from ktlite import doctor, numa
 from ktlite.cli import main
 from ktlite.doctor import FAIL, OK, WARN, _cpu_list, numa_nodes, physical_cores, usable_cpus
 
-EXPECTED = {"cpu", "cores", "numa", "cpu vector flags", "numba target", "ram", "huge pages", "python", "torch",
+EXPECTED = {"cpu", "cores", "numa", "numa placement", "cpu vector flags", "numba target", "ram", "huge pages", "python", "torch",
             "triton", "numba", "numpy", "numba threading layer"}
 
 
@@ -76,3 +77,27 @@ def test_cpu_topology_parsing():
     assert _cpu_list("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11} and _cpu_list("") == set()
     cpus = usable_cpus()
     assert 1 <= physical_cores(cpus) <= len(cpus) and 1 <= numa_nodes(cpus) <= len(cpus)
+
+
+def test_numa_placement_check_says_where_pools_go_and_what_is_permitted():
+    check = doctor._numa_placement_check("tbb")
+    topology = numa.Topology.probe()
+    assert check.value.startswith(numa.place_pools(topology, len(topology.nodes))[0].describe())
+    assert "TBB's workers are shared by all pools" in check.value
+    assert "mbind/move_pages permitted: a test page" in check.value or "Errno" in check.value
+    assert "its numba team pinned with its thread" in doctor._numa_placement_check("omp").value
+
+
+def test_numa_placement_check_warns_of_refused_syscalls_on_two_nodes(monkeypatch):
+    def refuse(node):
+        raise numa.NumaError(1, "mbind: Operation not permitted")
+
+    monkeypatch.setattr(numa, "probe_placement", refuse)
+    monkeypatch.setattr(numa.Topology, "probe", classmethod(lambda cls, *a, **k: cls({0: frozenset({0}), 1: frozenset({1})})))
+    monkeypatch.setattr(numa, "probe_pinning", lambda cpus: None)
+    check = doctor._numa_placement_check("omp")
+    assert check.status == WARN and "pool 0: node 0, cpus 0" in check.value and "pool 1: node 1, cpus 1" in check.value
+    assert "mbind: Operation not permitted" in check.value and "SYS_NICE" in check.fix
+    monkeypatch.setattr(numa.Topology, "probe", classmethod(lambda cls, *a, **k: cls({0: frozenset({0})})))
+    check = doctor._numa_placement_check("omp")
+    assert check.status == OK and "one node: nothing to place" in check.value

@@ -144,6 +144,11 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
             on_failure.callback(cpu.close)
             experts.fill(cpu, placement, progress)
             cpu.warmup()
+            for line in cpu.numa_report():  # where each pool runs and keeps its experts (ktlite/numa.py)
+                logger.info(line)
+            if device.type == "cpu" and len({n for p in cpu.pools.placements for n in p.nodes}) > 1:
+                logger.info("CPU device: the experts run on the forward thread with every pool's threads "
+                            "(CPUMoE.forward), which are not pinned to the pools' nodes; their pages are placed as above")
 
         observers = []
         record = ExpertStats(cfg.n_routed_experts) if config.record_expert_distribution and rank == 0 else None

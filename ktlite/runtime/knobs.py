@@ -20,7 +20,8 @@ The rules (each "chosen: ..." note in the table says which one applied):
   in the config, so each rank applies the plan's rule to the free memory it measures at load). No
   GPU: the KV target (at least one chunk), not all of the RAM.
 - `--kt-cpuinfer`: physical cores this process may use (hyperthreads share a core's bandwidth and
-  vector units, which the expert kernels saturate); `--kt-threadpool-count`: NUMA nodes with such cores.
+  vector units, which the expert kernels saturate); `--kt-threadpool-count`: NUMA nodes with such cores
+  (pool p then runs on node p's cpus and keeps its experts' pages there: ktlite/numa.py).
 The memory plan is ktlite.runtime.memory's: the chosen config is one `make_plan` accepts, and a
 value you set that cannot fit fails there with the knob named and the value that fits. The routed
 experts the CPU keeps must also fit in RAM in the `--kt-method` format (`cpu_expert_bytes`).
@@ -327,7 +328,7 @@ def resolve(config: EngineConfig, cfg: ModelConfig, hardware: Hardware) -> KnobC
         cpuinfer, why["kt_cpuinfer"] = hardware.physical_cores, f"chosen: physical cores ({hardware.logical_cores} logical)"
     if "kt_threadpool_count" in chosen:
         pools = max(1, min(hardware.numa_nodes, cpuinfer or hardware.physical_cores))
-        why["kt_threadpool_count"] = f"chosen: one per NUMA node ({hardware.numa_nodes})"
+        why["kt_threadpool_count"] = f"chosen: one per NUMA node ({hardware.numa_nodes}), each on its node's cpus and memory"
 
     final = dataclasses.replace(
         config, tensor_parallel_size=tp, chunked_prefill_size=chunk, max_total_tokens=total, kt_cpuinfer=cpuinfer,

@@ -42,11 +42,15 @@ weighted scatter-add are one call per batch, not one per expert. Choosing
 per expert rather than by T matters: at T=16, V2-Lite experts see ~1.5 tokens each, V3's ~16.
 
 Threads: `num_threads` (--kt-cpuinfer) numba threads split into `threadpool_count`
-(--kt-threadpool-count) pools; experts of a layer are dealt round-robin to pools, each pool runs its
+(--kt-threadpool-count) pools; each pool owns a contiguous block of a layer's slots, runs its
 share of a call in its own worker thread, and the results are summed. Kernels release the GIL, so
 `submit` returns at once and the caller's thread keeps running (torch matmuls in the prefill path
 use torch's own intra-op threads). `forward` runs every pool's share on the calling thread instead, with
 all the threads: for a caller with nothing to overlap (a CPU device), where the hand-off only costs.
+
+NUMA: pool p runs on its node's cpus (threads.py) and the rows of every layer's arrays for the slots it owns get
+its node's memory policy before they are first written (ktlite.numa.bind_rows, through empty_quantized's `place`);
+`numa_report()` says, per pool, what was done and where sampled pages of its experts are.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -62,6 +67,7 @@ import numba
 import numpy as np
 import torch
 
+from ktlite import numa
 from ktlite.errors import KtliteError
 from ktlite.kernels.cpu import gemm, kernels
 from ktlite.kernels.cpu.quant import (
@@ -76,7 +82,7 @@ from ktlite.kernels.cpu.quant import (
     quantize_into,
 )
 from ktlite.kernels.cpu.target import bf16_gemm_wins
-from ktlite.kernels.cpu.threads import ExpertPools
+from ktlite.kernels.cpu.threads import ExpertPools, pinned_threads
 
 logger = logging.getLogger(__name__)
 
@@ -251,6 +257,16 @@ def _summed(parts: list[torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
     return out.to(device=hidden.device, dtype=hidden.dtype)
 
 
+def _where(place: numa.PoolPlacement, arrays: list[tuple[np.ndarray, np.ndarray]]) -> str:
+    """Where sampled resident pages of a pool's rows of `arrays` ((array, rows it owns)) are."""
+    try:
+        seen = sum((numa.page_nodes(a, rows) for a, rows in arrays), Counter())
+    except numa.NumaError as exc:
+        return f"not checked ({exc})"
+    nodes = ",".join(map(str, place.nodes))
+    return f"{sum(seen[n] for n in place.nodes)}/{sum(seen.values())} sampled pages on node{'s' * (len(place.nodes) > 1)} {nodes}"
+
+
 class CPUMoEHandle:
     """A submitted call; `wait()` returns the summed output."""
 
@@ -274,6 +290,7 @@ class CPUMoE:
         prefill_threshold: int | None = None,
         prefill_dtype: torch.dtype | None = None,
         activations: str = "fp32",
+        topology: numa.Topology | None = None,
     ):
         self.method = normalize_kt_method(method)
         self.int8_activations = int8_activations(activations)
@@ -290,7 +307,8 @@ class CPUMoE:
         self.prefill_threshold = (default_prefill_threshold(self.method, prefill_dtype, self.int8_activations, amx)
                                   if prefill_threshold is None
                                   else prefill_threshold)
-        self.pools = ExpertPools(num_threads, threadpool_count)
+        self.pools = ExpertPools(num_threads, threadpool_count, topology)
+        self.bind_error: str | None = None  # why the experts' pages are not on their pools' nodes
         self.layers: dict[int, ExpertLayer] = {}
         self._scratch_bufs: dict[int, np.ndarray] = {}
         self._bufs: dict[tuple[int, str], torch.Tensor] = {}
@@ -318,11 +336,41 @@ class CPUMoE:
         slot_of = np.full(n_experts, -1, np.int64)
         slot_of[experts] = np.arange(experts.size)
         s = experts.size
+        # pool p owns a contiguous block of slots: one mbind (one memory mapping) per pool per array; slots dealt
+        # round-robin would cut every array into a mapping per slot, ~60k for DeepSeek-V3 (vm.max_map_count: 65530)
+        pool_of = np.arange(s) * self.pools.count // max(s, 1)
+        place = functools.partial(self._bind, owners=pool_of)
         return ExpertLayer(
-            n_experts, hidden, inter, experts, slot_of, np.arange(s) % self.pools.count,
-            empty_quantized(*formats[0], (s,), 2 * inter, hidden),
-            empty_quantized(*formats[1], (s,), hidden, inter),
+            n_experts, hidden, inter, experts, slot_of, pool_of,
+            empty_quantized(*formats[0], (s,), 2 * inter, hidden, place),
+            empty_quantized(*formats[1], (s,), hidden, inter, place),
         )
+
+    def _bind(self, array: np.ndarray, owners: np.ndarray) -> None:
+        """Rows of a new, untouched [slots, ...] array -> their pools' NUMA nodes; after a refusal, nothing more is
+        tried (one warning, and numa_report says why)."""
+        if self.bind_error is None:
+            try:
+                numa.bind_rows(array, owners, self.pools.placements)
+            except numa.NumaError as exc:
+                self.bind_error = str(exc)
+                logger.warning("CPU experts' pages are not placed on their pools' NUMA nodes (%s): they go where "
+                               "the kernel's default policy puts them", exc)
+
+    def numa_report(self) -> list[str]:
+        """One line per pool: its node(s) and cpus, what was pinned, and where its experts' pages are (a sample of
+        up to 4 pages per expert matrix, through move_pages)."""
+        lines = []
+        arrays = [(w.qweight, w.scales, layer.pool_of) for layer in self.layers.values()
+                  for w in (layer.gate_up, layer.down)]
+        for place, pin_error in zip(self.pools.placements, self.pools.pin_errors):
+            pinned = f"not pinned ({pin_error})" if pin_error else pinned_threads()
+            mine = [(a, owners == place.pool) for q, sc, owners in arrays for a in (q, sc)]
+            size = sum(int(np.diff(numa.row_ranges(a)[rows], axis=1).sum()) for a, rows in mine)
+            pages = (f"experts' pages not placed ({self.bind_error})" if self.bind_error else
+                     f"{size / 2**30:.2f} GiB of experts' pages placed, {_where(place, mine)}")
+            lines.append(f"CPU expert {place.describe()}; {pinned}; {pages}")
+        return lines
 
     def set_expert(self, layer_idx: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         """Quantize one expert into its slot; experts not reserved for CPU are ignored."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numba
@@ -172,37 +173,43 @@ class QuantizedWeight:
         return QuantizedWeight(self.method, self.group_size, self.k, self.qweight[index], self.scales[index])
 
 
-def _zeros_on_cache_lines(shape: tuple[int, ...], dtype: type) -> np.ndarray:
-    """np.zeros starting on a cache line (kernels.cache_line_bytes): AMX tile loads read INT8 rows straight from
+def _on_cache_lines(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """np.empty starting on a cache line (kernels.cache_line_bytes): AMX tile loads read INT8 rows straight from
     storage (kernels.amx_block_dot)."""
     from ktlite.kernels.cpu.kernels import cache_line_bytes  # numba code: imported on use only
 
-    q = cache_line_bytes(int(np.prod(shape)) * np.dtype(dtype).itemsize).view(dtype).reshape(shape)
-    q[...] = 0
-    return q
+    return cache_line_bytes(int(np.prod(shape)) * np.dtype(dtype).itemsize).view(dtype).reshape(shape)
 
 
-def empty_quantized(method: str, group_size: int, lead: tuple[int, ...], n: int, k: int) -> QuantizedWeight:
-    """Zero-filled storage for `lead` stacked `[n, k]` matrices in storage format `method`."""
+def empty_quantized(method: str, group_size: int, lead: tuple[int, ...], n: int, k: int,
+                    place: Callable[[np.ndarray], None] | None = None) -> QuantizedWeight:
+    """Zero-filled storage for `lead` stacked `[n, k]` matrices in storage format `method`. `place(array)` sees each
+    array before it is filled: the fill is the pages' first touch (CPUMoE binds them to NUMA nodes there)."""
     kp = padded_k(k, method, group_size)
     ngroups = kp // group_size
+    zero = 0
     if method == "INT8":
-        q = _zeros_on_cache_lines((*lead, n, kp), np.int8)  # kp bytes a row, a multiple of 64: AMX tile rows
+        q = _on_cache_lines((*lead, n, kp), np.int8)  # kp bytes a row, a multiple of 64: AMX tile rows
     elif method == "INT4":
-        q = np.full((*lead, n, kp // 2), 0x88, np.uint8)  # nibble 8 encodes zero
+        q, zero = np.empty((*lead, n, kp // 2), np.uint8), 0x88  # nibble 8 encodes zero
     elif method == "FP8":
-        q = np.zeros((*lead, n, kp), E4M3)
+        q = np.empty((*lead, n, kp), E4M3)
     elif is_gguf_format(method):
         if k % block_weights(method):
             raise KtliteError(f"{method} rows hold whole {block_weights(method)}-weight blocks; K = {k} is not a multiple")
-        q = np.zeros((*lead, n, k // block_weights(method)), BLOCKS[method][0])
+        q = np.empty((*lead, n, k // block_weights(method)), BLOCKS[method][0])
         ngroups = 0
     elif method == "BF16":
-        q = np.zeros((*lead, n, kp), np.uint16)
+        q = np.empty((*lead, n, kp), np.uint16)
         ngroups = 0
     else:
         raise KtliteError(f"unknown CPU expert storage format {method!r}")
-    return QuantizedWeight(method, group_size, k, q, np.zeros((*lead, n, ngroups), np.float32))
+    scales = np.empty((*lead, n, ngroups), np.float32)
+    for array, value in ((q, zero), (scales, 0)):
+        if place is not None:
+            place(array)
+        array[...] = value
+    return QuantizedWeight(method, group_size, k, q, scales)
 
 
 def quantize(w: torch.Tensor, method: str, group_size: int | None = None) -> QuantizedWeight:

@@ -15,6 +15,16 @@ second thread, 55 us from the initial one; an 8-layer V2-Lite-shaped CPU-only de
 same layers at tiny widths 77 ms). With TBB's shared arena: 80 us, 52 ms and 13 ms (bench/RESULTS.md).
 pip's `tbb` wheel puts libtbb.so.12 under <prefix>/lib, off the loader's path, so it is loaded by
 its full path before numba looks for it.
+
+NUMA: each pool runs on its node's cpus (ktlite.numa.place_pools): its thread pins itself there when the pool
+starts, before any kernel. Under 'omp' the pool thread is its OpenMP team's master and the team's threads, started
+from it, inherit the mask (libgomp sets none of its own without OMP_PROC_BIND / GOMP_CPU_AFFINITY), so the whole
+pool is pinned. Under 'tbb' every parallel region is a task arena on one process-wide set of TBB workers that
+move between the pools' arenas and keep the process's mask, also when a pinned pool thread's region started them:
+only the pool thread, which runs its share of each region, is pinned; a pool of one thread is pinned whole
+(tests/test_numa.py reads both layers' thread masks). On a CPU device CPUMoE.forward runs every pool's share on
+the calling thread (run_here), which is not pinned. The experts' pages are placed on their pools' nodes whatever
+the layer (moe.py).
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ from typing import Callable
 
 import numba
 from numba.np.ufunc import parallel as _numba_parallel
+
+from ktlite.numa import PoolPlacement, Topology, format_cpus, place_pools
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +77,34 @@ def ensure_threadsafe_layer() -> bool:
     return numba.threading_layer() in ("omp", "tbb")
 
 
-class ExpertPools:
-    """`count` single-thread executors; pool p runs its kernels with `threads[p]` numba threads."""
+def _enter_pool(cpus: frozenset[int], threads: int) -> str | None:
+    """A pool thread's first task: pin it to its node's cpus (None, or why not) and set its numba thread count."""
+    numba.set_num_threads(threads)
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        return str(exc)
+    return None
 
-    def __init__(self, num_threads: int | None = None, count: int = 1):
+
+def pinned_threads() -> str:
+    """Which of a pool's threads its pinning reaches under the threading layer in use (see the module docstring)."""
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # no parallel region yet: the layer numba will pick
+        layer = numba.config.THREADING_LAYER
+    if layer == "omp":
+        return "its thread and OpenMP team pinned"
+    if layer == "tbb":
+        return "its thread pinned (TBB's workers, shared by all pools, are not)"
+    return "its thread pinned"
+
+
+class ExpertPools:
+    """`count` single-thread executors; pool p runs its kernels with `threads[p]` numba threads, pinned to the cpus
+    of `placements[p]` (from `topology`, default: this machine's)."""
+
+    def __init__(self, num_threads: int | None = None, count: int = 1, topology: Topology | None = None):
         total = num_threads or numba.config.NUMBA_NUM_THREADS
         if total > numba.config.NUMBA_NUM_THREADS:
             logger.warning("--kt-cpuinfer %d is more than numba's %d threads (NUMBA_NUM_THREADS); using %d",
@@ -82,11 +118,15 @@ class ExpertPools:
             logger.warning("numba threading layer %r is not thread-safe: %d CPU expert pools will run one at a time",
                            numba.threading_layer(), count)
         self._launch_lock = threading.Lock()
-        self._executors = [
-            ThreadPoolExecutor(1, thread_name_prefix=f"ktlite-cpu-moe-{p}", initializer=numba.set_num_threads,
-                               initargs=(n,))
-            for p, n in enumerate(self.threads)
-        ]
+        self.placements: list[PoolPlacement] = place_pools(topology or Topology.probe(), count)
+        self._executors = [ThreadPoolExecutor(1, thread_name_prefix=f"ktlite-cpu-moe-{p}") for p in range(count)]
+        # each thread starts now and pins itself before its first kernel (an OpenMP team inherits the mask then)
+        self.pin_errors = [ex.submit(_enter_pool, place.cpus, n).result()
+                           for ex, place, n in zip(self._executors, self.placements, self.threads)]
+        for place, error in zip(self.placements, self.pin_errors):
+            if error:
+                logger.warning("CPU expert pool %d: its thread is not pinned to cpus %s (%s)", place.pool,
+                               format_cpus(place.cpus), error)
 
     @property
     def count(self) -> int:
