@@ -8,7 +8,9 @@ the tiny BPE tokenizer ktlite's demo model uses.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -17,40 +19,44 @@ from ktlite.runtime.tiny_model import BOS, CONTEXT, EOS, train_tokenizer, write_
 
 _COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                head_dim=16, max_position_embeddings=CONTEXT, rms_norm_eps=1e-6, tie_word_embeddings=False)
+# the MLA families' shapes and router (DeepSeek-V2/V3, V3.2, GLM-5)
+_MLA = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=CONTEXT,
+            tie_word_embeddings=False)
+_DSA = dict(index_n_heads=16, index_head_dim=32, index_topk=6)
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
-FAMILIES = {
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+# family -> (transformers config class, its keyword arguments); write_hf_checkpoint's overrides replace keys
+FAMILIES: dict[str, tuple[type, dict[str, Any]]] = {
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(
         **_COMMON, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
-        mlp_only_layers=[0], decoder_sparse_step=1, rope_theta=10000.0),
-    "minimax_m2": lambda: transformers.MiniMaxM2Config(
+        mlp_only_layers=[0], decoder_sparse_step=1, rope_theta=10000.0)),
+    "minimax_m2": (transformers.MiniMaxM2Config, dict(
         **{**_COMMON, "intermediate_size": 32}, num_local_experts=16, num_experts_per_tok=4, rotary_dim=8,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
-    "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    "glm4_moe": (transformers.Glm4MoeConfig, dict(
         **_COMMON, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
         n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=1,
         attention_bias=True, use_qk_norm=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
-    "deepseek_v32": lambda: transformers.DeepseekV32Config(
-        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
-        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=CONTEXT,
-        index_n_heads=16, index_head_dim=32, index_topk=6, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
-                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
-    "glm_moe_dsa": lambda: transformers.GlmMoeDsaConfig(
-        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
-        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=CONTEXT,
-        index_n_heads=16, index_head_dim=32, index_topk=6, index_topk_pattern="FFS", tie_word_embeddings=False,
-        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-    "qwen3_next": lambda: transformers.Qwen3NextConfig(
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    "deepseek_v32": (transformers.DeepseekV32Config, dict(**_MLA, **_DSA, rope_parameters=_YARN)),
+    "glm_moe_dsa": (transformers.GlmMoeDsaConfig, dict(
+        **_MLA, **_DSA, index_topk_pattern="FFS", rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "qwen3_next": (transformers.Qwen3NextConfig, dict(
         **{**_COMMON, "num_hidden_layers": 4}, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4,
         shared_expert_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         full_attention_interval=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_conv_kernel_dim=4,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
+    "deepseek_v3": (transformers.DeepseekV3Config, dict(**_MLA, rope_parameters=_YARN)),
+    # V2's router (transformers): softmax, best groups by their top expert, always times routed_scaling_factor
+    "deepseek_v2": (transformers.DeepseekV2Config, dict(
+        **{**_MLA, "q_lora_rank": None, "n_shared_experts": 2, "norm_topk_prob": False, "routed_scaling_factor": 1.5},
+        topk_method="group_limited_greedy", rope_parameters=_YARN)),
 }
 
 
@@ -72,9 +78,11 @@ def _spread(model: torch.nn.Module, seed: int, norm_center: float) -> None:
                 b.copy_((0.05 * torch.randn(b.shape, generator=gen)).bfloat16().float())
 
 
-def write_hf_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
+def write_hf_checkpoint(path: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
+    """`family`'s tiny checkpoint; `overrides` replace its config's keyword arguments (e.g. rope_parameters)."""
     tokenizer = train_tokenizer()
-    config = FAMILIES[family]()
+    config_class, kwargs = FAMILIES[family]
+    config = config_class(**copy.deepcopy({**kwargs, **overrides}))  # transformers fills rope dicts in place
     config.vocab_size = tokenizer.get_vocab_size()
     config.bos_token_id, config.eos_token_id = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
     torch.manual_seed(seed)

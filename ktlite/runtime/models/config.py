@@ -7,8 +7,10 @@ cached per token). `load_config(path)` / `parse_config(raw)` pick the family fro
 `model_type`.
 
 Two config dialects exist in the wild: hub folders (`rope_scaling` with `type`, top-level
-`rope_theta`) and folders re-saved by recent transformers (`rope_parameters` with `rope_type` and
-`rope_theta` inside). Both parse to the same `RopeConfig`.
+`rope_theta` / `partial_rotary_factor`) and folders re-saved by recent transformers (`rope_parameters`
+with `rope_type`, `rope_theta` and `partial_rotary_factor` inside). Both parse to the same
+`RopeConfig` through one reader, `rope_config`: the value the file states wins wherever it is written,
+and a family's default applies only where the file says nothing.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class RopeConfig:
     mscale: float = 0.0
     mscale_all_dim: float = 0.0
     attention_factor: float | None = None
+    truncate: bool = True  # YaRN: round the ramp's ends to whole dimensions
 
     @property
     def cos_sin_scale(self) -> float:
@@ -159,38 +162,72 @@ class ModelConfig(Protocol):
 # ---- parsing helpers the families share ---------------------------------------------------------
 
 
-def rope_config(raw: dict[str, Any], head_dim: int, theta_default: float, interleave_default: bool) -> RopeConfig:
-    """RopeConfig from either dialect; `head_dim` is the rotated dimension (partial rotary included)."""
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ConfigError(f"config.json: rope_scaling/rope_parameters must be an object, got {params!r}")
-    kind = params.get("rope_type") or params.get("type") or "default"
-    theta = float(params.get("rope_theta", raw.get("rope_theta", theta_default)))
-    interleave = bool(raw.get("rope_interleave", interleave_default))
+def rope_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Every rope value the file states, from wherever it states it: inside `rope_scaling` (hub dialect,
+    `type` or `rope_type`) or `rope_parameters` (transformers 5.x re-saves), else at top level
+    (`rope_theta`, `partial_rotary_factor`). transformers' order: a value inside the rope dict beats the
+    same value at top level, `rope_scaling` beats `rope_parameters` should a file carry both, and a
+    top-level `original_max_position_embeddings` beats the dict's (transformers' Phi-3 exception).
+    Unstated values are absent (None counts as unstated)."""
+    stated: dict[str, Any] = {}
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if raw.get(key) is not None:
+            stated[key] = raw[key]
+    for name in ("rope_parameters", "rope_scaling"):
+        params = raw.get(name)
+        if params is None:
+            continue
+        if not isinstance(params, dict):
+            raise ConfigError(f"config.json: {name} must be an object, got {params!r}")
+        if "rope_theta" not in params and any(isinstance(v, dict) for v in params.values()):
+            raise ConfigError(f"config.json: {name} is nested per layer type ({', '.join(params)}); "
+                              "ktlite reads one rope for every layer")
+        stated.update({k: v for k, v in params.items() if v is not None and k != "type"})
+        if "rope_type" not in params and params.get("type") is not None:
+            stated["rope_type"] = params["type"]
+    if raw.get("original_max_position_embeddings") is not None:
+        stated["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+    return stated
+
+
+def rope_config(raw: dict[str, Any], head_dim: int, *, theta: float, interleave: bool, max_position_embeddings: int,
+                partial_rotary_factor: float = 1.0, rotary_dim_field: bool = False) -> RopeConfig:
+    """The RopeConfig of a config.json dict in either dialect: every value the file states wins wherever
+    it is written (see `rope_fields`); the family's defaults (`theta`, `partial_rotary_factor`,
+    `interleave`) apply only where the file says nothing. `head_dim` is the whole head; the rotated slice
+    is `head_dim * partial_rotary_factor`. `rotary_dim_field`: the family's legacy `rotary_dim` (MiniMax-M2)
+    states the rotated width where no `partial_rotary_factor` does, as transformers reads it."""
+    stated = rope_fields(raw)
+    if "partial_rotary_factor" not in stated and rotary_dim_field and raw.get("rotary_dim") is not None:
+        stated["partial_rotary_factor"] = int(raw["rotary_dim"]) / head_dim
+    partial = float(stated.get("partial_rotary_factor", partial_rotary_factor))
+    if not 0 < partial <= 1:
+        raise ConfigError(f"config.json: partial_rotary_factor={partial} must be in (0, 1]")
+    rotated = int(head_dim * partial)
+    if rotated % 2 or not rotated:
+        raise ConfigError(f"config.json: the rotated width {head_dim} * partial_rotary_factor {partial} = {rotated} "
+                          "must be a positive even number")
+    common = dict(theta=float(stated.get("rope_theta", theta)), head_dim=rotated,
+                  interleave=bool(raw.get("rope_interleave", interleave)))
+    kind = stated.get("rope_type", "default")
     if kind == "default":
-        return RopeConfig(theta=theta, head_dim=head_dim, interleave=interleave)
+        return RopeConfig(**common)
     if kind != "yarn":
         raise ConfigError(f"config.json: rope type {kind!r} is not supported (supported: default, yarn)")
+    original = int(stated.get("original_max_position_embeddings", max_position_embeddings))
+    factor = stated.get("factor")
     return RopeConfig(
-        theta=theta,
-        head_dim=head_dim,
-        interleave=interleave,
+        **common,
         kind="yarn",
-        factor=float(params["factor"]),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 4096)),
-        beta_fast=float(params.get("beta_fast") or 32),
-        beta_slow=float(params.get("beta_slow") or 1),
-        mscale=float(params.get("mscale") or 0.0),
-        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
-        attention_factor=params.get("attention_factor"),
+        factor=float(max_position_embeddings / original if factor is None else factor),
+        original_max_position_embeddings=original,
+        beta_fast=float(stated.get("beta_fast") or 32),
+        beta_slow=float(stated.get("beta_slow") or 1),
+        mscale=float(stated.get("mscale") or 0.0),
+        mscale_all_dim=float(stated.get("mscale_all_dim") or 0.0),
+        attention_factor=None if stated.get("attention_factor") is None else float(stated["attention_factor"]),
+        truncate=bool(stated.get("truncate", True)),
     )
-
-
-def partial_rotary_factor(raw: dict[str, Any]) -> float:
-    """Fraction of each head that is rotated: top-level or inside rope_parameters (resaved dialect)."""
-    params = raw.get("rope_parameters") or {}
-    value = raw.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0) if isinstance(params, dict) else 1.0)
-    return float(value or 1.0)
 
 
 def fp8_block_size(raw: dict[str, Any]) -> tuple[int, int] | None:

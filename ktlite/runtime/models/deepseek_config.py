@@ -143,7 +143,6 @@ def _defaults(arch: str) -> dict[str, Any]:
         "norm_topk_prob": bool(v3),
         "n_shared_experts": 1 if v3 else 2,
         "max_position_embeddings": 4096 if v3 else 2048,
-        "rope_theta": 10000.0,
         "attention_bias": False,
     }
 
@@ -166,6 +165,11 @@ def parse_config(raw: dict[str, Any]) -> DeepseekConfig:
     qk_rope = int(f.need("qk_rope_head_dim"))
     if qk_rope % 2:
         raise ConfigError(f"config.json: qk_rope_head_dim={qk_rope} must be even")
+    rope = rope_config(raw, qk_rope, theta=10000.0, interleave=True,
+                       max_position_embeddings=int(f.values["max_position_embeddings"]))
+    if rope.head_dim != qk_rope:
+        raise ConfigError(f"config.json: partial_rotary_factor rotates {rope.head_dim} of qk_rope_head_dim={qk_rope}; "
+                          "MLA rotates all of it")
     cfg = DeepseekConfig(
         architecture=arch,
         **f.common(),
@@ -188,7 +192,7 @@ def parse_config(raw: dict[str, Any]) -> DeepseekConfig:
         topk_group=int(f.values["topk_group"]),
         norm_topk_prob=bool(f.values["norm_topk_prob"]),
         max_position_embeddings=int(f.values["max_position_embeddings"]),
-        rope=rope_config(f.values, qk_rope, float(f.values["rope_theta"]), interleave_default=True),
+        rope=rope,
     )
     cfg.router  # validates the routing fields
     return cfg

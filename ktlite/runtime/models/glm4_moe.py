@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ktlite.runtime.models.config import Fields, RouterSpec, partial_rotary_factor, rope_config
+from ktlite.runtime.models.config import Fields, RouterSpec, rope_config
 from ktlite.runtime.models.gqa import GQASpec
 from ktlite.runtime.models.gqa_moe import GQAMoEConfig, GQAMoEForCausalLM, moe_layer_ids
 
@@ -20,13 +20,12 @@ Model = GQAMoEForCausalLM
 
 
 def parse_config(raw: dict[str, Any]) -> GQAMoEConfig:
-    f = Fields(raw, {"rope_theta": 1000000.0, "max_position_embeddings": 131072, "attention_bias": True,
+    f = Fields(raw, {"max_position_embeddings": 131072, "attention_bias": True,
                      "use_qk_norm": False, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
                      "routed_scaling_factor": 1.0, "first_k_dense_replace": 1, "n_shared_experts": 1})
     common = f.common()
     heads = common["num_attention_heads"]
     head_dim = int(f.get("head_dim") or common["hidden_size"] // heads)
-    rotary_dim = int(head_dim * partial_rotary_factor({"partial_rotary_factor": 0.5, **f.values}))
     experts, top_k = int(f.need("n_routed_experts")), int(f.need("num_experts_per_tok"))
     moe_inter = int(f.need("moe_intermediate_size"))
     first_dense = int(f.values["first_k_dense_replace"])
@@ -48,7 +47,8 @@ def parse_config(raw: dict[str, Any]) -> GQAMoEConfig:
                           normalize=bool(f.values["norm_topk_prob"]),
                           scaling_factor=float(f.values["routed_scaling_factor"]), correction_bias=True),
         max_position_embeddings=int(f.values["max_position_embeddings"]),
-        rope=rope_config(f.values, rotary_dim, float(f.values["rope_theta"]), interleave_default=False),
+        rope=rope_config(raw, head_dim, theta=1000000.0, interleave=False, partial_rotary_factor=0.5,
+                         max_position_embeddings=int(f.values["max_position_embeddings"])),
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ktlite.errors import ConfigError
-from ktlite.runtime.models.config import Fields, RouterSpec, partial_rotary_factor, rope_config
+from ktlite.runtime.models.config import Fields, RouterSpec, rope_config
 from ktlite.runtime.models.gqa import GQASpec
 from ktlite.runtime.models.gqa_moe import GQAMoEConfig, GQAMoEForCausalLM
 
@@ -18,13 +18,12 @@ Model = GQAMoEForCausalLM
 
 
 def parse_config(raw: dict[str, Any]) -> GQAMoEConfig:
-    f = Fields(raw, {"rope_theta": 5000000.0, "max_position_embeddings": 196608, "use_qk_norm": True,
+    f = Fields(raw, {"max_position_embeddings": 196608, "use_qk_norm": True,
                      "qk_norm_type": "per_layer", "scoring_func": "sigmoid", "use_routing_bias": True,
                      "routed_scaling_factor": 1.0})
     common = f.common()
     heads = common["num_attention_heads"]
     head_dim = int(f.get("head_dim") or common["hidden_size"] // heads)
-    rotary_dim = int(f.get("rotary_dim") or head_dim * partial_rotary_factor(f.values))
     norm = f.values["qk_norm_type"] if f.values["use_qk_norm"] else None
     if norm not in (None, "per_layer", "per_head"):
         raise ConfigError(f"config.json: qk_norm_type={norm!r} is not supported (per_layer or per_head)")
@@ -43,7 +42,8 @@ def parse_config(raw: dict[str, Any]) -> GQAMoEConfig:
                           scaling_factor=float(f.values["routed_scaling_factor"]),
                           correction_bias=bool(f.values["use_routing_bias"])),
         max_position_embeddings=int(f.values["max_position_embeddings"]),
-        rope=rope_config(f.values, rotary_dim, float(f.values["rope_theta"]), interleave_default=False),
+        rope=rope_config(raw, head_dim, theta=5000000.0, interleave=False, rotary_dim_field=True,
+                         max_position_embeddings=int(f.values["max_position_embeddings"])),
         expert_names=("w1", "w3", "w2"),
         moe_prefix="block_sparse_moe",
     )

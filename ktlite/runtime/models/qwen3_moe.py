@@ -16,7 +16,7 @@ Model = GQAMoEForCausalLM
 
 
 def parse_config(raw: dict[str, Any]) -> GQAMoEConfig:
-    f = Fields(raw, {"rope_theta": 1000000.0, "max_position_embeddings": 40960, "decoder_sparse_step": 1,
+    f = Fields(raw, {"max_position_embeddings": 40960, "decoder_sparse_step": 1,
                      "mlp_only_layers": [], "norm_topk_prob": True, "attention_bias": False})
     common = f.common()
     heads = common["num_attention_heads"]
@@ -36,7 +36,8 @@ def parse_config(raw: dict[str, Any]) -> GQAMoEConfig:
         moe_layer_ids=moe_layer_ids(layers, lambda i: experts > 0 and i not in dense_only and (i + 1) % step == 0),
         router=RouterSpec(experts, int(f.need("num_experts_per_tok")), "softmax", normalize=bool(f.values["norm_topk_prob"])),
         max_position_embeddings=int(f.values["max_position_embeddings"]),
-        rope=rope_config(f.values, head_dim, float(f.values["rope_theta"]), interleave_default=False),
+        rope=rope_config(raw, head_dim, theta=1000000.0, interleave=False,
+                         max_position_embeddings=int(f.values["max_position_embeddings"])),
     )
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from ktlite.errors import ConfigError
 from ktlite.runtime.kv_cache import TokenCacheSpec
 from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
-from ktlite.runtime.models.config import Fields, RopeConfig, RouterSpec, partial_rotary_factor, rope_config
+from ktlite.runtime.models.config import Fields, RopeConfig, RouterSpec, rope_config
 from ktlite.runtime.models.gated_deltanet import GatedDeltaNet, LinearAttentionSpec
 from ktlite.runtime.models.gqa import GQASpec, GQAttention
 from ktlite.runtime.models.layers import MLP, MoE
@@ -97,9 +97,9 @@ def _full_attention_layers(f: Fields, layers: int) -> tuple[int, ...]:
 
 
 def parse_config(raw: dict[str, Any]) -> Qwen3NextConfig:
-    f = Fields(raw, {"rope_theta": 10000000.0, "max_position_embeddings": 262144, "decoder_sparse_step": 1,
+    f = Fields(raw, {"max_position_embeddings": 262144, "decoder_sparse_step": 1,
                      "mlp_only_layers": [], "norm_topk_prob": True, "attention_bias": False,
-                     "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4})
+                     "linear_conv_kernel_dim": 4})
     common = f.common()
     heads, layers, hidden = common["num_attention_heads"], common["num_hidden_layers"], common["hidden_size"]
     head_dim = int(f.get("head_dim") or hidden // heads)
@@ -125,8 +125,8 @@ def parse_config(raw: dict[str, Any]) -> Qwen3NextConfig:
         moe_layer_ids=tuple(i for i in range(layers) if experts and i not in dense_only and (i + 1) % step == 0),
         router=RouterSpec(experts, top_k, "softmax", normalize=bool(f.values["norm_topk_prob"])),
         max_position_embeddings=int(f.values["max_position_embeddings"]),
-        rope=rope_config(f.values, int(head_dim * partial_rotary_factor(f.values)), float(f.values["rope_theta"]),
-                         interleave_default=False),
+        rope=rope_config(raw, head_dim, theta=10000000.0, interleave=False, partial_rotary_factor=0.25,
+                         max_position_embeddings=int(f.values["max_position_embeddings"])),
     )
 
 

@@ -17,8 +17,10 @@ def _yarn_inv_freq(cfg: RopeConfig) -> torch.Tensor:
     def correction_dim(rotations: float) -> float:
         return dim * math.log(cfg.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(cfg.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(cfg.beta_slow)), dim - 1)
+    low, high = correction_dim(cfg.beta_fast), correction_dim(cfg.beta_slow)
+    if cfg.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
