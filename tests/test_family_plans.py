@@ -13,6 +13,7 @@ from ktlite.cli import main
 from ktlite.errors import ConfigError
 from ktlite.runtime.memory import PlanInputs, make_plan
 from ktlite.runtime.models import load_config, parse_config, supported
+from ktlite.runtime.models.registry import tiny_configs
 
 DATA = Path(__file__).parent / "data"
 
@@ -71,8 +72,6 @@ def test_missing_field_is_named(name, field):
 
 
 def test_tiny_model_cli_writes_every_family(tmp_path):
-    from ktlite.runtime.models.registry import tiny_configs
-
     shown = CliRunner().invoke(main, ["tiny-model", "--help"]).output
     assert "|".join(tiny_configs()) in shown  # every family's tiny configs, from the registry
     refused = CliRunner().invoke(main, ["tiny-model", str(tmp_path / "x"), "--arch", "llama"])
@@ -82,3 +81,29 @@ def test_tiny_model_cli_writes_every_family(tmp_path):
         assert result.exit_code == 0, result.output
         cfg = load_config(tmp_path / arch)
         assert cfg.fp8_block_size == (128, 128) and cfg.architecture in supported()
+
+
+def _rows_hold_what_they_name(cfg) -> None:
+    """The dense_mlp row holds the dense layers' MLPs and the shared_experts row the MoE layers' shared
+    experts, per the config (bf16: 2 bytes a value; a shared expert may add a one-row gate per layer)."""
+    plan = make_plan(cfg, PlanInputs(gpu_memory="4096GiB", dtype="bfloat16", max_total_tokens=64,
+                                     chunked_prefill_size=64, max_running_requests=1, context_length=64))
+    h, moe = cfg.hidden_size, len(cfg.moe_layers)
+    dense = cfg.num_hidden_layers - moe
+    rows = {r.component: r for r in plan.rows()}
+    assert rows["dense_mlp"].bytes == dense * 3 * h * cfg.intermediate_size * 2
+    assert rows["dense_mlp"].note.startswith(f"{dense} layers")
+    shared = moe * 3 * h * cfg.shared_intermediate_size * 2
+    assert shared <= rows["shared_experts"].bytes <= shared + (moe * h * 2 if shared else 0)
+
+
+@pytest.mark.parametrize("arch", sorted(tiny_configs()))
+def test_every_family_plan_rows_name_what_they_hold(arch):
+    from ktlite.runtime.tiny_model import _COMMON
+
+    _rows_hold_what_they_name(parse_config({**_COMMON, **tiny_configs()[arch], "vocab_size": 1024}))
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in DATA.iterdir() if (p / "config.json").is_file()))
+def test_published_config_plan_rows_name_what_they_hold(name):
+    _rows_hold_what_they_name(load_config(DATA / name))

@@ -141,3 +141,102 @@ def test_coder_next_fp8_launch_command_streams_a_reply(tmp_path):
         assert server.stop() == 0
     log = server.stderr_path.read_text()
     assert log.count("--kt-cpuinfer 96") == 1 and log.count("--kt-num-gpu-experts 100") == 1, log[-3000:]
+
+
+# two FP8 splits as transformers' FineGrainedFP8Config writes them (`modules_to_not_convert`): every Gated
+# DeltaNet projection FP8, or in_proj_ba (a suffix) and layer 1's out_proj (a full name) kept in bf16
+HIGH_PRECISION = ["lm_head", "mlp.gate", "mlp.shared_expert_gate"]
+FP8_SPLITS = {"all_fp8": HIGH_PRECISION,
+              "ba_bf16": HIGH_PRECISION + ["linear_attn.in_proj_ba", "model.layers.1.linear_attn.out_proj"]}
+
+
+@pytest.fixture(scope="module", params=sorted(FP8_SPLITS))
+def fp8_next(request, tmp_path_factory) -> Path:
+    from ktlite.runtime.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("next_fp8") / request.param, "qwen3_next", fp8=True, seed=5,
+                            fp8_skip=FP8_SPLITS[request.param])
+
+
+def test_fp8_checkpoint_stores_what_transformers_quantizer_converts(fp8_next):
+    """Every linear layer (and expert block) of transformers' Qwen3-Next that its FP8 quantizer converts under
+    the checkpoint's quantization_config has FP8 weights with block scales; every other one is bf16."""
+    import transformers
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    from ktlite.runtime.loader import CheckpointReader
+
+    reader, config = CheckpointReader(fp8_next), transformers.AutoConfig.from_pretrained(fp8_next)
+    skip = config.quantization_config["modules_to_not_convert"]
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+    seen = {"fp8": set(), "bf16": set()}
+    for name, module in hf.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            weights = [f"{name}.weight"]
+        elif name.endswith(".experts"):
+            weights = [f"{name}.{e}.{p}_proj.weight" for e in range(config.num_experts) for p in ("gate", "up", "down")]
+        else:
+            continue
+        kind = "fp8" if should_convert_module(name, skip) else "bf16"
+        for w in weights:
+            stored = reader.get_raw(w).dtype
+            assert (reader.is_fp8(w), stored) == ((True, torch.float8_e4m3fn) if kind == "fp8" else (False, torch.bfloat16)), w
+        seen[kind].add(name.split(".")[-1])
+    assert {"in_proj_qkvz", "out_proj", "q_proj", "experts"} <= seen["fp8"]
+    assert ("in_proj_ba" in seen["bf16"]) == ("linear_attn.in_proj_ba" in skip)
+
+
+def test_fp8_linear_attention_stays_fp8_planned_at_its_size_and_matches_transformers(fp8_next, tmp_path):
+    """Kept FP8 on the device (--weight-dtype fp8): the Gated DeltaNet projections the checkpoint stores
+    in FP8 are FP8 layers, the rest bf16; the plan's attention row is the checkpoint's attention bytes and
+    what the engine allocates; logits are transformers' on the dequantized checkpoint."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    from ktlite.runtime.loader import CheckpointReader
+    from ktlite.runtime.memory import allocated_by_component
+    from ktlite.runtime.models.fp8 import FP8Linear
+
+    reader = CheckpointReader(fp8_next)
+    save_file({n: reader.get(n, torch.float32) for n in reader.names()}, str(tmp_path / "model.safetensors"))
+    config = json.loads((fp8_next / "config.json").read_text())
+    skip = config.pop("quantization_config")["modules_to_not_convert"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(fp8_next / f, tmp_path / f)
+    batch = [ids.tolist() for ids in ids_of(config["vocab_size"], 2, 11, seed=4)]
+    with torch.no_grad():
+        want = torch.cat([hf_model(tmp_path)(torch.tensor([ids])).logits[0, -1:] for ids in batch])
+
+    # the checkpoint's attention tensors (full and linear attention, norms aside) as stored
+    stored = load_file(str(fp8_next / "model.safetensors"))
+    attention = sum(t.numel() * t.element_size() for n, t in stored.items()
+                    if (".self_attn." in n or ".linear_attn." in n) and "norm" not in n)
+    cfg = load_config(fp8_next)
+    planned = make_plan(cfg, PlanInputs(gpu_memory="1GiB"))
+    row = next(r for r in planned.rows() if r.component == "attention")
+    assert row.bytes == attention and row.note.endswith("fp8")
+    assert f"but {len(skip)} modules_to_not_convert patterns in bf16" in planned.format_table()
+    # FP8 weights pair with bf16 activations in the plan, as on a GPU; the logits come from an fp32 run
+    for dtype in ("bfloat16", "float32"):
+        with Engine(str(fp8_next), **{**EXACT, "dtype": dtype}, weight_dtype="fp8", kt_num_gpu_experts=16) as eng:
+            model, plan = eng.runtime.runner.model, eng.runtime.plan
+            for i in cfg.linear_layers:
+                for proj in ("in_proj_qkvz", "in_proj_ba", "out_proj"):
+                    layer = getattr(model.model.layers[i].self_attn, proj)
+                    name = f"model.layers.{i}.linear_attn.{proj}"
+                    assert isinstance(layer, FP8Linear) == should_convert_module(name, skip) == reader.is_fp8(f"{name}.weight")
+            if dtype == "bfloat16":
+                allocated = allocated_by_component(model)
+                allocated.update(plan.allocated())
+                assert plan.weight_dtype == "fp8" and plan.mismatches(allocated) == {}
+            else:
+                got = logits_of(eng, batch)
+    # the engine's prefill and transformers' one-shot chunked form of the delta rule round differently in
+    # fp32 (~1e-4 here; see the decode test above), far below what a wrongly scaled FP8 block would change
+    assert (got - want).abs().max().item() <= 5e-4

@@ -6,7 +6,7 @@ its own shard:
 
 - weights: exactly the shapes of the rank's shard of the model, built on the meta device
   (`models.build(..., device="meta", tp=...)`, see `tp_layers.py` for the split), so planned and
-  allocated bytes agree by construction; each module's `plan_component` tag names its component;
+  allocated bytes agree by construction; the modules' `plan_component` tags name the components;
 - routers (fp32) are replicated; the GPU routed experts are expert-parallel (each rank holds 1/tp of
   each layer's GPU experts, the first `count % tp` ranks one more);
 - the KV pool holds what the family declares per token per rank (`cfg.token_cache_specs(tp, kv_dtype)`:
@@ -211,13 +211,22 @@ _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32"
                  "fp8_e4m3": torch.float8_e4m3fn}
 
 
+# a tag in here names a kind of tensor that counts as such wherever its module sits (a norm inside
+# attention is a norm); every other tag names a role, which the outermost tagged module decides (an
+# MLP, tagged dense_mlp, inside a shared expert belongs to the shared expert)
+KIND_COMPONENTS = ("norms_router",)
+
+
 def components_of(model: nn.Module) -> dict[str, str]:
-    """{parameter or buffer name: plan component} from the modules' `plan_component` tags (the
-    innermost tagged module of a tensor wins)."""
+    """{parameter or buffer name: plan component} from the modules' `plan_component` tags: a tensor
+    counts against its outermost tagged module, unless a module on the way names a kind
+    (KIND_COMPONENTS)."""
     out: dict[str, str] = {}
 
     def visit(module: nn.Module, prefix: str, component: str | None) -> None:
-        component = getattr(module, "plan_component", component)
+        tag = getattr(module, "plan_component", None)
+        if tag is not None and (component is None or tag in KIND_COMPONENTS):
+            component = tag
         for name, _ in chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False)):
             if component is None:
                 raise ValueError(f"{prefix}{name} has no memory-plan component: tag its module with plan_component")
@@ -423,6 +432,8 @@ class MemoryPlan:
     def _header(self) -> list[str]:
         c, i = self.cfg, self.inputs
         fmt = f"fp8 with fp32 scales per {c.fp8_block_size or (128, 128)} block" if self.weight_dtype == "fp8" else self.weight_dtype
+        if self.weight_dtype == "fp8" and c.fp8_skip:  # the linear layers the checkpoint keeps in bf16
+            fmt += f" but {len(c.fp8_skip)} modules_to_not_convert patterns in bf16"
         if i.dense_quantization:  # a CPU device: its linear layers quantized at load
             fmt += f", linear layers {i.dense_quantization} (--cpu-dense-method)"
         experts = f"{len(c.moe_layers)} MoE layers x {c.n_routed_experts} routed experts" if c.moe_layers else "no MoE layers"

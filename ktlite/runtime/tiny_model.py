@@ -124,10 +124,12 @@ def _fp8_quantize(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor,
 
 def write_tiny_model(
     path: str | Path, arch: str = "deepseek_v3", fp8: bool = False, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-    overrides: dict | None = None,
+    overrides: dict | None = None, fp8_skip: list[str] | None = None,
 ) -> Path:
     """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json into `path`;
-    `overrides` replaces config.json fields (e.g. wider experts for formats with 256-wide blocks)."""
+    `overrides` replaces config.json fields (e.g. wider experts for formats with 256-wide blocks);
+    `fp8_skip` becomes the FP8 quantization_config's `modules_to_not_convert` (transformers' key), and
+    the linear layers it names are written in `dtype`."""
     if arch not in ARCH_CONFIGS:
         raise ValueError(f"--arch must be one of {sorted(ARCH_CONFIGS)}, got {arch!r}")
     path = Path(path)
@@ -138,9 +140,12 @@ def write_tiny_model(
     if fp8:
         raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                       "weight_block_size": [128, 128]}
+        if fp8_skip is not None:
+            raw["quantization_config"]["modules_to_not_convert"] = list(fp8_skip)
     cfg = parse_config(raw)
     model = build(cfg, "cpu", torch.float32)
-    # the linear layers block-FP8 checkpoints store in FP8 (embeddings, lm_head, norms, routers stay high precision)
+    # the linear layers the config's checkpoint stores in FP8 (embeddings, lm_head, norms, routers and
+    # modules_to_not_convert stay high precision)
     fp8_names = {f"{n}.weight" for n, m in build(cfg, "meta", fp8_weights=True).named_modules() if isinstance(m, FP8Linear)}
     tensors: dict[str, torch.Tensor] = {}
     for name, value in _random_state(model, seed).items():

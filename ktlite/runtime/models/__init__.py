@@ -26,7 +26,8 @@ def build(
     """An uninitialised model on `device`: weights in `dtype`, routers in float32.
 
     `routed_experts=False` leaves the routed expert weights out (the runtime places them itself);
-    `fp8_weights=True` keeps the projections of an FP8 checkpoint in FP8 (1 byte + block scales);
+    `fp8_weights=True` keeps the projections of an FP8 checkpoint in FP8 (1 byte + block scales), but those
+    its quantization_config's `modules_to_not_convert` names, which stay in `dtype`;
     `tp` (a `tp_layers.TPContext`) builds one tensor-parallel rank's shard, and `model.tp_shards` then
     tells the loader which slice of each split tensor to read. `device="meta"` builds shapes only
     (what the memory plan counts)."""
@@ -35,7 +36,7 @@ def build(
     with torch.device("meta"):
         model = model_class(cfg)(cfg, routed_experts).to(dtype)
         if fp8_weights:
-            swap_in_fp8(model)  # after .to(dtype), which would otherwise cast the fp8 weights
+            swap_in_fp8(model, cfg.fp8_skip)  # after .to(dtype), which would otherwise cast the fp8 weights
         if tp is not None:
             from ktlite.runtime.models.tp_layers import shard_model
 

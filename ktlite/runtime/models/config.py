@@ -129,6 +129,7 @@ class ModelConfig(Protocol):
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
     fp8_block_size: tuple[int, int] | None
+    fp8_skip: tuple[str, ...]  # quantization_config.modules_to_not_convert: what an FP8 checkpoint keeps high precision
     rope: RopeConfig
     router: RouterSpec
 
@@ -246,6 +247,15 @@ def fp8_block_size(raw: dict[str, Any]) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
+def fp8_skip(raw: dict[str, Any]) -> tuple[str, ...]:
+    """The module name patterns a block-FP8 checkpoint keeps in high precision: its quantization_config's
+    `modules_to_not_convert`, as transformers' FineGrainedFP8 quantizer writes it (names or regexes, matched
+    by `fp8.skipped`); none without it."""
+    if fp8_block_size(raw) is None:
+        return ()
+    return tuple(str(p) for p in raw["quantization_config"].get("modules_to_not_convert") or ())
+
+
 def eos_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -283,6 +293,7 @@ class Fields:
             eos_token_ids=eos_ids(self.values.get("eos_token_id")),
             torch_dtype=str(self.get("dtype") or self.get("torch_dtype", "bfloat16")),
             fp8_block_size=fp8_block_size(self.values),
+            fp8_skip=fp8_skip(self.values),
         )
 
     def check_silu(self) -> None:

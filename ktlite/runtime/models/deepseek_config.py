@@ -49,6 +49,7 @@ class DeepseekConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
     fp8_block_size: tuple[int, int] | None  # DeepSeek-V3 FP8 checkpoints: (128, 128)
+    fp8_skip: tuple[str, ...]
 
     @property
     def qk_head_dim(self) -> int:

@@ -8,6 +8,8 @@ and dense weights fit small GPUs (DeepSeek-V3, MiniMax-M2 and Qwen3 publish such
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -39,19 +41,35 @@ def linear_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _stored_in_fp8(parent: nn.Module, name: str) -> bool:
-    """Whether block-FP8 checkpoints store this linear layer in FP8: every `*_proj` / `*_proj_with_mqa`,
-    unless the parent module lists its FP8 layers itself (`fp8_linears`, e.g. the DSA indexer)."""
+    """Whether block-FP8 checkpoints store this linear layer in FP8: every projection (`q_proj`,
+    `kv_a_proj_with_mqa`, `in_proj_qkvz`), unless the parent module lists its FP8 layers itself
+    (`fp8_linears`, e.g. the DSA indexer)."""
     listed = getattr(parent, "fp8_linears", None)
     if listed is not None:
         return name in listed
-    return name.endswith("_proj") or name.endswith("_proj_with_mqa")
+    return re.search(r"(?:^|_)proj(?:_|$)", name) is not None
 
 
-def swap_in_fp8(model: nn.Module) -> None:
-    """Replace every nn.Linear that block-FP8 checkpoints store in FP8 with an FP8Linear, in place."""
-    for parent in list(model.modules()):
+def skipped(module: str, patterns: tuple[str, ...]) -> bool:
+    """Whether a checkpoint module name matches `modules_to_not_convert`, by transformers' rule
+    (`quantizers_utils.should_convert_module`): a pattern matches from the start up to a module boundary,
+    as a regex with that boundary ("model.layers.1" not "model.layers.11"), or as a suffix ("in_proj_ba")."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return any(re.match(rf"(?:{p}){boundary}", module) or module.endswith(p) for p in patterns)
+
+
+def swap_in_fp8(model: nn.Module, skip: tuple[str, ...] = ()) -> None:
+    """Replace every nn.Linear that the block-FP8 checkpoint stores in FP8 with an FP8Linear, in place:
+    the projections (`_stored_in_fp8`) but those its `modules_to_not_convert` (`skip`) keeps in high
+    precision, matched on the checkpoint's names (`model.checkpoint_name`)."""
+    checkpoint_name = getattr(model, "checkpoint_name", lambda n: n)
+    for path, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and _stored_in_fp8(parent, name):
+            if not (isinstance(child, nn.Linear) and _stored_in_fp8(parent, name)):
+                continue
+            # families map tensor names, not module names, to the checkpoint's: map the weight's
+            weight = checkpoint_name(f"{path}.{name}.weight" if path else f"{name}.weight")
+            if not skipped(weight.removesuffix(".weight"), skip):
                 fp8 = FP8Linear(child.in_features, child.out_features, bias=child.bias is not None)
                 if fp8.bias is not None:
                     fp8.bias.data = fp8.bias.data.to(child.bias.dtype)  # the bias stays in the activation dtype

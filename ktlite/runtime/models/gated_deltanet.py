@@ -7,6 +7,9 @@ beta and the decay input a; q, k, v go through a causal depthwise conv (width
 [value heads, k_dim, v_dim]; a gated RMSNorm (norm, then times silu(z)) and `out_proj` follow. Both
 states live in the state pool at the request's row and start from zeros at position 0.
 
+The three projections are linear layers like any other: a block-FP8 checkpoint's stay FP8 on the device
+unless its `modules_to_not_convert` keeps them in bf16 (e.g. the small `in_proj_ba`).
+
 Under tensor parallelism the layer is replicated (its weights are small next to the MoE); each rank
 returns its output divided by the rank count, so the runner's all-reduce of partial sums restores it.
 """
@@ -67,9 +70,6 @@ class GatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     plan_component = "attention"
-    # kept in the activation dtype even for block-FP8 checkpoints (the loader dequantizes FP8 ones): FP8
-    # releases differ in whether these are quantized, and they are ~3 % of the weights
-    fp8_linears = ()
 
     def __init__(self, spec: LinearAttentionSpec):
         super().__init__()

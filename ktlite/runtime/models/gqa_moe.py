@@ -40,6 +40,7 @@ class GQAMoEConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
     fp8_block_size: tuple[int, int] | None
+    fp8_skip: tuple[str, ...]
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # checkpoint names of gate/up/down
     moe_prefix: str = "mlp"  # the checkpoint's name of the MoE block inside a layer
 

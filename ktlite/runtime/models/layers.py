@@ -1,8 +1,9 @@
 """Layers every family shares: RMSNorm, the SwiGLU MLP, the router and the MoE block.
 
 Modules carry a `plan_component` tag naming the memory-plan component their parameters count
-against (see `ktlite.runtime.memory.components_of`); the innermost tagged module wins, so a norm
-inside an attention block counts as "norms_router" like every norm.
+against (see `ktlite.runtime.memory.components_of`): the outermost tagged module wins, so the MLP of a
+shared expert counts as "shared_experts", except that a norm or router counts as "norms_router"
+wherever it sits.
 """
 
 from __future__ import annotations

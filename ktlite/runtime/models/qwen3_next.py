@@ -57,6 +57,7 @@ class Qwen3NextConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
     fp8_block_size: tuple[int, int] | None
+    fp8_skip: tuple[str, ...]
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx in self.moe_layer_ids
