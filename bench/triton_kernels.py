@@ -186,23 +186,31 @@ def bench_gqa(args: argparse.Namespace, bw: float, peak: float) -> None:
     from ktlite.kernels.triton.gqa_decode_attn import gqa_decode_triton
     from ktlite.kernels.triton.gqa_extend_attn import gqa_extend_triton
 
+    from ktlite.kernels.triton.kv_fp8 import head_rows
+
     scale = 1 / math.sqrt(GQA_D)
     per_token = (GQA_HKV, GQA_D)
-    pools = {"bf16": (torch.bfloat16, 1.0), "fp8 e4m3": (torch.float8_e4m3fn, 0.05)}
+    pools = {"bf16": None, "fp8 e4m3": head_rows(GQA_D)}  # fp8: packed rows, a scale per token and kv head
+
+    def kv_pool(lens: list[int], packed):
+        """(K, V, req_to_token, rows): bf16 buffers, or packed FP8 rows when `packed` is a layout."""
+        k, r2t, rows = make_pool(lens, torch.bfloat16, per_token)  # V shares K's slot table
+        v = torch.randn_like(k)
+        return (k, v, r2t, rows) if packed is None else (packed.pack(k), packed.pack(v), r2t, rows)
+
     print(f"\n### GQA decode ({GQA_HQ} query heads, {GQA_HKV} kv heads, head dim {GQA_D}, bf16 queries)\n")
     print("| pool | batch | context | ms | KV GB/s | of peak |")
     print("|---|---|---|---|---|---|")
     batches = [1, 16, 64] if args.quick else [1, 4, 16, 32, 64]
     contexts = [1024, 8192, 32768] if args.quick else [1024, 4096, 8192, 16384, 32768]
-    for name, (dtype, kv_scale) in pools.items():
+    for name, packed in pools.items():
         for b in batches:
             for ctx in contexts:
-                k, r2t, rows = make_pool([ctx] * b, dtype, per_token)  # V shares K's slot table
-                v = torch.randn_like(k, dtype=torch.bfloat16).to(dtype)
+                k, v, r2t, rows = kv_pool([ctx] * b, packed)
                 q = torch.randn(b, GQA_HQ, GQA_D, device="cuda", dtype=torch.bfloat16)
                 seq = torch.full((b,), ctx, dtype=torch.int64, device="cuda")
-                ms = bench_ms(lambda: gqa_decode_triton(q, k, v, r2t, rows, seq, scale, kv_scale, kv_scale))
-                gbs = 2 * b * ctx * GQA_HKV * GQA_D * dtype.itemsize / ms / 1e6
+                ms = bench_ms(lambda: gqa_decode_triton(q, k, v, r2t, rows, seq, scale))
+                gbs = 2 * b * ctx * k[0].numel() * k.element_size() / ms / 1e6  # K and V bytes, scales included
                 print(f"| {name} | {b} | {ctx} | {ms:.3f} | {gbs:.0f} | {ratio(gbs, bw)} |")
                 del k, v
 
@@ -210,15 +218,13 @@ def bench_gqa(args: argparse.Namespace, bw: float, peak: float) -> None:
     print("| pool | prefix | chunk | ms | TFLOPS | of peak |")
     print("|---|---|---|---|---|---|")
     cases = [(0, 4096), (8192, 2048)] if args.quick else [(0, 1024), (0, 4096), (4096, 1024), (8192, 2048), (28672, 4096)]
-    for name, (dtype, kv_scale) in pools.items():
+    for name, packed in pools.items():
         for prefix, chunk in cases:
-            k, r2t, rows = make_pool([prefix + chunk], dtype, per_token)
-            v = torch.randn_like(k, dtype=torch.bfloat16).to(dtype)
+            k, v, r2t, rows = kv_pool([prefix + chunk], packed)
             q = torch.randn(chunk, GQA_HQ, GQA_D, device="cuda", dtype=torch.bfloat16)
             pl = torch.tensor([prefix], dtype=torch.int64, device="cuda")
             el = torch.tensor([chunk], dtype=torch.int64, device="cuda")
-            ms = bench_ms(lambda: gqa_extend_triton(q, k, v, r2t, rows, pl, el, scale, kv_scale, kv_scale,
-                                                    max_extend_len=chunk))
+            ms = bench_ms(lambda: gqa_extend_triton(q, k, v, r2t, rows, pl, el, scale, max_extend_len=chunk))
             keys = chunk * prefix + chunk * (chunk + 1) / 2  # causal (query, key) pairs
             tflops = GQA_HQ * keys * 2 * 2 * GQA_D / ms / 1e9
             print(f"| {name} | {prefix} | {chunk} | {ms:.3f} | {tflops:.1f} | {ratio(tflops, peak)} |")

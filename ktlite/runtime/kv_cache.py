@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from ktlite.errors import KtliteError
+from ktlite.kernels.triton.kv_fp8 import Fp8Rows, is_packed
 
 Allocator = Callable[[str, tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
@@ -206,7 +207,12 @@ class KVPool:
             else:
                 raise ValueError(f"unknown journal entry {kind!r}")
 
-    def write(self, name: str, layer_idx: int, slots: torch.Tensor, values: torch.Tensor) -> None:
-        """Store values [n, *shape] of new tokens at their slots [n] in cache kind `name`."""
+    def write(self, name: str, layer_idx: int, slots: torch.Tensor, values: torch.Tensor,
+              rows: Fp8Rows | None = None) -> None:
+        """Store values [n, ...] of new tokens at their slots [n] in cache kind `name`; a buffer of packed FP8
+        rows (an FP8 pool's uint8 spec) takes them quantized into the `rows` layout the spec was sized with."""
         buf = self.buffer(name, layer_idx)
+        if is_packed(buf):
+            assert rows is not None, f"cache kind {name!r} is packed FP8 rows: its writer must give their layout"
+            values = rows.pack(values)
         buf[slots] = values.to(buf.dtype)

@@ -11,7 +11,7 @@ its own shard:
   each layer's GPU experts, the first `count % tp` ranks one more);
 - the KV pool holds what the family declares per token per rank (`cfg.token_cache_specs(tp, kv_dtype)`:
   e.g. a full MLA latent on every rank, or this rank's GQA kv heads; with --kv-cache-dtype fp8_e4m3
-  the MLA latent and index keys are packed rows with their scales).
+  the MLA latent, index keys and GQA K/V per kv head are packed rows with their scales).
 
 The budget rule (stated again in every verdict):
     static budget   = mem_fraction_static x device memory  >= weights + GPU experts + KV pool

@@ -176,17 +176,16 @@ def gqa_decode(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """GQA decode over the token pool. q [B, Hq, D], k_buffer [slots, Hkv, D], v_buffer [slots, Hkv, Dv],
+    """GQA decode over the token pool. q [B, Hq, D], k_buffer [slots, Hkv, D], v_buffer [slots, Hkv, Dv], or both
+    packed FP8 rows [slots, Hkv, D + 4] uint8 (kv_fp8.head_rows, read in place; the same for gqa_extend),
     seq_lens [B] (incl. the current token, already in the pool) -> [B, Hq, Dv] in q's dtype. Query head
-    h reads kv head h // (Hq // Hkv); k_scale/v_scale multiply fp8-stored values (1.0 otherwise)."""
+    h reads kv head h // (Hq // Hkv)."""
     if use_triton(q):
         return _kernels("gqa_decode_attn").gqa_decode_triton(
-            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, k_scale, v_scale
+            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale
         )
-    return gqa_decode_torch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, k_scale, v_scale)
+    return gqa_decode_torch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
 
 
 def gqa_extend(
@@ -198,8 +197,6 @@ def gqa_extend(
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     sm_scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
     extend_start_loc: torch.Tensor | None = None,
     max_extend_len: int | None = None,
 ) -> torch.Tensor:
@@ -209,10 +206,10 @@ def gqa_extend(
     if use_triton(q):
         return _kernels("gqa_extend_attn").gqa_extend_triton(
             q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale,
-            k_scale, v_scale, extend_start_loc=extend_start_loc, max_extend_len=max_extend_len,
+            extend_start_loc=extend_start_loc, max_extend_len=max_extend_len,
         )
     return gqa_extend_torch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens,
-                            sm_scale, k_scale, v_scale)
+                            sm_scale)
 
 
 def sparse_mla(q: torch.Tensor, kv_buffer: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,

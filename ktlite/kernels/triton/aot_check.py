@@ -9,7 +9,7 @@ ttir -> ptx -> cubin pipeline runs on a CPU box; this is what the tests call in 
 
 Configurations mirror the wrappers' GPU defaults at the largest MLA model's sizes (hidden 7168, 128 heads)
 with plain and packed-FP8 latent pools, and at the tiny test models' latent widths; GQA at head_dim 128 with groups of 8 to 16 query heads per kv head,
-bf16 and fp8 pools.
+bf16 and packed-FP8 pools.
 """
 
 import argparse
@@ -114,23 +114,24 @@ def configs(dt: str = "bf16") -> list[KernelConfig]:
 
 
 def gqa_configs(dt: str) -> list[KernelConfig]:
-    """GQA decode/extend with a dt pool, an fp8 pool (sm89+) and fp8 bytes decoded by integer ops
-    (before sm89); index tensors are int64, as ForwardBatch builds them."""
+    """GQA decode/extend with a dt pool, a packed FP8 pool (head_tile: e4m3 codes, sm89+) and its codes as
+    bytes decoded by integer ops (before sm89); index tensors are int64, as ForwardBatch builds them."""
     ints = {name: "*i64" for name in ("ReqPoolIdx", "SeqLens", "PrefixLens", "ExtendLens", "ExtendStart")}
     dims = dict(HEAD_D=128, HEAD_DV=128, BLOCK_D=128, BLOCK_DV=128)
-    floats = ("qk_scale", "v_scale")
+    floats = ("qk_scale",)
     stage2 = {"MidO": "*fp32", "MidLse": "*fp32", "Out": f"*{dt}"}
     out = [KernelConfig("gqa", "gqa decode stage2", decode_attn._decode_stage2, stage2,
                         dict(KV_LORA=128, BLOCK_C=128, BLOCK_S=8))]
-    pools = ((dt, dt, False, 80), ("fp8", "fp8e4nv", False, 89), ("fp8 bytes", "u8", True, 80))
-    for pool, kv_ty, bits, min_arch in pools:
-        ptrs = {"Q": f"*{dt}", "K": f"*{kv_ty}", "V": f"*{kv_ty}", "ReqToToken": "*i32", "MidO": "*fp32",
-                "MidLse": "*fp32", "Out": f"*{dt}", **ints}
+    pools = ((dt, dt, dt, False, 80), ("fp8", "fp8e4nv", "fp32", True, 89), ("fp8 bytes", "u8", "fp32", True, 80))
+    for pool, kv_ty, scale_ty, packed, min_arch in pools:
+        ptrs = {"Q": f"*{dt}", "K": f"*{kv_ty}", "V": f"*{kv_ty}", "KScale": f"*{scale_ty}", "VScale": f"*{scale_ty}",
+                "ReqToToken": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "Out": f"*{dt}", **ints}
+        kinds = dict(PACKED=packed, E4M3_BITS=kv_ty == "u8")
         out += [
             KernelConfig("gqa", f"gqa decode stage1 {pool} pool", gqa_decode_attn._gqa_decode_stage1, ptrs,
-                         dict(dims, BLOCK_H=16, BLOCK_N=64, E4M3_BITS=bits), min_arch=min_arch, floats=floats),
+                         dict(dims, BLOCK_H=16, BLOCK_N=64, **kinds), min_arch=min_arch, floats=floats),
             KernelConfig("gqa", f"gqa extend {pool} pool", gqa_extend_attn._gqa_extend_kernel, ptrs,
-                         dict(dims, BLOCK_T=8, BLOCK_H=8, BLOCK_N=64, E4M3_BITS=bits), min_arch=min_arch,
+                         dict(dims, BLOCK_T=8, BLOCK_H=8, BLOCK_N=64, **kinds), min_arch=min_arch,
                          floats=floats),
         ]
     return out

@@ -7,10 +7,8 @@ and the group is padded to BLOCK_H rows (>= 16 on a GPU) so QK^T and PV run as t
 Stage 2 is MLA decode's merge kernel (decode_attn._decode_stage2): the partial results have the
 same [B, H, splits, width] layout, and merging by log-sum-exp does not care where they came from.
 
-FP8 pools: k_scale is folded into the QK scale and v_scale into the partial outputs, so the loop
-only converts tiles to q's dtype. Before sm89 Triton refuses float8_e4m3fn pointers, so there
-the pool is passed as raw bytes and decoded with integer ops (fp8._e4m3_bits_to_f16, which yields
-value / 256; the 256 goes into the scales).
+Packed FP8 pools (kv_fp8.head_rows, a scale per token and kv head) are read through head_tile: key scales
+go on the scores, value tiles are dequantized in registers, codes decode with integer ops before sm89.
 """
 
 import logging
@@ -19,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ktlite.kernels.triton.common import cast_like, dot, dot_width
+from ktlite.kernels.triton.common import dot, dot_width
 from ktlite.kernels.triton.decode_attn import _decode_stage2, default_num_kv_splits
-from ktlite.kernels.triton.fp8 import _e4m3_bits_to_f16
+from ktlite.kernels.triton.head_tile import head_operands, key_tile, scaled_scores, value_tile
 
 logger = logging.getLogger(__name__)
 
@@ -29,22 +27,14 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def kv_tile(x, q, E4M3_BITS: tl.constexpr):
-    """A loaded K/V tile in q's dtype, ready for tl.dot (fp8 bytes decoded to value / 256)."""
-    if E4M3_BITS:
-        return cast_like(_e4m3_bits_to_f16(x), q)
-    else:
-        return cast_like(x, q)
-
-
-@triton.jit
 def _gqa_decode_stage1(
-    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
-    qk_scale, v_scale, group, num_splits,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rt,
+    Q, K, V, KScale, VScale, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
+    qk_scale, group, num_splits,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_kss, stride_ksh, stride_vss, stride_vsh, stride_rt,
     stride_mob, stride_moh, stride_mos, stride_lb, stride_lh,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, E4M3_BITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PACKED: tl.constexpr, E4M3_BITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -70,6 +60,8 @@ def _gqa_decode_stage1(
     q = tl.load(q_ptr, mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BH, BD]
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
+    ks_base = KScale + kv_head * stride_ksh
+    vs_base = VScale + kv_head * stride_vsh
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -80,7 +72,8 @@ def _gqa_decode_stage1(
         slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None],
                     mask=mask_d[:, None] & mask_n[None, :], other=0.0)  # [BD, BN]
-        s = dot(q, kv_tile(k, q, E4M3_BITS), tl.zeros([BLOCK_H, BLOCK_N], tl.float32)) * qk_scale
+        s = dot(q, key_tile(k, q, E4M3_BITS), tl.zeros([BLOCK_H, BLOCK_N], tl.float32)) * qk_scale
+        s = scaled_scores(s, ks_base, slot, stride_kss, mask_n, PACKED, E4M3_BITS)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -88,29 +81,16 @@ def _gqa_decode_stage1(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + slot[:, None] * stride_vs + offs_dv[None, :],
                     mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [BN, BDV]
-        acc = dot(p.to(q.dtype), kv_tile(v, q, E4M3_BITS), acc * alpha[:, None])
+        v = value_tile(v, vs_base, slot, stride_vss, mask_n, q, PACKED, E4M3_BITS)
+        acc = dot(p.to(q.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
     has = l_i > 0  # false for an empty chunk (start >= end)
-    out = tl.where(has[:, None], acc * (v_scale / tl.where(has, l_i, 1.0))[:, None], 0.0)
+    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     mo = MidO + b * stride_mob + offs_h[:, None] * stride_moh + split * stride_mos + offs_dv[None, :]
     tl.store(mo, out, mask=mask_h[:, None] & mask_dv[None, :])
     tl.store(MidLse + b * stride_lb + offs_h * stride_lh + split, lse, mask=mask_h)
-
-
-def fp8_kv_args(k_buffer: torch.Tensor, v_buffer: torch.Tensor, k_scale: float, v_scale: float,
-                e4m3_bits: bool | None) -> tuple[torch.Tensor, torch.Tensor, float, float, bool]:
-    """(k, v, k_scale, v_scale, E4M3_BITS) as the kernels take them. e4m3_bits (decode fp8 bytes
-    with integer ops) defaults to True for an fp8 pool on a CUDA GPU before sm89."""
-    fp8 = k_buffer.dtype == torch.float8_e4m3fn
-    assert v_buffer.dtype == k_buffer.dtype, "K and V pools must share a dtype"
-    if e4m3_bits is None:
-        e4m3_bits = fp8 and k_buffer.is_cuda and torch.cuda.get_device_capability(k_buffer.device) < (8, 9)
-    if not e4m3_bits:
-        return k_buffer, v_buffer, k_scale, v_scale, False
-    assert fp8, "e4m3_bits needs a float8_e4m3fn pool"
-    return k_buffer.view(torch.uint8), v_buffer.view(torch.uint8), k_scale * 256.0, v_scale * 256.0, True
 
 
 def gqa_decode_triton(
@@ -121,8 +101,6 @@ def gqa_decode_triton(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
     num_kv_splits: int | None = None,
     block_h: int | None = None,
     block_n: int = 64,
@@ -134,13 +112,14 @@ def gqa_decode_triton(
 
     block_h is query heads per program (default: the group padded to a power of two, at least 16
     for tl.dot on a GPU, at most 64); num_kv_splits defaults to decode_attn.default_num_kv_splits();
-    e4m3_bits is fp8_kv_args'.
+    e4m3_bits is head_tile.head_operands'.
     """
     batch, num_heads, head_d = q.shape
-    num_kv_heads, head_dv = k_buffer.shape[1], v_buffer.shape[2]
+    kv = head_operands(k_buffer, v_buffer, e4m3_bits)
+    num_kv_heads, head_dv = kv.k.shape[1], kv.v.shape[2]
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not split over {num_kv_heads} kv heads"
-    assert k_buffer.shape[2] == head_d and v_buffer.shape[:2] == k_buffer.shape[:2]
-    assert q.stride(2) == 1 and k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1
+    assert kv.k.shape[2] == head_d and kv.v.shape[:2] == kv.k.shape[:2]
+    assert q.stride(2) == 1 and kv.k.stride(2) == 1 and kv.v.stride(2) == 1
     group = num_heads // num_kv_heads
     block_h = block_h or min(64, max(16, triton.next_power_of_2(group)))
     head_blocks = num_kv_heads * triton.cdiv(group, block_h)
@@ -151,15 +130,14 @@ def gqa_decode_triton(
         return out
     mid_o = torch.empty(batch, num_heads, splits, head_dv, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
-    k, v, k_scale, v_scale, bits = fp8_kv_args(k_buffer, v_buffer, k_scale, v_scale, e4m3_bits)
     block_dv = triton.next_power_of_2(head_dv)
     _gqa_decode_stage1[(batch, head_blocks, splits)](
-        q, k, v, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-        sm_scale * k_scale * _LOG2E, v_scale, group, splits,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), req_to_token.stride(0),
+        q, *kv.pointers, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        sm_scale * _LOG2E, group, splits,
+        q.stride(0), q.stride(1), *kv.strides, req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=dot_width(head_d), BLOCK_DV=block_dv,
-        BLOCK_H=block_h, BLOCK_N=block_n, E4M3_BITS=bits,
+        BLOCK_H=block_h, BLOCK_N=block_n, **kv.constexprs,
         num_warps=num_warps, num_stages=num_stages,
     )
     _decode_stage2[(batch, num_heads)](

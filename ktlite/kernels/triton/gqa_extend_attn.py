@@ -6,7 +6,7 @@ group), and streams that kv head's K/V (the cached prefix and the chunk's own to
 addressed through req_to_token) in BLOCK_N tiles with an online softmax. Flattening the group
 into the rows lets one K/V tile serve every query head that reads it, and with short chunks
 (e.g. decode-sized mixed chunks) it keeps the causal frontier tight.
-FP8 pools are handled as in gqa_decode_attn (scales folded in, raw-byte decode before sm89).
+Packed FP8 pools are read through head_tile, as in gqa_decode_attn.
 """
 
 import logging
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ktlite.kernels.triton.common import dot, dot_width
-from ktlite.kernels.triton.gqa_decode_attn import fp8_kv_args, kv_tile
+from ktlite.kernels.triton.head_tile import head_operands, key_tile, scaled_scores, value_tile
 
 logger = logging.getLogger(__name__)
 
@@ -25,11 +25,13 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _gqa_extend_kernel(
-    Q, K, V, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart, Out,
-    qk_scale, v_scale, group,
-    stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rt, stride_on, stride_oh,
+    Q, K, V, KScale, VScale, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart, Out,
+    qk_scale, group,
+    stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_kss, stride_ksh, stride_vss, stride_vsh, stride_rt, stride_on, stride_oh,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, E4M3_BITS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PACKED: tl.constexpr,
+    E4M3_BITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     t_block = tl.program_id(1)
@@ -57,6 +59,8 @@ def _gqa_extend_kernel(
     q = tl.load(q_ptr, mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [M, BD]
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
+    ks_base = KScale + kv_head * stride_ksh
+    vs_base = VScale + kv_head * stride_vsh
 
     q_pos = prefix + offs_t  # absolute position of each row's token
     # keys up to the tile's last token; one loop with the causal mask everywhere keeps the kernel small
@@ -71,7 +75,8 @@ def _gqa_extend_kernel(
         slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None],
                     mask=mask_d[:, None] & mask_n[None, :], other=0.0)  # [BD, BN]
-        s = dot(q, kv_tile(k, q, E4M3_BITS), tl.zeros([BLOCK_T * BLOCK_H, BLOCK_N], tl.float32)) * qk_scale
+        s = dot(q, key_tile(k, q, E4M3_BITS), tl.zeros([BLOCK_T * BLOCK_H, BLOCK_N], tl.float32)) * qk_scale
+        s = scaled_scores(s, ks_base, slot, stride_kss, mask_n, PACKED, E4M3_BITS)
         s = tl.where(mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
         # every row (padded ones too) sees key 0 in the first tile, so m_new is finite: no NaN guard
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -80,10 +85,11 @@ def _gqa_extend_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + slot[:, None] * stride_vs + offs_dv[None, :],
                     mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [BN, BDV]
-        acc = dot(p.to(q.dtype), kv_tile(v, q, E4M3_BITS), acc * alpha[:, None])
+        v = value_tile(v, vs_base, slot, stride_vss, mask_n, q, PACKED, E4M3_BITS)
+        acc = dot(p.to(q.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
-    out = acc * (v_scale / l_i)[:, None]
+    out = acc / l_i[:, None]
     o_ptr = Out + (ext_start + offs_t)[:, None] * stride_on + offs_h[:, None] * stride_oh + offs_dv[None, :]
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
 
@@ -97,8 +103,6 @@ def gqa_extend_triton(
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     sm_scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
     extend_start_loc: torch.Tensor | None = None,
     max_extend_len: int | None = None,
     block_t: int | None = None,
@@ -116,10 +120,11 @@ def gqa_extend_triton(
     16 heads) times enough tokens for 64 rows.
     """
     num_tokens, num_heads, head_d = q.shape
-    num_kv_heads, head_dv = k_buffer.shape[1], v_buffer.shape[2]
+    kv = head_operands(k_buffer, v_buffer, e4m3_bits)
+    num_kv_heads, head_dv = kv.k.shape[1], kv.v.shape[2]
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not split over {num_kv_heads} kv heads"
-    assert k_buffer.shape[2] == head_d and v_buffer.shape[:2] == k_buffer.shape[:2]
-    assert q.stride(2) == 1 and k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1
+    assert kv.k.shape[2] == head_d and kv.v.shape[:2] == kv.k.shape[:2]
+    assert q.stride(2) == 1 and kv.k.stride(2) == 1 and kv.v.stride(2) == 1
     out = torch.empty(num_tokens, num_heads, head_dv, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
@@ -131,16 +136,15 @@ def gqa_extend_triton(
     block_h = block_h or min(16, triton.next_power_of_2(group))
     block_t = block_t or max(1, 64 // block_h)
     head_blocks = num_kv_heads * triton.cdiv(group, block_h)
-    k, v, k_scale, v_scale, bits = fp8_kv_args(k_buffer, v_buffer, k_scale, v_scale, e4m3_bits)
     grid = (extend_lens.shape[0], triton.cdiv(max_extend_len, block_t), head_blocks)
     _gqa_extend_kernel[grid](
-        q, k, v, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc, out,
-        sm_scale * k_scale * _LOG2E, v_scale, group,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), req_to_token.stride(0),
+        q, *kv.pointers, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc, out,
+        sm_scale * _LOG2E, group,
+        q.stride(0), q.stride(1), *kv.strides, req_to_token.stride(0),
         out.stride(0), out.stride(1),
         HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=dot_width(head_d),
         BLOCK_DV=triton.next_power_of_2(head_dv),
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_N=block_n, E4M3_BITS=bits,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_N=block_n, **kv.constexprs,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -8,12 +8,15 @@ One uint8 row per token per layer (SGLang's FP8 MLA layout, generalised):
   bf16 because it carries the position (FlashMLA's FP8 cache does the same). At kv_lora_rank 512 and
   rope 64: 512 + 4 x 4 + 64 x 2 = 656 bytes instead of 1,152 in bf16.
 - DSA index key: dim = index_head_dim in one group, no tail: 128 + 4 = 132 bytes instead of 256.
+- GQA key or value: one row per kv head, dim = head_dim in one group, no tail (`head_rows`): a K or V buffer is
+  [slots, kv_heads, head_dim + 4]; at head_dim 128, 132 bytes per head instead of 256.
 
 Quantize on write: scale = amax(group) / 448 (e4m3's largest finite value), stored = round(x / scale)
 to nearest even; dequantize: stored * scale. Error per value: at most 2^-4 |x| (3 mantissa bits) for
 normal fp8 values, and 2^-10 scale below e4m3's smallest normal (2^-6 scale), where it rounds to the
-subnormal grid. The kernels read these rows directly (reference.gather_latents for the twins,
-latent_tile.load_latent for Triton); `pack` is the one writer.
+subnormal grid. Nothing is clipped: the scale follows the group's range, however far past 448 it reaches.
+The kernels read these rows directly (reference.gather_latents / gather_heads for the twins,
+latent_tile.load_latent and head_tile for Triton); `pack` is the one writer.
 """
 
 from __future__ import annotations
@@ -80,13 +83,13 @@ class Fp8Rows:
         return torch.cat((vals, rows[..., end:].contiguous().view(torch.bfloat16).float()), dim=-1)
 
     def views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A pool buffer [slots, row_bytes] read in place: (values float8_e4m3fn [slots, dim],
-        scales fp32 [slots, groups], tail bf16 [slots, tail]), each with its own row stride."""
+        """A pool buffer [..., row_bytes] read in place: (values float8_e4m3fn [..., dim],
+        scales fp32 [..., groups], tail bf16 [..., tail]), each keeping the buffer's leading strides."""
         assert buffer.dtype == torch.uint8 and buffer.shape[-1] == self.row_bytes and buffer.stride(-1) == 1
         first_scale = self.dim // 4
-        return (buffer[:, : self.dim].view(torch.float8_e4m3fn),
-                buffer.view(torch.float32)[:, first_scale : first_scale + self.groups],
-                buffer.view(torch.bfloat16)[:, (self.dim + 4 * self.groups) // 2 :])
+        return (buffer[..., : self.dim].view(torch.float8_e4m3fn),
+                buffer.view(torch.float32)[..., first_scale : first_scale + self.groups],
+                buffer.view(torch.bfloat16)[..., (self.dim + 4 * self.groups) // 2 :])
 
 
 def latent_rows(kv_lora_rank: int, rope: int) -> Fp8Rows:
@@ -94,9 +97,24 @@ def latent_rows(kv_lora_rank: int, rope: int) -> Fp8Rows:
     return Fp8Rows(kv_lora_rank, LATENT_GROUP, rope)
 
 
+def head_rows(head_dim: int) -> Fp8Rows:
+    """The packed layout of one GQA key or value head: head_dim fp8 values and their one fp32 scale."""
+    return Fp8Rows(head_dim, head_dim)
+
+
+def packed_head_rows(buffer: torch.Tensor) -> Fp8Rows:
+    """The head_rows layout of a packed K or V pool buffer [..., head_dim + 4] uint8."""
+    return head_rows(buffer.shape[-1] - 4)
+
+
 def is_packed(buffer: torch.Tensor) -> bool:
     """Whether a cache buffer holds Fp8Rows (uint8) rather than plain values."""
     return buffer.dtype == torch.uint8
+
+
+def e4m3_as_bytes(buffer: torch.Tensor) -> bool:
+    """Whether Triton must read this buffer's e4m3 codes as raw bytes: a CUDA GPU before sm89 has no e4m3 type."""
+    return buffer.is_cuda and torch.cuda.get_device_capability(buffer.device) < (8, 9)
 
 
 def packs_fp8(kv_dtype: torch.dtype | None) -> bool:

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ktlite.kernels.triton.common import cast_like
 from ktlite.kernels.triton.fp8 import _e4m3_bits_to_f16
-from ktlite.kernels.triton.kv_fp8 import is_packed, latent_rows
+from ktlite.kernels.triton.kv_fp8 import e4m3_as_bytes, is_packed, latent_rows
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def latent_operands(kv_buffer: torch.Tensor, kv_lora_rank: int, width: int,
     rows = latent_rows(kv_lora_rank, width - kv_lora_rank)
     values, scales, rope = rows.views(kv_buffer)
     if e4m3_bits is None:
-        e4m3_bits = kv_buffer.is_cuda and torch.cuda.get_device_capability(kv_buffer.device) < (8, 9)
+        e4m3_bits = e4m3_as_bytes(kv_buffer)
     # the kernels tile the latent in BLOCK_C = next_power_of_2(kv_lora_rank) values: a scale group wider than
     # that (a small test model) is one group of BLOCK_C
     group = min(rows.group, triton.next_power_of_2(kv_lora_rank))

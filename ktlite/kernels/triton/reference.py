@@ -10,7 +10,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ktlite.kernels.triton.kv_fp8 import is_packed, latent_rows
+from ktlite.kernels.triton.kv_fp8 import is_packed, latent_rows, packed_head_rows
 from ktlite.kernels.triton.quant import QuantizedWeight, expert_weight
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,13 @@ def gather_latents(kv_buffer: torch.Tensor, slots: torch.Tensor, kv_lora_rank: i
     FP8 one (uint8 rows, kv_fp8.latent_rows): the one place the twins read an MLA cache."""
     rows = kv_buffer[slots]
     return latent_rows(kv_lora_rank, width - kv_lora_rank).unpack(rows) if is_packed(kv_buffer) else rows.float()
+
+
+def gather_heads(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """float32 K or V [*slots.shape, kv_heads, head_dim] of pool slots, from a plain [slots, kv_heads, head_dim]
+    buffer or a packed FP8 one (uint8 rows, kv_fp8.head_rows): the one place the twins read a GQA cache."""
+    rows = buffer[slots]
+    return packed_head_rows(buffer).unpack(rows) if is_packed(buffer) else rows.float()
 
 
 def mla_extend_torch(
@@ -163,20 +170,19 @@ def gqa_extend_torch(
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     sm_scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """GQA causal extend. q [N, Hq, D] (requests concatenated in order), k_buffer [slots, Hkv, D],
-    v_buffer [slots, Hkv, Dv] -> [N, Hq, Dv] in q's dtype. Query head h reads kv head h // (Hq // Hkv);
-    token i of request b sees positions 0..prefix_lens[b] + i (computed in fp32). k_scale/v_scale: stored
-    value * scale = real value (float8_e4m3fn pools with a per-tensor scale; 1.0 otherwise)."""
+    v_buffer [slots, Hkv, Dv], or both packed FP8 rows [slots, Hkv, D + 4] uint8 (kv_fp8.head_rows) -> [N, Hq, Dv]
+    in q's dtype. Query head h reads kv head h // (Hq // Hkv); token i of request b sees positions
+    0..prefix_lens[b] + i (computed in fp32)."""
     n_tokens, heads, _ = q.shape
     group = heads // k_buffer.shape[1]
-    out = torch.empty(n_tokens, heads, v_buffer.shape[-1], dtype=q.dtype, device=q.device)
+    head_dv = packed_head_rows(v_buffer).dim if is_packed(v_buffer) else v_buffer.shape[-1]
+    out = torch.empty(n_tokens, heads, head_dv, dtype=q.dtype, device=q.device)
     for row, prefix, n, start in request_spans(req_pool_indices, prefix_lens, extend_lens):
         slots = req_to_token[row, : prefix + n].long()
-        k = (k_buffer[slots].float() * k_scale).repeat_interleave(group, dim=1)  # [L, Hq, D]
-        v = (v_buffer[slots].float() * v_scale).repeat_interleave(group, dim=1)
+        k = gather_heads(k_buffer, slots).repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = gather_heads(v_buffer, slots).repeat_interleave(group, dim=1)
         scores = torch.einsum("nhd,lhd->nhl", q[start : start + n].float(), k) * sm_scale
         scores.masked_fill_(~causal_mask(prefix, n, q.device)[:, None, :], float("-inf"))
         out[start : start + n] = torch.einsum("nhl,lhv->nhv", scores.softmax(-1), v).to(q.dtype)
@@ -191,14 +197,11 @@ def gqa_decode_torch(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """GQA decode: one new token per request (already in the pool). q [B, Hq, D], seq_lens [B] ->
     [B, Hq, Dv]; the extend twin with one token each."""
     ones = torch.ones_like(seq_lens)
-    return gqa_extend_torch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens - 1, ones, sm_scale,
-                            k_scale, v_scale)
+    return gqa_extend_torch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens - 1, ones, sm_scale)
 
 
 def sparse_mla_torch(q: torch.Tensor, kv_buffer: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,

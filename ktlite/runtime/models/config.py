@@ -145,7 +145,7 @@ class ModelConfig(Protocol):
     def token_cache_specs(self, tp_size: int = 1, kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
         """What one tensor-parallel rank caches per token (the KV pool's buffers) in a pool of kv_dtype
         (--kv-cache-dtype; None: a 16/32-bit pool). The layout may depend on it: an FP8 pool holds MLA
-        latents and index keys as packed rows with their scales (uint8 specs)."""
+        latents, index keys and GQA K/V per kv head as packed rows with their scales (uint8 specs)."""
 
     def request_state_specs(self, tp_size: int = 1) -> list:
         """What one running request keeps per layer beyond its tokens (recurrent layers' state)."""

@@ -26,7 +26,6 @@ from torch import nn
 from ktlite.kernels.cpu import mla_block
 from ktlite.kernels.cpu.dense_linear import QuantizedHeads
 from ktlite.kernels.triton import mla_decode, mla_extend
-from ktlite.kernels.triton.kv_fp8 import is_packed
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
 from ktlite.runtime.models.deepseek_config import ARCHITECTURES, MODEL_TYPES, TINY_CONFIGS, DeepseekConfig, parse_config
@@ -162,9 +161,7 @@ class MLAttention(nn.Module):
     def store(self, pool, name: str, layer_idx: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Write new tokens' entries [n, values] of cache kind `name`, packed (quantized) when the pool's
         buffer holds FP8 rows."""
-        if is_packed(pool.buffer(name, layer_idx)):
-            values = self.cfg.fp8_rows(name).pack(values)
-        pool.write(name, layer_idx, slots, values)
+        pool.write(name, layer_idx, slots, values, self.cfg.fp8_rows(name))
 
     def forward_batch(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, ctx,
                       layer_idx: int) -> torch.Tensor:

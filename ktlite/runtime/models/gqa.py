@@ -1,9 +1,11 @@
 """Grouped-query attention over the token pool, with the options the GQA families use.
 
 Per layer the pool caches K and V per kv-head (`k`, `v`: [slots, kv_heads, head_dim]), rotated and
-normalised as the model stores them. Options: bias on q/k/v, q/k RMSNorm per head (Qwen3, GLM) or
-over all heads together (MiniMax-M2's `per_layer`), partial rotary, and an output gate (q_proj emits
-a gate per head, the output is multiplied by its sigmoid: Qwen3-Next).
+normalised as the model stores them; an FP8 pool (--kv-cache-dtype fp8_e4m3) packs each kv head's values
+with their own fp32 scale (kv_fp8.head_rows: [slots, kv_heads, head_dim + 4] uint8), so nothing is clipped.
+Options: bias on q/k/v, q/k RMSNorm per head (Qwen3, GLM) or over all heads together (MiniMax-M2's
+`per_layer`), partial rotary, and an output gate (q_proj emits a gate per head, the output is multiplied
+by its sigmoid: Qwen3-Next).
 
 Tensor parallelism: query heads split evenly; kv heads split when there are at least as many as
 ranks, else every rank computes all kv heads and keeps the one its query heads read (so the
@@ -19,6 +21,7 @@ from torch import nn
 
 from ktlite.errors import ConfigError
 from ktlite.kernels import triton as kernels
+from ktlite.kernels.triton.kv_fp8 import Fp8Rows, head_rows, packs_fp8
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.kv_cache import TokenCacheSpec
 from ktlite.runtime.models.layers import RMSNorm
@@ -53,11 +56,20 @@ class GQASpec:
     def local_kv_heads(self, tp: int) -> int:
         return self.kv_heads // tp if self.kv_heads >= tp else 1
 
-    def cache_specs(self, layers: tuple[int, ...], tp: int) -> list[TokenCacheSpec]:
-        """K and V in the pool's dtype whatever it is: an fp8_e4m3 pool stores them plainly with a
-        per-tensor scale of 1.0 (no per-token scales yet, unlike the packed MLA rows of kv_fp8)."""
-        shape = (self.local_kv_heads(tp), self.head_dim)
-        return [TokenCacheSpec("k", layers, shape), TokenCacheSpec("v", layers, shape)]
+    @property
+    def fp8_rows(self) -> Fp8Rows:
+        """One kv head's K or V in an FP8 pool: head_dim e4m3 codes and their fp32 scale (head_dim + 4 bytes)."""
+        return head_rows(self.head_dim)
+
+    def cache_specs(self, layers: tuple[int, ...], tp: int,
+                    kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
+        """K and V per kv head in the pool's dtype, or in an FP8 pool as packed uint8 rows with their scales."""
+        heads = self.local_kv_heads(tp)
+        if packs_fp8(kv_dtype):
+            shape, dtype = (heads, self.fp8_rows.row_bytes), torch.uint8
+        else:
+            shape, dtype = (heads, self.head_dim), None
+        return [TokenCacheSpec("k", layers, shape, dtype), TokenCacheSpec("v", layers, shape, dtype)]
 
     def workspace(self, tp: int) -> int:
         """q (+ gate), k, v, attention output, o_proj input, per token per rank."""
@@ -146,8 +158,8 @@ class GQAttention(nn.Module):
         """h [N, hidden] -> this rank's partial output [N, hidden]."""
         pool = ctx.kv_pool
         q, gate, k, v = self.qkv(h, cos, sin)
-        pool.write("k", layer_idx, batch.out_cache_loc, k)
-        pool.write("v", layer_idx, batch.out_cache_loc, v)
+        pool.write("k", layer_idx, batch.out_cache_loc, k, self.spec.fp8_rows)
+        pool.write("v", layer_idx, batch.out_cache_loc, v, self.spec.fp8_rows)
         k_buf, v_buf = pool.buffer("k", layer_idx), pool.buffer("v", layer_idx)
         if batch.is_decode:
             o = kernels.gqa_decode(q, k_buf, v_buf, pool.req_to_token, batch.req_pool_indices,

@@ -52,7 +52,7 @@ class GQAMoEConfig:
         return list(self.moe_layer_ids)
 
     def token_cache_specs(self, tp_size: int = 1, kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
-        return self.attention.cache_specs(tuple(range(self.num_hidden_layers)), tp_size)  # any kv dtype: GQASpec
+        return self.attention.cache_specs(tuple(range(self.num_hidden_layers)), tp_size, kv_dtype)
 
     def request_state_specs(self, tp_size: int = 1) -> list:
         return []  # attention only: everything is cached per token

@@ -71,7 +71,7 @@ class Qwen3NextConfig:
         return tuple(i for i in range(self.num_hidden_layers) if i not in self.full_attention_layers)
 
     def token_cache_specs(self, tp_size: int = 1, kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
-        return self.attention.cache_specs(self.full_attention_layers, tp_size)  # any kv dtype: GQASpec
+        return self.attention.cache_specs(self.full_attention_layers, tp_size, kv_dtype)
 
     def request_state_specs(self, tp_size: int = 1) -> list[RequestStateSpec]:
         return self.linear.state_specs(self.linear_layers)  # replicated on every rank
