@@ -6,8 +6,8 @@ each method (ktlite's INT4/INT8/BF16 and the formats kept from a checkpoint: FP8
 scales, RAWINT4 = compressed-tensors INT4 group 32, LLAMAFILE = GGUF Q4_K blocks): time per call of CPUMoE.forward (the path it picks), both paths forced (the fused
 numba GEMV/FMA kernel and dequantize + oneDNN matmul), torch bf16/fp32 matmul of the same
 dequantized experts, effective weight GB/s against a numpy read benchmark, quantization error, and
-submit/wait overlap, and the INT4/INT8 quantizer's speed (GB/s of bf16 source). Prints tables and writes them into bench/RESULTS.md (section
-"## CPU experts (Numba)").
+submit/wait overlap, and the INT4/INT8 quantizer's speed (GB/s of bf16 source). Prints tables; with --write they replace
+its section of bench/RESULTS.md (bench/_results_page.py).
 
     .venv/bin/python bench/cpu_moe.py            # ~3-5 min on 2 cores
     .venv/bin/python bench/cpu_moe.py --quick    # ~1 min, fewer shapes/T
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ktlite.doctor import cpu_features, cpu_model
+from _results_page import section, write_section
 from ktlite.kernels.cpu.gemm import expert_mlp_matmul
 from ktlite.kernels.cpu.moe import Q8_METHODS, CPUMoE
 from ktlite.kernels.cpu.fp8 import fill_fp8_rows
@@ -60,8 +59,6 @@ from ktlite.kernels.cpu.quant import (
     relative_error,
 )
 
-RESULTS = Path(__file__).parent / "RESULTS.md"
-SECTION = "## CPU experts (Numba)"
 N_DISTINCT = 2  # experts quantized for real; the other slots are copies (timing does not care)
 PEER_SCRIPT = Path(__file__).with_name("_ktkernel_peer.py")
 # kt-kernel method -> the ktlite methods its rows compare with (same bits; RAWINT4 also the same format)
@@ -469,8 +466,7 @@ def bench_shape(shape: Shape, methods: list[str], tokens: list[int], group: int 
 
 def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int | None) -> str:
     sizes = group or ", ".join(f"{m} {g}" for m, g in DEFAULT_GROUP_SIZES.items()) + " (the defaults)"
-    lines = [SECTION, "",
-             f"CPU: {hw['cpu']} ({hw['host']}; vector flags: {hw['flags']}), {hw['cores']} cores, numba {numba.__version__} "
+    lines = [f"numba {numba.__version__} compiling for {hw['host']} "
              f"({hw['layer']} threading layer, {hw['threads']} threads), torch {torch.__version__} "
              f"({torch.get_num_threads()} threads). Group size {sizes}. Load average (1/5/15 min) at start "
              f"{hw['load']}, at end {hw['load_end']}: other processes share these cores, so times are the fastest "
@@ -598,13 +594,6 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int | None
     return "\n".join(lines) + "\n"
 
 
-def write_results(text: str) -> None:
-    old = RESULTS.read_text() if RESULTS.is_file() else "# Benchmarks\n"
-    pattern = re.compile(re.escape(SECTION) + r".*?(?=^## |\Z)", re.S | re.M)
-    new = pattern.sub(lambda _: text + "\n", old) if pattern.search(old) else old.rstrip() + "\n\n" + text
-    RESULTS.write_text(new)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer T values and a short time budget")
@@ -612,7 +601,7 @@ def main() -> None:
                     help="methods; METHOD:fp32 / METHOD:int8 set --cpu-activations (default: auto)")
     ap.add_argument("--group-size", type=int, default=None, help="INT4/INT8 group size [the methods' defaults]")
     ap.add_argument("--tokens", default="", help="T values (comma-separated); --quick still leaves V3's last one out")
-    ap.add_argument("--no-write", action="store_true", help="print only, leave bench/RESULTS.md alone")
+    ap.add_argument("--write", action="store_true", help="replace this bench's section of bench/RESULTS.md")
     ap.add_argument("--ktkernel-python", metavar="PATH",
                     help="python of a venv with kt-kernel: adds its time and error next to ktlite's")
     ap.add_argument("--ktkernel-methods", default="",
@@ -629,9 +618,9 @@ def main() -> None:
           "prefill_why": "oneDNN's bf16 GEMM beats its fp32 one on this CPU" if native else "oneDNN's bf16 GEMM is "
                          "slower than its fp32 one on this CPU (target.bf16_gemm_wins)",
           "activations": "int8" if int8_activations("auto") else "fp32",
-          "cpu": cpu_model(), "host": configure_numba().name, "cores": os.cpu_count(), "threads": threads,
+          "host": configure_numba().name, "threads": threads,
           "load": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
-          "bw1": memory_bandwidth(1), "bw": memory_bandwidth(threads), "flags": cpu_features()}
+          "bw1": memory_bandwidth(1), "bw": memory_bandwidth(threads)}
     peer = None
     if args.ktkernel_python:  # probe first: a broken side venv fails now, not after minutes of ktlite
         info = json.loads(run_peer(args.ktkernel_python, "--probe").splitlines()[-1])
@@ -646,11 +635,10 @@ def main() -> None:
         extra[shape.name] = e
     hw["layer"] = numba.threading_layer()
     hw["load_end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    text = render(hw, rows, extra, args.group_size)
+    text = section("cpu_moe", "CPU experts (bench/cpu_moe.py)", render(hw, rows, extra, args.group_size))
     print(text)
-    if not args.no_write:
-        write_results(text)
-        print(f"wrote {RESULTS}")
+    if args.write:
+        write_section("cpu_moe", text)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from cpu_moe import cpu_model, memory_bandwidth  # the same references as the CPU-expert bench
+from _results_page import section, write_section
+from cpu_moe import memory_bandwidth  # the same reference as the CPU-expert bench
 
 from ktlite import Engine
 from ktlite.config import EngineConfig
@@ -234,7 +235,7 @@ def main() -> None:
     ap.add_argument("--cpu-activations", default="auto", help="int8, fp32 or auto: what INT4/INT8 CPU rows dot")
     ap.add_argument("--dir", default="/tmp/ktlite-bench")
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
+    ap.add_argument("--write", action="store_true", help="replace this bench's section of bench/RESULTS.md")
     ap.add_argument("--llamacpp-gguf", action="append", default=[],
                     help="GGUF(s) of this checkpoint for llama.cpp rows (repeatable or comma-separated)")
     ap.add_argument("--llamacpp-python", default=sys.executable, help="a python with llama-cpp-python")
@@ -288,7 +289,7 @@ def main() -> None:
         hf = transformers_decode_rate(path, args.prompt_len, args.gen)
         rows.append(("transformers generate", "batch 1, bf16", f"{hf:.2f} tok/s", f"ktlite is {ours / hf:.1f}x"))
 
-    head = (f"## End to end (bench/e2e.py --arch {args.arch})\n{ARCHS[args.arch]} shapes cut to {args.layers} layers, random weights, "
+    head = (f"{ARCHS[args.arch]} shapes cut to {args.layers} layers, random weights, "
             f"CPU experts {args.kt_method}, " + (
                 f"device side on CPU with its linear layers {dense} (--cpu-dense-method {args.cpu_dense_method}), "
                 if config.torch_device.type == "cpu" else
@@ -296,7 +297,7 @@ def main() -> None:
                 f"(GPU experts as the plan places them; the bound below is the CPU's, which does not apply), ") +
             f"{'int8' if config.cpu_int8_activations else 'fp32'} activations for INT4/INT8 "
             f"rows (--cpu-activations {args.cpu_activations}) "
-            f"({cpu_model()}, torch threads {threads}).\n"
+            f"(torch threads {threads}).\n"
             f"Measured in the same run: memory bandwidth {bw:.1f} GB/s (numpy read, {threads} threads); one decode token reads "
             f"{per_token / 1e6:.0f} MB, so the bandwidth bound for batch-1 decode is {bw * 1e9 / per_token:.1f} tok/s.\n")
     if peers:
@@ -305,11 +306,10 @@ def main() -> None:
                  f"decode token reads x 8 / the weights it "
                  f"reads (routed experts at top-k, no embedding), for both sides.\n")
     table = ["| what | shape | ktlite | note |", "|---|---|---|---|"] + [f"| {' | '.join(r)} |" for r in rows]
-    text = head + "\n" + "\n".join(table) + "\n"
+    text = section("e2e", "End to end (bench/e2e.py)", head + "\n" + "\n".join(table))
     print(text)
     if args.write:
-        results = ROOT / "bench" / "RESULTS.md"
-        results.write_text((results.read_text() if results.exists() else "# Benchmark results\n") + "\n" + text)
+        write_section("e2e", text)
 
 
 if __name__ == "__main__":

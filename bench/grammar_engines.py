@@ -12,6 +12,7 @@ xgrammar `compile_json_schema(any_whitespace=False, separators=(",", ":"))`, llg
 replays the tokens of a valid instance, so masks are those a real decode sees.
 
     python bench/grammar_engines.py            # ~1-2 min the first time (tokenizer training)
+    python bench/grammar_engines.py --write    # and replace its section of bench/RESULTS.md
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import time
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from _results_page import section, write_section
 
 VOCAB = 150_000
 CACHE = Path("/tmp/ktlite-bench-grammar")
@@ -166,18 +169,36 @@ def bench_llguidance(tok: Tokenizer, eos: int, cases: dict[str, tuple[dict, list
     return out
 
 
+def table(results: dict[str, dict]) -> str:
+    """measure()'s figures as markdown, each engine's one-time set-up beside each of its grammars."""
+    lines = ["| engine | grammar | set-up ms | compile ms | mask p50 us | mask mean us | worst position us | accept us |",
+             "|---|---|---|---|---|---|---|---|"]
+    for engine, cases in results.items():
+        for name, m in cases.items():
+            if name != "setup":
+                lines.append(f"| {engine} | {name} | {cases['setup']['ms']:.1f} | {m['compile_ms']:.1f} "
+                             f"| {m['mask_p50_us']:.1f} | {m['mask_mean_us']:.1f} | {m['mask_worst_position_us']:.1f} "
+                             f"| {m['accept_mean_us']:.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", dest="json_out", default=None, help="Also write the figures as JSON here.")
+    ap.add_argument("--write", action="store_true", help="Replace this bench's section of bench/RESULTS.md.")
     args = ap.parse_args(argv)
     tok = tokenizer_150k()
     eos = tok.token_to_id(EOS)
-    print(f"vocabulary {tok.get_vocab_size()} tokens; python {sys.version.split()[0]}", flush=True)
+    vocabulary = f"vocabulary {tok.get_vocab_size()} tokens; python {sys.version.split()[0]}"
+    print(vocabulary, flush=True)
     cases = {name: (schema, tok.encode(json.dumps(instance, separators=(",", ":"))).ids + [eos])
              for name, (schema, instance) in SCHEMAS.items()}
     results = {"xgrammar": bench_xgrammar(tok, eos, cases), "llguidance": bench_llguidance(tok, eos, cases)}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1))
+    if args.write:
+        write_section("grammar_engines", section("grammar_engines", "Grammar engines (bench/grammar_engines.py)",
+                                                 f"{vocabulary}; times per constrained request.\n\n{table(results)}"))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ import asyncio
 import itertools
 import json
 import math
-import os
 import random
 import statistics
 import sys
@@ -407,6 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=4, help="Requests sent (and not counted) before each run.")
     ap.add_argument("--timeout", type=float, default=600.0, help="Per-request limit in seconds.")
     ap.add_argument("--json", dest="json_out", default=None, help="Also write the rows as JSON here.")
+    ap.add_argument("--write", action="store_true", help="Replace this bench's section of bench/RESULTS.md.")
     ap.add_argument("--workload", choices=["sharegpt", "multi-turn"], default="sharegpt",
                     help="sharegpt: independent requests; multi-turn: --num-prompts conversations of --turns turns.")
     ap.add_argument("--turns", type=int, default=4, help="multi-turn: requests per conversation.")
@@ -426,14 +426,15 @@ def main(argv: list[str] | None = None) -> None:
                            max_prompt=args.max_prompt_len, max_output=args.max_output_len)
     warm = sample_requests(args.warmup, args.seed + 1000, 16, output_median=4, max_prompt=32, max_output=8)
     if multi_turn:
-        print(f"{args.num_prompts} conversations x {args.turns} turns (first message {args.first_words} words, then "
-              f"{args.turn_words} words and {args.turn_output_len}-token replies), concurrency {args.concurrency}",
-              flush=True)
+        workload_line = (f"{args.num_prompts} conversations x {args.turns} turns (first message {args.first_words} "
+                         f"words, then {args.turn_words} words and {args.turn_output_len}-token replies), concurrency "
+                         f"{args.concurrency}")
     else:
-        print(f"{len(reqs)} requests: prompt words mean {statistics.fmean(r.prompt_words for r in reqs):.0f} "
-              f"(max {max(r.prompt_words for r in reqs)}), output tokens mean "
-              f"{statistics.fmean(r.output_len for r in reqs):.0f} (max {max(r.output_len for r in reqs)}); "
-              f"concurrency {args.concurrency}, request rate {args.request_rate}/s", flush=True)
+        workload_line = (f"{len(reqs)} requests: prompt words mean {statistics.fmean(r.prompt_words for r in reqs):.0f} "
+                         f"(max {max(r.prompt_words for r in reqs)}), output tokens mean "
+                         f"{statistics.fmean(r.output_len for r in reqs):.0f} (max {max(r.output_len for r in reqs)}); "
+                         f"concurrency {args.concurrency}, request rate {args.request_rate}/s")
+    print(workload_line, flush=True)
 
     response_format: dict[str, Any] | None = None  # set per run by bench_formats
 
@@ -500,11 +501,17 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"[{label}] engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
                 with ServerThread(engine, ServerOptions(host="127.0.0.1", port=0)) as srv:
                     rows.extend(bench_formats(srv.url, label))
+    # here, not at the top: tests import this module from its file, without bench/ on sys.path
+    from _results_page import section, write_section
+
+    loads = "; ".join(f"{r['config']}: {r['loadavg_before']} -> {r['loadavg_after']}" for r in rows)
+    text = section("serving", "Serving (bench/serving.py)",
+                   f"{workload_line}\n\n{table(rows, MULTI_TURN_COLUMNS if multi_turn else COLUMNS)}\n\n"
+                   f"Load average (1/5/15 min) before -> after each run: {loads}.")
     print()
-    print(table(rows, MULTI_TURN_COLUMNS if multi_turn else COLUMNS))
-    print(f"\nload average (1/5/15 min) before/after each run: "
-          + "; ".join(f"{r['config']}: {r['loadavg_before']} -> {r['loadavg_after']}" for r in rows))
-    print(f"cpu count {os.cpu_count()}")
+    print(text)
+    if args.write:
+        write_section("serving", text)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(rows, f, indent=1)

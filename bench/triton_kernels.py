@@ -1,6 +1,7 @@
 """Benchmark ktlite's Triton kernels at DeepSeek-V3 shapes on a CUDA GPU.
 
-Prints markdown tables (paste into bench/RESULTS.md, "## Triton kernels"):
+Prints markdown tables (with --write they replace its section of bench/RESULTS.md, all of it: run without
+--only for the whole page):
 - MLA decode: achieved KV-read bandwidth vs the GPU's peak (decode is bandwidth-bound),
   128 heads, kv_lora_rank 512, rope 64, batch 1..64, context 1k..32k;
 - MLA extend, fused MoE (bf16 / INT8 / INT4 experts), FP8 block-scaled GEMM: TFLOPS vs peak, and
@@ -11,7 +12,7 @@ Prints markdown tables (paste into bench/RESULTS.md, "## Triton kernels"):
 - Gated DeltaNet linear attention (Qwen3-Next shapes: 32 heads, dk = dv = 128, conv width 4 over 8192
   channels): decode state bandwidth, prefill tokens/s of the chunked vs the recurrent kernel, conv1d.
 
-    python bench/triton_kernels.py [--quick] [--only decode|extend|moe|fp8|gqa|sparse|linear] [--peak-bw GB/s] [--peak-tflops T]
+    python bench/triton_kernels.py [--quick] [--only decode|extend|moe|fp8|gqa|sparse|linear] [--peak-bw GB/s] [--peak-tflops T] [--write]
 
 Without a CUDA GPU it says so and exits: the kernels' CPU path is the torch twin, and the
 Triton interpreter measures nothing useful about GPU speed.
@@ -23,6 +24,8 @@ import math
 import sys
 
 import torch
+
+from _results_page import recorded, section, write_section
 
 logger = logging.getLogger(__name__)
 
@@ -306,27 +309,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=("decode", "extend", "moe", "fp8", "gqa", "sparse", "linear"))
     parser.add_argument("--peak-bw", type=float, default=0, help="GPU memory bandwidth, GB/s")
     parser.add_argument("--peak-tflops", type=float, default=0, help="GPU dense bf16 TFLOPS")
+    parser.add_argument("--write", action="store_true", help="replace this bench's section of bench/RESULTS.md")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/triton_kernels.py needs a CUDA GPU; none is visible here, so nothing was measured. "
               "(On CPU ktlite runs the torch twins; the Triton interpreter is for correctness only.)")
         return 0
+    import triton
+
     bw, bf16, fp8 = peaks(args)
-    print(f"GPU: {torch.cuda.get_device_name()} (peak {bw} GB/s, {bf16} bf16 TFLOPS, {fp8} fp8 TFLOPS)")
-    if args.only in (None, "decode"):
-        bench_decode(args, bw)
-    if args.only in (None, "extend"):
-        bench_extend(args, bf16)
-    if args.only in (None, "moe"):
-        bench_moe(args, bw, bf16)
-    if args.only in (None, "fp8"):
-        bench_fp8(args, bw, bf16, fp8)
-    if args.only in (None, "gqa"):
-        bench_gqa(args, bw, bf16)
-    if args.only in (None, "sparse"):
-        bench_sparse_mla(args, bw, bf16)
-    if args.only in (None, "linear"):
-        bench_linear_attn(args, bw)
+    with recorded() as tables:  # each bench prints its table as it measures it
+        print(f"GPU: {torch.cuda.get_device_name()} (peak {bw} GB/s, {bf16} bf16 TFLOPS, {fp8} fp8 TFLOPS; torch "
+              f"{torch.__version__}, Triton {triton.__version__}); \"of peak\" is the ratio to those peaks.")
+        if args.only in (None, "decode"):
+            bench_decode(args, bw)
+        if args.only in (None, "extend"):
+            bench_extend(args, bf16)
+        if args.only in (None, "moe"):
+            bench_moe(args, bw, bf16)
+        if args.only in (None, "fp8"):
+            bench_fp8(args, bw, bf16, fp8)
+        if args.only in (None, "gqa"):
+            bench_gqa(args, bw, bf16)
+        if args.only in (None, "sparse"):
+            bench_sparse_mla(args, bw, bf16)
+        if args.only in (None, "linear"):
+            bench_linear_attn(args, bw)
+    if args.write:
+        write_section("triton_kernels", section("triton_kernels", "Triton kernels (bench/triton_kernels.py)",
+                                                tables.getvalue()))
     return 0
 
 

@@ -1,7 +1,7 @@
 """Routed experts for many tokens: dequantize each expert to bf16 (or fp32) and use torch.matmul.
 
 oneDNN's bf16 GEMM runs at several hundred GFLOP/s on 2 Zen cores against ~50 GFLOP/s for the
-fused numba kernel's fp32 FMAs (bench/RESULTS.md), so once an expert has enough tokens it pays to
+fused numba kernel's fp32 FMAs (bench/history/), so once an expert has enough tokens it pays to
 expand it once and let oneDNN do the math. Dequantization is a parallel numba kernel (kernels.py, vector
 intrinsics) that writes bf16 bits, rounded to nearest even, into a buffer the caller reuses across experts.
 (Expanding in cache-sized row tiles instead was measured: the smaller GEMMs lost more than the cache

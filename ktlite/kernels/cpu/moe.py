@@ -91,15 +91,15 @@ logger = logging.getLogger(__name__)
 # T=1 GEMV, while the kernel's per-token fp32 dots run ~10x fewer FLOP/s than oneDNN's bf16 GEMM)
 DEFAULT_PREFILL_THRESHOLD = {"INT4": 5, "INT8": 5, "BF16": 4, "FP8": 5, "RAWINT4": 5, "LLAMAFILE": 4}
 # with fp32 GEMMs (a CPU whose bf16 GEMM loses) the dequantized weights are twice the bytes and the GEMM
-# half the speed: on a Zen 3 the fused kernel stayed faster up to ~32 tokens per expert (bench/RESULTS.md)
+# half the speed: on a Zen 3 the fused kernel stayed faster up to ~32 tokens per expert (bench/history/)
 FP32_PREFILL_THRESHOLD = 32
 # int8 activations against fp32 GEMMs: the integer row dots stayed faster up to 128 tokens per expert (Zen 3,
-# bench/RESULTS.md: V3 INT4 at 128 tokens 1.03 s vs 1.11 s, V2-Lite at ~48 tokens 0.86 s vs 1.00 s)
+# bench/history/: V3 INT4 at 128 tokens 1.03 s vs 1.11 s, V2-Lite at ~48 tokens 0.86 s vs 1.00 s)
 Q8_FP32_PREFILL_THRESHOLD = 128
-# the AVX512-VNNI tiles against fp32 GEMMs (2-core Emerald Rapids VM, bench/RESULTS.md): tiles won at 48 tokens per
+# the AVX512-VNNI tiles against fp32 GEMMs (2-core Emerald Rapids VM, bench/history/): tiles won at 48 tokens per
 # expert (V2-Lite T=512 411 vs 431 ms), lost at 128 (V3 T=512 2.41 vs 2.16 s)
 Q8_TILES_FP32_PREFILL_THRESHOLD = 64
-# against bf16 GEMMs (a 2-core AVX512-BF16 Xeon, bench/RESULTS.md): the AVX-512 integer row dots won at 12 tokens
+# against bf16 GEMMs (a 2-core AVX512-BF16 Xeon, bench/history/): the AVX-512 integer row dots won at 12 tokens
 # per expert (V2-Lite INT4 168 vs 241 ms), tied at 32 (V3: 244-286 vs 252-269 ms), lost at 48 (682 vs 486 ms).
 # Where bf16 GEMMs win over fp32 (AMX, Zen 5: 400+ GMAC/s, 4x the tiles' ~100) the tiles do not move this much.
 Q8_BF16_PREFILL_THRESHOLD = 24

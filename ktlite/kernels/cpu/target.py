@@ -99,7 +99,7 @@ def bf16_gemm_wins() -> bool:
     """Whether torch's bf16 GEMM beats its fp32 one on this CPU (the dtype of the CPU GEMM paths follows it).
     Without AVX512-BF16 or AMX-BF16 oneDNN widens bf16 as it goes (a Zen 3: 3.6x its fp32 time); with AMX it
     is ~3x faster than fp32. With AVX512-BF16 alone it depends on the core (Zen 5: 819 vs 185 GFLOP/s; an
-    Emerald Rapids VM that hides AMX: 153 vs 205, bench/RESULTS.md), so there both are timed once (~30 ms)."""
+    Emerald Rapids VM that hides AMX: 153 vs 205, bench/history/), so there both are timed once (~30 ms)."""
     flags = cpu_flags()
     if "amx_bf16" in flags or "avx512_bf16" not in flags:
         return "amx_bf16" in flags

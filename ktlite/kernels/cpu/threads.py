@@ -12,7 +12,7 @@ Why tbb first: the engine launches its kernels from its forward thread, not the 
 thread, and there GNU OpenMP's team workers went to sleep between parallel regions and each region
 waited ~0.5-2 ms for them to wake (measured on a 2-core Xeon VM: a tiny kernel took 1.4 ms from a
 second thread, 55 us from the initial one; an 8-layer V2-Lite-shaped CPU-only decode step 94 ms, the
-same layers at tiny widths 77 ms). With TBB's shared arena: 80 us, 52 ms and 13 ms (bench/RESULTS.md).
+same layers at tiny widths 77 ms). With TBB's shared arena: 80 us, 52 ms and 13 ms (bench/history/).
 pip's `tbb` wheel puts libtbb.so.12 under <prefix>/lib, off the loader's path, so it is loaded by
 its full path before numba looks for it.
 

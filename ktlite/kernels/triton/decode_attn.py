@@ -109,8 +109,9 @@ def _decode_stage2(
 
 
 # Stage-1 tiles on a GPU with >= WIDE_SHARED_BYTES of shared memory per block (sm80, sm90): 64 heads x 64 tokens,
-# 8 warps, so each KV tile is read for 64 heads at once instead of 16. On an H200 (bench/RESULTS.md) that read the
-# latent 2.9-3.0x faster than 16 x 32 x 4 at batch 16-64 x 8k context, 1.1-1.4x at batch 1 x 32k; it needs 147 KB
+# 8 warps, so each KV tile is read for 64 heads at once instead of 16. On an H200 (a sweep in
+# bench/history/2026-12-04-h200-triton-avx512-xeon.md) that read the latent 2.9-3.0x faster than 16 x 32 x 4 at
+# batch 16-64 x 8k context, 1.1-1.4x at batch 1 x 32k; it needs 147 KB
 # (bf16 pool) to 148 KB (fp8) of shared memory, so 101-KB GPUs (sm86, sm89) and the interpreter keep 16 x 32 x 4.
 WIDE_TILES = (64, 64, 8)  # block_h (capped by the head count), block_n, num_warps
 NARROW_TILES = (16, 32, 4)
