@@ -12,6 +12,9 @@ DATA = Path(__file__).parent / "data"
 # how long a test waits for something that should happen (a request aborted, KV freed, a reply) before it calls
 # it a hang: waits end as soon as the event happens, so this is sized for the slowest loaded CI machine, not a speed
 HANG_GUARD_S = 120.0
+# how long a server subprocess may take to start listening: on a fresh clone its start includes numba's first
+# compile of the kernels it warms up, minutes on a busy 2-core machine
+STARTUP_GUARD_S = 900.0
 
 
 @pytest.fixture(scope="session")

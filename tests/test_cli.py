@@ -19,6 +19,7 @@ import openai
 import pytest
 from click.testing import CliRunner
 
+from conftest import STARTUP_GUARD_S
 from ktlite.cli import _ENGINE_FIELDS, _resolve_model_path, main
 from ktlite.config import EngineConfig
 
@@ -40,7 +41,7 @@ class Server:
         self.lines: queue.Queue[str] = queue.Queue()
         self.stdout: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
-        self.url = self._wait_listening(timeout=120)
+        self.url = self._wait_listening(timeout=STARTUP_GUARD_S)
 
     def _pump(self) -> None:
         for line in self.proc.stdout:

@@ -22,7 +22,7 @@ import pytest
 
 from ktlite import Engine
 from ktlite.server import ServerOptions, ServerThread
-from conftest import HANG_GUARD_S
+from conftest import HANG_GUARD_S, STARTUP_GUARD_S
 from test_server import metric
 
 SMALL = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 96, "context_length": 128,
@@ -248,7 +248,7 @@ def _start_server(tiny_v3, tmp_path) -> tuple[subprocess.Popen, str]:
             "--max-total-tokens", "1024", "--chunked-prefill-size", "256", "--gpu-memory", "1GiB",
             "--max-running-requests", "2", "--host", "127.0.0.1", "--port", "0", "--skip-server-warmup"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=open(tmp_path / "serve.stderr", "w"), text=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + STARTUP_GUARD_S
     for line in proc.stdout:  # ends when the process does
         m = re.search(r"ktlite listening on (http://\S+:\d+)", line)
         if m:
