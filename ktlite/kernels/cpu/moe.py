@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from ktlite.errors import KtliteError
-from ktlite.kernels.cpu import gemm, kernels
+from ktlite.kernels.cpu import gemm, moe_kernels as kernels
 from ktlite.kernels.cpu.quant import (
     INT_DOT_METHODS,
     QUANTIZED_METHODS,

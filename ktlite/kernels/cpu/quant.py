@@ -111,7 +111,7 @@ def int8_activations(setting: str) -> bool:
     """Whether a --cpu-activations value (auto, int8, fp32; any case) means int8 activations on this CPU."""
     key = normalize_activations(setting)
     if key == "auto":
-        from ktlite.kernels.cpu.kernels import int_dot_in_hardware  # numba code: imported on use only
+        from ktlite.kernels.cpu.int8_dots import int_dot_in_hardware  # numba code: imported on use only
 
         return int_dot_in_hardware()
     return key == "int8"
@@ -175,7 +175,7 @@ class QuantizedWeight:
 def _zeros_on_cache_lines(shape: tuple[int, ...], dtype: type) -> np.ndarray:
     """np.zeros starting on a cache line (kernels.cache_line_bytes): AMX tile loads read INT8 rows straight from
     storage (kernels.amx_block_dot)."""
-    from ktlite.kernels.cpu.kernels import cache_line_bytes  # numba code: imported on use only
+    from ktlite.kernels.cpu.amx_kernels import cache_line_bytes  # numba code: imported on use only
 
     q = cache_line_bytes(int(np.prod(shape)) * np.dtype(dtype).itemsize).view(dtype).reshape(shape)
     q[...] = 0
@@ -261,7 +261,7 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
 
 
 def _dequantize_native(qw: QuantizedWeight) -> torch.Tensor:
-    from ktlite.kernels.cpu.kernels import dequant_rows_f32  # numba code: compiled on first use only
+    from ktlite.kernels.cpu.linear_kernels import dequant_rows_f32  # numba code: compiled on first use only
 
     q = np.ascontiguousarray(qw.qweight).reshape(-1, qw.qweight.shape[-1])
     s = np.ascontiguousarray(qw.scales).reshape(q.shape[0], qw.scales.shape[-1])
