@@ -135,11 +135,12 @@ async def decode_rate(engine: Engine, batch: int, prompt_len: int, gen: int) -> 
 def outside_kernels(engine: Engine, prompt_len: int, gen: int) -> tuple[float, float, float | None]:
     """Seconds per batch-1 decode step spent outside the compiled kernels' calls: (in the forward and sampling,
     that as a share of their time, in the layers: the compiled plan's Python around its blocks, None where no plan
-    ran). Every numba function of kernels.py is wrapped in a timer for the run (after a warm-up: the compiled code
-    already resolved the names it calls, so the wrappers see only calls from Python)."""
+    ran). Every numba function of the kernel modules (ktlite/kernels/cpu, where their Python callers read them) is
+    wrapped in a timer for the run (after a warm-up: the compiled code already resolved the names it calls, so the
+    wrappers see only calls from Python)."""
     import numba
 
-    from ktlite.kernels.cpu import kernels
+    from ktlite.kernels.cpu import activations, amx_kernels, device_blocks, int8_dots, linear_kernels, moe_kernels
     from ktlite.runtime.compiled_decode import DecodePlan
     from ktlite.runtime.scheduler import Scheduler
 
@@ -170,16 +171,18 @@ def outside_kernels(engine: Engine, prompt_len: int, gen: int) -> tuple[float, f
                 in_plan[0] = False
         return run
 
-    originals = {name: f for name, f in vars(kernels).items() if isinstance(f, numba.core.registry.CPUDispatcher)}
+    modules = (activations, amx_kernels, device_blocks, int8_dots, linear_kernels, moe_kernels)
+    originals = {(module, name): f for module in modules for name, f in vars(module).items()
+                 if isinstance(f, numba.core.registry.CPUDispatcher)}
     step, plan = Scheduler._forward_and_sample, DecodePlan.run
     try:
-        for name, f in originals.items():
-            setattr(kernels, name, timed(f, "kernels"))
+        for (module, name), f in originals.items():
+            setattr(module, name, timed(f, "kernels"))
         Scheduler._forward_and_sample, DecodePlan.run = timed(step, "step"), plan_run(plan)
         asyncio.run(decode_rate(engine, 1, prompt_len, gen))
     finally:
-        for name, f in originals.items():
-            setattr(kernels, name, f)
+        for (module, name), f in originals.items():
+            setattr(module, name, f)
         Scheduler._forward_and_sample, DecodePlan.run = step, plan
     outside = (spent["step"] - spent["kernels"]) / steps[0]
     layers = (spent["plan"] - spent["plan kernels"]) / steps[0] if spent["plan"] else None

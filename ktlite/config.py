@@ -151,7 +151,7 @@ class EngineConfig:
 
     @property
     def cpu_int8_activations(self) -> bool:
-        """Whether INT4/INT8 CPU rows dot int8-quantized activations (kernels.quantize_activations)."""
+        """Whether INT4/INT8 CPU rows dot int8-quantized activations (activations.quantize_activations)."""
         if normalize_activations(self.cpu_activations) == "auto" and self.dtype == "float32":
             return False  # the exact reference setting, as for --cpu-dense-method auto
         return int8_activations(self.cpu_activations)

@@ -203,7 +203,7 @@ def _numba_target(flags: set[str]) -> Check:
         target = configure_numba()
     except Exception as exc:  # noqa: BLE001
         return Check("numba target", FAIL, f"numba/llvmlite do not import: {exc}", "pip install numba")
-    from ktlite.kernels.cpu.kernels import AMX
+    from ktlite.kernels.cpu.amx_tiles import AMX
 
     amx = "; prefill of the CPU experts and CPU-only dense layers runs on AMX-INT8 tiles"
     value = target.describe() + (amx if AMX else "")

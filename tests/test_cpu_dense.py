@@ -23,7 +23,7 @@ from ktlite import Engine
 from ktlite.cli import main
 from ktlite.config import EngineConfig
 from ktlite.errors import ConfigError
-from ktlite.kernels.cpu import dense_linear, kernels, mla_block
+from ktlite.kernels.cpu import dense_linear, device_blocks, mla_block
 from ktlite.kernels.cpu.dense_linear import QuantizedHeads, QuantizedLinear
 from ktlite.kernels.cpu.quant import dequantize, int8_activation_values, quantize, relative_error
 from ktlite.runtime.cpu_dense import (apply_cpu_dense, eligible_linears, fused_groups, head_matrix_owners,
@@ -225,13 +225,13 @@ def test_compiled_block_rope_and_norm_equal_the_modules(interleave):
     g = torch.Generator().manual_seed(0)
     x, angles = torch.randn(64, generator=g), torch.randn(32, generator=g)
     rotated = np.empty(64, np.float32)
-    kernels.rope_rotated(x.numpy(), angles.cos().numpy(), angles.sin().numpy(), interleave, rotated)
+    device_blocks.rope_rotated(x.numpy(), angles.cos().numpy(), angles.sin().numpy(), interleave, rotated)
     torch.testing.assert_close(torch.from_numpy(rotated), apply_rope(x, angles.cos(), angles.sin(), interleave))
     norm = RMSNorm(64, 1e-6)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(64, generator=g))
     normed = np.empty(64, np.float32)
-    kernels.rms_scaled(x.numpy(), norm.weight.detach().numpy(), np.float32(norm.eps), normed)
+    device_blocks.rms_scaled(x.numpy(), norm.weight.detach().numpy(), np.float32(norm.eps), normed)
     torch.testing.assert_close(torch.from_numpy(normed), norm(x).detach())
 
 
@@ -258,7 +258,7 @@ def test_compiled_decode_blocks_equal_the_modules(case, tiny_arch, monkeypatch):
 
     for name, kernel in {"attention": "mla_attention_residual", "moe": "moe_block_rows",
                          "dense_mlp": "swiglu_residual"}.items():  # called from Python only: safe to wrap
-        monkeypatch.setattr(kernels, kernel, counted(name, getattr(kernels, kernel)))
+        monkeypatch.setattr(device_blocks, kernel, counted(name, getattr(device_blocks, kernel)))
     monkeypatch.setattr(model_layers, "swiglu_rows", counted("mlp", model_layers.swiglu_rows))  # MLP.forward's
     # MLAttention.forward_batch's own compiled call, where no plan runs
     monkeypatch.setattr(mla_block, "mla_decode_block", counted("attention_block", mla_block.mla_decode_block))
@@ -320,15 +320,16 @@ ROUTERS = {  # (scoring, method, n_group, topk_group, normalize, scaling, correc
 
 @pytest.mark.parametrize("name", list(ROUTERS))
 def test_compiled_router_equals_select_experts(name):
-    """kernels.route_rows (the MoE block's router) picks the experts select_experts picks, with the same weights."""
+    """device_blocks.route_rows (the MoE block's router) picks the experts select_experts picks, with the same
+    weights."""
     scoring, method, n_group, topk_group, normalize, scaling, biased = ROUTERS[name]
     spec = RouterSpec(64, 6, scoring, method, n_group, topk_group, normalize, scaling, correction_bias=biased)
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(33, 64, generator=g) * 3
     bias = torch.randn(64, generator=g) * 0.1 if biased else None
     want_ids, want_w = select_experts(logits, spec, bias)
-    ids, weights = kernels.route_rows(logits.numpy(), np.zeros(0, np.float32) if bias is None else bias.numpy(),
-                                      route_args(spec))
+    ids, weights = device_blocks.route_rows(logits.numpy(),
+                                            np.zeros(0, np.float32) if bias is None else bias.numpy(), route_args(spec))
     want_order, order = want_ids.argsort(dim=1), torch.from_numpy(ids).argsort(dim=1)
     assert torch.equal(torch.from_numpy(ids).gather(1, order), want_ids.gather(1, want_order))
     torch.testing.assert_close(torch.from_numpy(weights).gather(1, order), want_w.gather(1, want_order))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ktlite.errors import KtliteError
-from ktlite.kernels.cpu import kernels
+from ktlite.kernels.cpu import activations, amx_tiles, int8_dots, moe_kernels, simd
 from ktlite.kernels.cpu import moe as moe_module
 from ktlite.kernels.cpu.moe import CPUMoE
 from ktlite.kernels.cpu.quant import dequantize, relative_error
@@ -108,10 +108,11 @@ def test_default_prefill_dtype_follows_the_cpu(monkeypatch, native):
                                        else moe_module.FP32_PREFILL_THRESHOLD)
     # integer row dots on int8 activations stay faster for more tokens, against either GEMM; AMX tiles still more
     with CPUMoE("INT8", 32, activations="int8") as m:  # groups of 32: no AMX tiles
-        fp32 = (moe_module.Q8_TILES_FP32_PREFILL_THRESHOLD if kernels.INT_TILES else moe_module.Q8_FP32_PREFILL_THRESHOLD)
+        fp32 = (moe_module.Q8_TILES_FP32_PREFILL_THRESHOLD if int8_dots.INT_TILES
+                else moe_module.Q8_FP32_PREFILL_THRESHOLD)
         assert m.prefill_threshold == (moe_module.Q8_BF16_PREFILL_THRESHOLD if native else fp32)
     with CPUMoE("INT8", 64, activations="int8") as m, CPUMoE("INT8", 32, activations="int8") as no_amx:
-        assert m.prefill_threshold == (moe_module.Q8_AMX_PREFILL_THRESHOLD["INT8"] if kernels.AMX
+        assert m.prefill_threshold == (moe_module.Q8_AMX_PREFILL_THRESHOLD["INT8"] if amx_tiles.AMX
                                        else no_amx.prefill_threshold)
 
 
@@ -275,34 +276,34 @@ def test_group_sizes_both_paths(method, group):
 
 
 def test_silu_mul_matches_torch():
-    """kernels.silu_mul (the AMX path's vector SiLU; run here on any CPU), on a 2-D array as moe_amx passes it:
+    """simd.silu_mul (the AMX path's vector SiLU; run here on any CPU), on a 2-D array as moe_amx passes it:
     g u / (1 + exp(-g)) to float rounding, also where exp(-g) leaves fp32's range (clamped: |g| > 87)."""
     g = torch.cat([torch.linspace(-120.0, 120.0, 2392), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 87.0, -87.0, 300.0,
                                                                        -300.0])]).reshape(150, 16)
     u = torch.randn(150, 16, generator=torch.Generator().manual_seed(0))
     got = g.numpy().copy()
-    numba.njit(lambda g, u: kernels.silu_mul(g, u))(got, u.numpy())  # an intrinsic: callable from jitted code only
+    numba.njit(lambda g, u: simd.silu_mul(g, u))(got, u.numpy())  # an intrinsic: callable from jitted code only
     want = torch.nn.functional.silu(g.double()) * u.double()
     torch.testing.assert_close(torch.from_numpy(got).double(), want, rtol=1e-6, atol=1e-30)
 
 
 def test_transpose_sums_matches_numpy():
-    """kernels.transpose_sums (the AMX path's sums of one activation tile, rows x tokens, turned tokens x rows so each
+    """amx_tiles.transpose_sums (the AMX path's sums of one activation tile, rows x tokens, turned tokens x rows so each
     token's results are one contiguous run; vector shuffles, run here on any CPU): exactly numpy's transpose."""
-    src = torch.randn(kernels.AMX_BLOCK_ROWS, kernels.AMX_ROWS, generator=torch.Generator().manual_seed(1)).numpy()
-    got = np.empty((kernels.AMX_ROWS, kernels.AMX_BLOCK_ROWS), np.float32)
-    numba.njit(lambda a, b: kernels.transpose_sums(a, b))(src, got)
+    src = torch.randn(amx_tiles.AMX_BLOCK_ROWS, amx_tiles.AMX_ROWS, generator=torch.Generator().manual_seed(1)).numpy()
+    got = np.empty((amx_tiles.AMX_ROWS, amx_tiles.AMX_BLOCK_ROWS), np.float32)
+    numba.njit(lambda a, b: amx_tiles.transpose_sums(a, b))(src, got)
     assert (got == src.T).all()
 
 
 @pytest.mark.parametrize("skip", [0, 5, 16, 21])
 @pytest.mark.parametrize("weighted", [False, True], ids=["act-stored", "out-added"])
 def test_tile_into_rows_matches_numpy(weighted, skip):
-    """kernels.tile_into_rows (the AMX path's write of one tile's results into its pairs' rows; masked vector
+    """amx_tiles.tile_into_rows (the AMX path's write of one tile's results into its pairs' rows; masked vector
     stores, run here on any CPU): pairs p0..p0 + n - 1 write columns col0 + skip .. col0 + 31 of their rows, stored
     (gate_up's act) or added with the pair's weight (down's out); every other value of dst is left as it was."""
     gen = torch.Generator().manual_seed(2)
-    by_token = torch.randn(kernels.AMX_ROWS, kernels.AMX_BLOCK_ROWS, generator=gen).numpy()
+    by_token = torch.randn(amx_tiles.AMX_ROWS, amx_tiles.AMX_BLOCK_ROWS, generator=gen).numpy()
     dst = torch.randn(9, 80, generator=gen).numpy()
     rows = np.array([7, 3, 3, 0, 8, 1, 5, 2], np.int64)  # a row twice: two pairs of one token add up
     w = torch.rand(8, generator=gen).numpy() if weighted else np.empty(0, np.float32)
@@ -310,21 +311,21 @@ def test_tile_into_rows_matches_numpy(weighted, skip):
     want = dst.astype(np.float64)
     for c in range(n):
         v = by_token[c, skip:].astype(np.float64)
-        cols = slice(col0 + skip, col0 + kernels.AMX_BLOCK_ROWS)
+        cols = slice(col0 + skip, col0 + amx_tiles.AMX_BLOCK_ROWS)
         want[rows[p0 + c], cols] = want[rows[p0 + c], cols] + w[p0 + c] * v if weighted else v
-    numba.njit(lambda *a: kernels.tile_into_rows(*a))(by_token, dst, rows, p0, n, w, col0, skip)
+    numba.njit(lambda *a: amx_tiles.tile_into_rows(*a))(by_token, dst, rows, p0, n, w, col0, skip)
     np.testing.assert_allclose(dst, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("group", [64, 128, 384])
 def test_quantize_groups_to_nearest_code(group):
-    """kernels.quantize_groups (the AMX tiles' activations, each row once): per group of values (a weight group, or
+    """activations.quantize_groups (the AMX tiles' activations, each row once): per group of values (a weight group, or
     the whole row: 384) the scale max |x| / 127 (to fp32 rounding: fastmath divides by a reciprocal) and each code the
     nearest one, the largest value at +-127 (an all-zero group: scale 0, zeros)."""
     x = torch.randn(5, 384, generator=torch.Generator().manual_seed(group)).numpy()
     x[1, :64] = 0.0
     x[2] = 0.0
-    xq, xd = kernels.quantize_groups(x, group)
+    xq, xd = activations.quantize_groups(x, group)
     groups = x.reshape(5, -1, group)
     np.testing.assert_allclose(xd, np.abs(groups).max(-1) / 127, rtol=1e-6)
     codes = xq.reshape(groups.shape).astype(np.float64)
@@ -347,7 +348,7 @@ def test_pairs_grouped_by_pool_then_slot_then_token(pools):
     weights = torch.rand(9, 4, generator=g)
     skip = torch.zeros(n_experts, dtype=torch.bool)
     skip[[4, 8]] = True
-    slots, tok_ptr, tok_idx, tok_w, pool_ptr, missing = kernels.group_pairs(
+    slots, tok_ptr, tok_idx, tok_w, pool_ptr, missing = moe_kernels.group_pairs(
         ids.numpy(), weights.numpy(), slot_of.numpy(), pool_of.numpy(), skip.numpy(), pools)
     assert missing == -1
     expected = {}  # slot -> [(token, weight)]
@@ -364,7 +365,7 @@ def test_pairs_grouped_by_pool_then_slot_then_token(pools):
            for m, s in enumerate(slots)}
     assert got == {s: [(t, pytest.approx(w)) for t, w in pairs] for s, pairs in expected.items()}
     skip[4] = False  # expert 4 is selected, not stored, not skipped: reported
-    assert kernels.group_pairs(ids.numpy(), weights.numpy(), slot_of.numpy(), pool_of.numpy(), skip.numpy(),
+    assert moe_kernels.group_pairs(ids.numpy(), weights.numpy(), slot_of.numpy(), pool_of.numpy(), skip.numpy(),
                                    pools)[-1] == 4
 
 
@@ -403,16 +404,16 @@ _PARALLEL_SCRIPT = """
 import sys, warnings
 import numpy as np, torch
 from numba.core.errors import NumbaPerformanceWarning
-from ktlite.kernels.cpu import kernels
+from ktlite.kernels.cpu import moe_kernels
 from ktlite.kernels.cpu.quant import quantize
 warnings.simplefilter("error", NumbaPerformanceWarning)
 method, q8 = sys.argv[1], sys.argv[2] == "1"
 gu, dn = quantize(torch.randn(1, 128, 64), method, 64), quantize(torch.randn(1, 64, 64), method, 64)
-kernels.moe_rows(np.zeros((1, gu.kp), np.float32), np.zeros(1, np.int64), np.array([0, 1]), np.zeros(1, np.int64),
-                 np.ones(1, np.float32), gu.qweight, gu.scales, dn.qweight, dn.scales, gu.group_shift, dn.group_shift,
-                 q8,
-                 np.zeros((2, 2, max(gu.kp, dn.kp)), np.float32), np.zeros((1, dn.kp), np.float32),
-                 np.zeros((1, 64), np.float32))
+moe_kernels.moe_rows(np.zeros((1, gu.kp), np.float32), np.zeros(1, np.int64), np.array([0, 1]),
+                     np.zeros(1, np.int64), np.ones(1, np.float32), gu.qweight, gu.scales, dn.qweight, dn.scales,
+                     gu.group_shift, dn.group_shift, q8,
+                     np.zeros((2, 2, max(gu.kp, dn.kp)), np.float32), np.zeros((1, dn.kp), np.float32),
+                     np.zeros((1, 64), np.float32))
 print("parallel")
 """
 

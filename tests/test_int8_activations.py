@@ -1,7 +1,7 @@
-"""INT4/INT8 rows dotted with int8 activations (--cpu-activations int8; kernels.quantize_activations and
+"""INT4/INT8 rows dotted with int8 activations (--cpu-activations int8; activations.quantize_activations and
 row_dot_q8): the integer dot products against float64 math on the dequantized weights and the same
 quantized activations (quant.int8_activation_values), the error the quantization adds, and every other
-integer-dot path (kernels.int_dot_path) this CPU can run, each compiled in a subprocess whose Numba target
+integer-dot path (int8_dots.int_dot_path) this CPU can run, each compiled in a subprocess whose Numba target
 lacks the features of the wider ones (generic IR without AVX2 runs everywhere)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -18,14 +19,15 @@ import torch
 from ktlite.config import EngineConfig
 from ktlite.doctor import cpu_flags
 from ktlite.errors import ConfigError
-from ktlite.kernels.cpu import kernels
+from ktlite.kernels.cpu import activations, amx_kernels, amx_tiles, int8_dots, linear_kernels, moe_kernels
 from ktlite.kernels.cpu import moe as moe_module
 from ktlite.kernels.cpu.dense_linear import QuantizedHeads, QuantizedLinear
 from ktlite.kernels.cpu.moe import AMX_MIN_TOKENS, CPUMoE
 from ktlite.kernels.cpu.quant import dequantize, int8_activation_values, quantize, relative_error
+from ktlite.kernels.cpu.target import configure_numba
 
 # which integer dot this process compiles (the widest the CPU has); the others run in test_int_dot_path
-PATH = kernels.int_dot_path()
+PATH = int8_dots.int_dot_path()
 
 
 def _linear(method: str, group: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, object]:
@@ -35,15 +37,15 @@ def _linear(method: str, group: int, n: int, k: int, seed: int) -> tuple[torch.T
 
 def _linear_rows_q8(qw, x: torch.Tensor) -> torch.Tensor:
     out = np.zeros((x.shape[0], 1, qw.qweight.shape[0]), np.float32)
-    kernels.linear_rows(x.numpy()[:, None], qw.qweight[None], qw.scales[None], qw.group_shift, qw.kp, True,
-                        kernels.numba.config.NUMBA_NUM_THREADS, out)
+    linear_kernels.linear_rows(x.numpy()[:, None], qw.qweight[None], qw.scales[None], qw.group_shift, qw.kp, True,
+                               numba.config.NUMBA_NUM_THREADS, out)
     return torch.from_numpy(out[:, 0])
 
 
 def test_quantized_activations_are_the_twin_values():
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0)) * torch.tensor([1e-3, 1.0, 50.0])[:, None]
     x[1, 32:64] = 0.0  # an all-zero block: scale 0, codes 0
-    xs, xq, xd, xo = kernels._activation_views(x.numpy(), True)
+    xs, xq, xd, xo = activations.activation_views(x.numpy(), True)
     assert xs.shape[0] == 0 and np.abs(xq.astype(np.int32)).max() == 127
     values = torch.from_numpy(xq.astype(np.float64).reshape(3, 3, 32) * xd.astype(np.float64)[..., None]).reshape(3, 96)
     assert torch.equal(values, int8_activation_values(x))
@@ -66,7 +68,7 @@ def test_linear_rows_dot_the_quantized_activations(path, method, group, tokens):
     assert 1e-4 < relative_error(got, exact) < 0.01  # what the int8 activations add: ~0.5 %
 
 
-TILES = pytest.param(True, id="tiles") if kernels.INT_TILES else pytest.param(
+TILES = pytest.param(True, id="tiles") if int8_dots.INT_TILES else pytest.param(
     True, id="tiles", marks=pytest.mark.skip(reason="CPU lacks avx512_vnni: the row dots run instead of tiles"))
 
 
@@ -75,7 +77,7 @@ TILES = pytest.param(True, id="tiles") if kernels.INT_TILES else pytest.param(
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("tokens", [2, 3, 4, 9])  # whole and partial 4-token tiles
 def test_tiles_dot_the_quantized_activations(tiles, method, group, tokens):
-    """The VNNI tiles (kernels.tile_dot_q8: linear_rows from 2 tokens on): 37 rows (a partial 4-row tile, whose
+    """The VNNI tiles (int8_dots.tile_dot_q8: linear_rows from 2 tokens on): 37 rows (a partial 4-row tile, whose
     missing rows repeat the last one), K = 300 (padded rows), float64 math on the same int8 activations."""
     w, qw = _linear(method, group, 37, 300, seed=tokens * group)
     x = torch.randn(tokens, 300, generator=torch.Generator().manual_seed(2)) * 3
@@ -133,7 +135,7 @@ def test_cpu_moe_int8_activations(method, tokens):
         assert 1e-4 < relative_error(got, exact.forward(0, x, ids, w)) < 0.02
 
 
-AMX = pytest.param(True, id="amx") if kernels.AMX else pytest.param(True, id="amx", marks=pytest.mark.skip(
+AMX = pytest.param(True, id="amx") if amx_tiles.AMX else pytest.param(True, id="amx", marks=pytest.mark.skip(
     reason="CPU lacks AMX-INT8 (or Linux refused its tile state): the VNNI tiles or row dots run instead"))
 
 
@@ -142,7 +144,7 @@ AMX = pytest.param(True, id="amx") if kernels.AMX else pytest.param(True, id="am
 @pytest.mark.parametrize("group", [64, 128])
 @pytest.mark.parametrize("tokens", [6, 40, 80, 150])
 def test_cpu_moe_amx_tiles(amx, method, group, tokens, monkeypatch):
-    """The AMX tiles (kernels.moe_amx, experts with >= AMX_MIN_TOKENS[method] tokens): float64 math on the same int8
+    """The AMX tiles (moe_amx, experts with >= AMX_MIN_TOKENS[method] tokens): float64 math on the same int8
     activations, quantized per weight group (INT8) or per token (INT4, whose scales fold into the weights: the sums
     run whole rows). I = 40 and H = 200 (Kp 256): blocks of 32 rows that overlap at
     the end, padded rows; 4 experts, top 2: 1-75 tokens each, so partial, whole and more than AMX_TOKEN_TILES
@@ -165,8 +167,8 @@ def test_cpu_moe_amx_tiles(amx, method, group, tokens, monkeypatch):
         # the reference quantizes the tiles' experts' activations per weight group, the others' per 32 values
         assert relative_error(moe.forward(0, x, ids, w), want) < 1e-4
         # the pools' path calls moe_amx from Python (wrapped only now: the compiled call above resolved it already)
-        amx_kernel = kernels.moe_amx
-        monkeypatch.setattr(kernels, "moe_amx", lambda *a: calls.append(a[1].size) or amx_kernel(*a))
+        amx_kernel = moe_kernels.moe_amx
+        monkeypatch.setattr(moe_kernels, "moe_amx", lambda *a: calls.append(a[1].size) or amx_kernel(*a))
         got = moe.submit(0, x, ids, w).wait()
         assert calls == ([len(on_amx)] if on_amx else [])  # the experts with enough tokens, in one call
         assert relative_error(got, want) < 1e-4
@@ -245,9 +247,9 @@ def test_amx_int8_rows_from_unaligned_storage(amx, group):
     outs = []
     for gate_up, down in ((gu.qweight, dn.qweight), (off_line(gu.qweight), off_line(dn.qweight))):
         out = np.zeros((40, 200), np.float32)
-        kernels.moe_amx(x, *routing, gate_up, gu.scales, kernels.NO_STEPS, down, dn.scales, kernels.NO_STEPS,
-                        gu.group_shift, dn.group_shift,
-                        kernels.numba.config.NUMBA_NUM_THREADS, np.zeros((40, dn.kp), np.float32), out)
+        amx_kernels.moe_amx(x, *routing, gate_up, gu.scales, amx_kernels.NO_STEPS, down, dn.scales,
+                            amx_kernels.NO_STEPS, gu.group_shift, dn.group_shift,
+                            numba.config.NUMBA_NUM_THREADS, np.zeros((40, dn.kp), np.float32), out)
         outs.append((gate_up.ctypes.data % 64, out))
     (line_a, out_a), (line_b, out_b) = outs
     assert (line_a, line_b) == (0, 16) and np.abs(out_a).max() > 0
@@ -259,7 +261,7 @@ def test_amx_int8_rows_from_unaligned_storage(amx, group):
 @pytest.mark.parametrize("group", [64, 128])
 @pytest.mark.parametrize("past_rows", [0, 37, 1500])
 def test_quantized_heads_amx_tiles(amx, method, group, past_rows, monkeypatch):
-    """The CPU-only device side on AMX tiles (kernels.linear_amx, from where the row dots stop up to the matmul
+    """The CPU-only device side on AMX tiles (amx_kernels.linear_amx, from where the row dots stop up to the matmul
     path): 3 stacked matrices of 40 rows (blocks of 32 overlapping) x 200 (padded to 256), float64 math on the
     same int8 activations (per weight group; per token for INT4, whose scales fold); one token fewer stays on the
     row dots. fp32 inputs stay on the tiles past INT8's bf16 crossover (1500 past the row dots: 1564 tokens), where
@@ -273,8 +275,8 @@ def test_quantized_heads_amx_tiles(amx, method, group, past_rows, monkeypatch):
     else:
         assert heads.gemm_tokens[torch.bfloat16] == heads.gemm_tokens[torch.float32]
     calls = []
-    amx_kernel = kernels.linear_amx
-    monkeypatch.setattr(kernels, "linear_amx", lambda *a: calls.append(a[0].shape) or amx_kernel(*a))
+    amx_kernel = amx_kernels.linear_amx
+    monkeypatch.setattr(amx_kernels, "linear_amx", lambda *a: calls.append(a[0].shape) or amx_kernel(*a))
     x = torch.randn(tokens, 3, 200, generator=g)
     got = heads.project(x)
     heads.project(x[:heads.rows_tokens[torch.float32] - 1])
@@ -289,7 +291,7 @@ def test_cpu_activations_setting(tmp_path):
     cfg = lambda **kw: EngineConfig.from_kwargs(str(tmp_path), **kw)
     assert cfg(cpu_activations="fp32").cpu_int8_activations is False
     assert cfg(cpu_activations="INT8").cpu_int8_activations is True  # any case
-    assert cfg().cpu_int8_activations is kernels.int_dot_in_hardware()
+    assert cfg().cpu_int8_activations is int8_dots.int_dot_in_hardware()
     assert cfg(dtype="float32").cpu_int8_activations is False  # auto keeps the exact reference setting exact
     assert cfg(dtype="float32", cpu_activations="int8").cpu_int8_activations is True
     with pytest.raises(ConfigError, match="--cpu-activations"):
@@ -299,18 +301,18 @@ def test_cpu_activations_setting(tmp_path):
 
 
 _PATH_SCRIPT = """
-import json, numpy as np, torch
-from ktlite.kernels.cpu import kernels
+import json, numba, numpy as np, torch
+from ktlite.kernels.cpu import int8_dots, linear_kernels
 from ktlite.kernels.cpu import moe as moe_module
 from ktlite.kernels.cpu.quant import dequantize, int8_activation_values, quantize, relative_error
-errors = {"path": kernels.int_dot_path()}
+errors = {"path": int8_dots.int_dot_path()}
 x = torch.randn(2, 300, generator=torch.Generator().manual_seed(1))
 for method in ("INT4", "INT8"):
     for group in (32, 64):
         qw = quantize(torch.randn(24, 300, generator=torch.Generator().manual_seed(2)), method, group)
         out = np.zeros((2, 1, 24), np.float32)
-        kernels.linear_rows(x.numpy()[:, None], qw.qweight[None], qw.scales[None], qw.group_shift, qw.kp, True,
-                            kernels.numba.config.NUMBA_NUM_THREADS, out)
+        linear_kernels.linear_rows(x.numpy()[:, None], qw.qweight[None], qw.scales[None], qw.group_shift, qw.kp,
+                                   True, numba.config.NUMBA_NUM_THREADS, out)
         want = int8_activation_values(x) @ dequantize(qw).double().T
         errors[f"{method} g{group}"] = relative_error(torch.from_numpy(out[:, 0]), want)
 print(json.dumps(errors))
@@ -336,7 +338,7 @@ def test_int_dot_path(path, tmp_path):
     """The same integer sums from a narrower path: compiled for plain x86-64 plus this CPU's features
     minus those of the wider paths (an avx512 prefix drops every AVX-512 feature; avx drops AVX and up)."""
     dropped, _ = _NARROWER[path]
-    features = [f for f in kernels.configure_numba().features.split(",")
+    features = [f for f in configure_numba().features.split(",")
                 if not any(f.startswith(("+" + d, "-" + d)) for d in dropped)]
     env = {**os.environ, "NUMBA_CPU_NAME": "x86-64", "NUMBA_CPU_FEATURES": ",".join(features),
            "NUMBA_CACHE_DIR": str(tmp_path)}
@@ -379,7 +381,7 @@ def test_engine_int8_activations_stay_close_to_fp32(tiny_v3):
 
 _ONE_CALL_SCRIPT = """
 import json, torch
-from ktlite.kernels.cpu import kernels
+from ktlite.kernels.cpu import amx_tiles
 from ktlite.kernels.cpu import moe as moe_module
 from ktlite.kernels.cpu.moe import CPUMoE
 g = torch.Generator().manual_seed(0)
@@ -387,7 +389,7 @@ gate, up = torch.randn(4, 64, 128, generator=g), torch.randn(4, 64, 128, generat
 down = torch.randn(4, 128, 64, generator=g)
 x, w = torch.randn(9, 128, generator=g), torch.rand(9, 2, generator=g)
 ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(9)])  # 9 tokens: past AMX_MIN_TOKENS
-out = {"amx": kernels.AMX}
+out = {"amx": amx_tiles.AMX}
 for method in ("INT4", "INT8"):
     with CPUMoE(method, 64, activations="int8", prefill_threshold=10**6) as moe:
         moe.add_layer(0, gate, up, down)
@@ -401,7 +403,7 @@ def test_one_call_moe_compiles_without_amx(tmp_path):
     has AMX: without it LLVM aborts the process ("Cannot select: intrinsic llvm.x86.ldtilecfg"), as it would on every
     AMD CPU. Compiled here without the AMX features (fresh cache), it equals the pools' path, which never calls the
     tiles there."""
-    features = [f for f in kernels.configure_numba().features.split(",") if not f.startswith(("+amx", "-amx"))]
+    features = [f for f in configure_numba().features.split(",") if not f.startswith(("+amx", "-amx"))]
     env = {**os.environ, "NUMBA_CPU_NAME": "x86-64", "NUMBA_CPU_FEATURES": ",".join(features),
            "NUMBA_CACHE_DIR": str(tmp_path)}
     res = subprocess.run([sys.executable, "-c", _ONE_CALL_SCRIPT], env=env, capture_output=True, text=True, timeout=600)

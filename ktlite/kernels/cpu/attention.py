@@ -2,7 +2,7 @@
 
 On a CPU-only run the torch twin spends ~10 small torch ops per layer and decode step (gather, two
 matmuls, mask, softmax, copies): per-op dispatch, not arithmetic, at decode's few tokens. This is one
-compiled call (kernels.mla_decode_latents: numba code that other kernels call lives in kernels.py). Each request's positions are split into `splits` runs so that batch-1 decode still
+compiled call (device_blocks.mla_decode_latents, which the compiled MLA block calls too). Each request's positions are split into `splits` runs so that batch-1 decode still
 uses every thread (flash-decoding: each run keeps its max, exp-sum and weighted sum per head, and a
 second pass merges the runs); a run reads each cached latent once for all heads.
 
@@ -16,7 +16,7 @@ import numba
 import numpy as np
 import torch
 
-from ktlite.kernels.cpu import kernels
+from ktlite.kernels.cpu import device_blocks
 
 
 def handles(q: torch.Tensor, kv_buffer: torch.Tensor) -> bool:
@@ -25,10 +25,10 @@ def handles(q: torch.Tensor, kv_buffer: torch.Tensor) -> bool:
 
 
 def default_splits(batch: int, longest: int) -> int:
-    """Runs per request (kernels.decode_splits, which the compiled MLA block uses too), from the process's thread
+    """Runs per request (device_blocks.decode_splits, which the compiled MLA block uses too), from the process's thread
     count, not the calling thread's (which callers change): the split sets the summation order, so the same inputs
     give the same bits whichever thread decodes."""
-    return kernels.decode_splits(batch, longest, numba.config.NUMBA_NUM_THREADS)
+    return device_blocks.decode_splits(batch, longest, numba.config.NUMBA_NUM_THREADS)
 
 
 def mla_decode(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -38,7 +38,7 @@ def mla_decode(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token: torch.Ten
     lens = seq_lens.to(torch.int64).numpy()
     runs = splits or default_splits(q.shape[0], int(lens.max()) if lens.size else 1)
     out = torch.empty(q.shape[0], q.shape[1], kv_lora_rank)
-    kernels.mla_decode_latents(q.contiguous().numpy(), kv_buffer.numpy(), req_to_token.numpy(),
+    device_blocks.mla_decode_latents(q.contiguous().numpy(), kv_buffer.numpy(), req_to_token.numpy(),
                                req_pool_indices.to(torch.int64).numpy(), lens, np.float32(sm_scale), kv_lora_rank, runs,
                                out.numpy())
     return out

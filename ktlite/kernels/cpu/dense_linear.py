@@ -5,11 +5,11 @@ QuantizedHeads, its base: a stack of such matrices applied per head (MLA's W_UK 
 `y [..., N] = x [..., K] @ W.T (+ bias)` in x's dtype, W the stored (dequantized) values. Two paths, chosen
 by the token count T at the crossover of a CPU expert (moe.default_prefill_threshold: the trade-off is the
 same, one matrix shared by T tokens):
-- few tokens (decode): kernels.linear_rows, vector row dots straight from the stored bytes, fp32 math (or
+- few tokens (decode): linear_kernels.linear_rows, vector row dots straight from the stored bytes, fp32 math (or
   integer dots with int8 activations, `int8_activations`), each weight read from RAM once per call;
 - on a CPU with AMX (int8 activations, groups of >= 64), from where the matmul path takes over without AMX up to
   the experts' AMX crossover (moe.Q8_AMX_PREFILL_THRESHOLD) for bf16 inputs, AMX_FP32_GEMM_TOKENS for fp32 ones:
-  kernels.linear_amx, the experts' AMX tiles (2-4.7x linear_rows' speed, 1.6-21x the matmul path's at 32-128
+  amx_kernels.linear_amx, the experts' AMX tiles (2-4.7x linear_rows' speed, 1.6-21x the matmul path's at 32-128
   tokens, 2.1-3.3x its fp32 GEMM at 512). Not below that: AMX quantizes the activations
   per weight group, the row dots per 32 values, and the row dots' results do not depend on how many tokens share
   the call (a prompt's tokens, one decode token), which greedy outputs across prefix-cache hits rely on;
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ktlite.kernels.cpu import gemm, kernels
+from ktlite.kernels.cpu import amx_kernels, amx_tiles, device_blocks, gemm, linear_kernels
 from ktlite.kernels.cpu.moe import Q8_AMX_PREFILL_THRESHOLD, default_prefill_threshold
 from ktlite.kernels.cpu.quant import INT_DOT_METHODS, QuantizedWeight, dequantize, quantize
 from ktlite.kernels.cpu.target import bf16_gemm_wins
@@ -51,7 +51,7 @@ TILE_WEIGHTS = 1 << 22
 AMX_FP32_GEMM_TOKENS = 4096
 
 
-# one stored matrix stack as the row-dot kernel takes it (QuantizedHeads.row_weights, kernels.project_rows):
+# one stored matrix stack as the row-dot kernel takes it (QuantizedHeads.row_weights, linear_kernels.project_rows):
 # (qweight [G, N, ·], scales [G, N, ·], group_shift, kp, q8)
 RowWeights = tuple[np.ndarray, np.ndarray, int, int, bool]
 
@@ -115,15 +115,15 @@ class QuantizedHeads(nn.Module):
         self.register_buffer("qweight", torch.from_numpy(weight.qweight), persistent=False)
         self.register_buffer("scales", torch.from_numpy(weight.scales), persistent=False)
         self.workspace = workspace or DenseWorkspace()
-        self.int8_activations = int8_activations  # the few-token path dots int8 activations (kernels.row_dot_q8)
+        self.int8_activations = int8_activations  # the few-token path dots int8 activations (int8_dots.row_dot_q8)
         self._q8 = int8_activations and weight.method in INT_DOT_METHODS
         # what the row-dot kernel takes besides input and output (kept here for a compiled caller: mla_block)
         self.row_weights: RowWeights = (weight.qweight, weight.scales, weight.group_shift, weight.kp, self._q8)
         # tokens from which the row dots stop (and, without AMX, the matmul path wins), by the dtype it would run in
         self.rows_tokens = {dt: default_prefill_threshold(weight.method, dt, int8_activations)
                             for dt in (torch.bfloat16, torch.float32)}
-        amx = (self._q8 and kernels.AMX and self.out_features >= kernels.AMX_BLOCK_ROWS
-               and weight.group_size >= kernels.AMX_MIN_GROUP)  # as for an expert's matrices (moe.amx_fits)
+        amx = (self._q8 and amx_tiles.AMX and self.out_features >= amx_tiles.AMX_BLOCK_ROWS
+               and weight.group_size >= amx_tiles.AMX_MIN_GROUP)  # as for an expert's matrices (moe.amx_fits)
         # tokens from which the matmul path wins: after the AMX tiles where they run (against oneDNN's bf16 GEMM as
         # for the experts, its fp32 one much later), else after the row dots
         if amx:
@@ -131,8 +131,8 @@ class QuantizedHeads(nn.Module):
             self.gemm_tokens = {dt: max(n, amx_until[dt]) for dt, n in self.rows_tokens.items()}
         else:
             self.gemm_tokens = dict(self.rows_tokens)
-        # whether the AMX tiles sum whole rows (INT4 scales folding into the weights, kernels.fold_steps)
-        self._steps = kernels.fold_steps(weight.scales) if amx and weight.method == "INT4" else kernels.NO_STEPS
+        # whether the AMX tiles sum whole rows (INT4 scales folding into the weights, amx_kernels.fold_steps)
+        self._steps = amx_kernels.fold_steps(weight.scales) if amx and weight.method == "INT4" else amx_kernels.NO_STEPS
 
     @classmethod
     def from_matrices(cls, w: torch.Tensor, method: str, group_size: int | None,
@@ -166,12 +166,12 @@ class QuantizedHeads(nn.Module):
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """Few tokens: the row-dot kernel on x in fp32 (it pads x to the stored row length itself)."""
-        return self._fused(x, lambda xf, w, out: kernels.linear_rows(xf, *self.row_weights,
+        return self._fused(x, lambda xf, w, out: linear_kernels.linear_rows(xf, *self.row_weights,
                                                                      numba.config.NUMBA_NUM_THREADS, out))
 
     def _amx(self, x: torch.Tensor) -> torch.Tensor:
         """More tokens on an AMX CPU: the AMX tiles on x in fp32 (int8-quantized per weight group inside)."""
-        return self._fused(x, lambda xf, w, out: kernels.linear_amx(
+        return self._fused(x, lambda xf, w, out: amx_kernels.linear_amx(
             xf, w.qweight, w.scales, self._steps, w.group_shift, w.kp, numba.config.NUMBA_NUM_THREADS, out))
 
     def _fused(self, x: torch.Tensor,
@@ -246,9 +246,9 @@ class QuantizedLinear(QuantizedHeads):
 
 
 def swiglu_weights(gate_up: nn.Module, down: nn.Module, tokens: int) -> tuple[RowWeights, RowWeights] | None:
-    """The stored matrices kernels.swiglu_rows takes for a SwiGLU MLP whose gate_up stacks gate's rows over up's, where
-    both run `tokens` fp32 tokens on their row path (quantized, no bias or output op); else None (also under
-    KTLITE_FORCE_TORCH_KERNELS)."""
+    """The stored matrices device_blocks.swiglu_rows takes for a SwiGLU MLP whose gate_up stacks gate's rows over
+    up's, where both run `tokens` fp32 tokens on their row path (quantized, no bias or output op); else None (also
+    under KTLITE_FORCE_TORCH_KERNELS)."""
     both = linear_row_weights(gate_up, tokens), linear_row_weights(down, tokens)
     return None if None in both else both
 
@@ -265,23 +265,23 @@ def linear_row_weights(layer: nn.Module, tokens: int) -> RowWeights | None:
 
 def norm_linear_block(norm: np.ndarray, eps: float, linear: RowWeights) -> Callable:
     """The final norm and lm_head of a compiled decode step (runtime/compiled_decode.py): (x [T, K], rows) ->
-    linear(RMSNorm(x[rows])) [len(rows), N] fp32 (kernels.norm_project_rows)."""
+    linear(RMSNorm(x[rows])) [len(rows), N] fp32 (device_blocks.norm_project_rows)."""
     eps = np.float32(eps)
     threads = numba.config.NUMBA_NUM_THREADS
 
     def run(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        return kernels.norm_project_rows(x, rows, norm, eps, linear, threads)
+        return device_blocks.norm_project_rows(x, rows, norm, eps, linear, threads)
     return run
 
 
 def swiglu_residual_block(norm: np.ndarray, eps: float, gate_up: RowWeights, down: RowWeights) -> Callable:
     """A dense layer's MLP block as a compiled decode step's block (runtime/compiled_decode.py): x -> x +
-    down(SiLU(gate) * up) of RMSNorm(x) (kernels.swiglu_residual); norm, eps: the layer's post-attention norm."""
+    down(SiLU(gate) * up) of RMSNorm(x) (device_blocks.swiglu_residual); norm, eps: the layer's post-attention norm."""
     eps = np.float32(eps)
     threads = numba.config.NUMBA_NUM_THREADS
 
     def run(x: np.ndarray, step: tuple) -> np.ndarray:
-        return kernels.swiglu_residual(x, norm, eps, gate_up, down, threads)
+        return device_blocks.swiglu_residual(x, norm, eps, gate_up, down, threads)
     return run
 
 
@@ -295,4 +295,4 @@ def swiglu_rows(x: torch.Tensor, gate_up: nn.Module, down: nn.Module) -> torch.T
         weights = swiglu_weights(gate_up, down, x.shape[0])
     if weights is None:
         return None
-    return torch.from_numpy(kernels.swiglu_rows(x.contiguous().numpy(), *weights, numba.config.NUMBA_NUM_THREADS))
+    return torch.from_numpy(device_blocks.swiglu_rows(x.contiguous().numpy(), *weights, numba.config.NUMBA_NUM_THREADS))

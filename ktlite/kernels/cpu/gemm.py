@@ -2,7 +2,7 @@
 
 oneDNN's bf16 GEMM runs at several hundred GFLOP/s on 2 Zen cores against ~50 GFLOP/s for the
 fused numba kernel's fp32 FMAs (bench/history/), so once an expert has enough tokens it pays to
-expand it once and let oneDNN do the math. Dequantization is a parallel numba kernel (kernels.py, vector
+expand it once and let oneDNN do the math. Dequantization is a parallel numba kernel (linear_kernels.py, vector
 intrinsics) that writes bf16 bits, rounded to nearest even, into a buffer the caller reuses across experts.
 (Expanding in cache-sized row tiles instead was measured: the smaller GEMMs lost more than the cache
 hits saved, 5 % on V3 experts.)
@@ -15,7 +15,7 @@ import math
 import numpy as np
 import torch
 
-from ktlite.kernels.cpu.kernels import dequant_rows_bf16, dequant_rows_f32
+from ktlite.kernels.cpu.linear_kernels import dequant_rows_bf16, dequant_rows_f32
 
 
 def dequant_matrix(q: np.ndarray, s: np.ndarray, group_shift: int, kp: int, k: int, dtype: torch.dtype,

@@ -3,7 +3,7 @@
 Storage (a QuantizedWeight whose method is the GGML type name): `qweight` [..., N, K / QK] of the
 block's record dtype below (the bytes of the GGUF file, block by block; a record per type so numba
 dispatches on it), `scales` empty [..., N, 0] (the scales live inside the blocks), group_size = QK.
-The record fields follow ggml's block structs; the kernels (kernels.py) decode them as ggml does:
+The record fields follow ggml's block structs; the kernels (rowdots.py) decode them as ggml does:
 
 - Q8_0 (32 weights, 34 B): w = d * qs[j].
 - Q4_K (256 weights, 144 B): 8 sub-blocks of 32 with 6-bit scale sc and min m packed in `scales`;

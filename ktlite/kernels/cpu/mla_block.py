@@ -8,12 +8,12 @@ region whose worker thread has gone to sleep in the Python between two and must 
 run back to back inside one call, so the worker wakes once and the Python is one call.
 
 It computes what MLAttention.forward_batch does for a decode batch (the torch path is the spec, and the tests'
-reference) from the same stored weights, through the same kernels (kernels.linear_rows, kernels.mla_decode_latents):
-every projection a QuantizedLinear / QuantizedHeads on its row path, fp32 activations and a plain fp32 latent pool.
+reference) from the same stored weights, through the same kernels (linear_kernels.linear_rows,
+device_blocks.mla_decode_latents): every projection a QuantizedLinear / QuantizedHeads on its row path, fp32
+activations and a plain fp32 latent pool.
 Where nothing sits between the attention and the residual stream (no tensor parallelism) the call also takes the
 layer's input RMSNorm and the residual add (residual_block, MLAttention.compiled_residual).
-The compiled code is kernels.mla_attention_rows (in kernels.py with the kernels it calls: numba's cache checks only
-the defining file's timestamp); this module decides when it runs and hands it the arrays.
+The compiled code is device_blocks.mla_attention_rows; this module decides when it runs and hands it the arrays.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numba
 import numpy as np
 import torch
 
-from ktlite.kernels.cpu import kernels
+from ktlite.kernels.cpu import device_blocks
 from ktlite.kernels.cpu.dense_linear import RowWeights
 from ktlite.kernels.triton import forced_torch, use_triton
 
@@ -53,19 +53,19 @@ def mla_decode_block(h: np.ndarray, block: tuple, kv: np.ndarray, cos: np.ndarra
     """h [B, hidden] fp32 (one new token per request, normalised) -> the attention output [B, hidden] before
     any tensor-parallel reduction; writes the new tokens' latents into kv [slots, kv_lora + rope] at `slots`.
     block: block_weights; cos / sin [B, rope // 2]; slots, rows, prefix_lens int64 [B]."""
-    return kernels.mla_attention_rows(h, block, kv, cos, sin, slots, req_to_token, rows, prefix_lens)
+    return device_blocks.mla_attention_rows(h, block, kv, cos, sin, slots, req_to_token, rows, prefix_lens)
 
 
 def residual_block(norm: np.ndarray, eps: float, block: tuple, kv: np.ndarray, inv_freq: np.ndarray,
                    rope_scale: float) -> Callable:
     """The attention with the layer's input RMSNorm (weight norm, eps) and the residual add as a compiled decode
     step's block (runtime/compiled_decode.py): x -> x + the attention output of RMSNorm(x)
-    (kernels.mla_attention_residual); inv_freq, rope_scale: RotaryEmbedding's; step = (positions, slots,
+    (device_blocks.mla_attention_residual); inv_freq, rope_scale: RotaryEmbedding's; step = (positions, slots,
     req_to_token, rows, prefix_lens), int64."""
     eps, rope_scale = np.float32(eps), np.float32(rope_scale)
 
     def run(x: np.ndarray, step: tuple) -> np.ndarray:
-        return kernels.mla_attention_residual(x, norm, eps, block, kv, inv_freq, rope_scale, *step)
+        return device_blocks.mla_attention_residual(x, norm, eps, block, kv, inv_freq, rope_scale, *step)
     return run
 
 

@@ -28,11 +28,11 @@ that means the placement and the mask disagree. Ids < 0 (padding) are ignored.
 Each layer keeps its own storage formats (quant.py: INT4/INT8/BF16 quantized by ktlite, or FP8 / GGUF
 blocks as a checkpoint ships them; gate_up and down may differ, e.g. GGUF Q4_K and Q6_K); the kernels
 dispatch on the stored dtype. Paths, per expert and call: an expert with fewer than `prefill_threshold`
-tokens (default_prefill_threshold: per method, prefill dtype and activations) runs in the fused GEMV kernel (kernels.py: vector row dots straight
+tokens (default_prefill_threshold: per method, prefill dtype and activations) runs in the fused GEMV kernel (moe_kernels.py over rowdots.py: vector row dots straight
 from the stored bytes, fp32 math on the exact dequantized weights, or, with int8 `activations`, INT4/INT8 rows
 dotted with activations quantized per 32 values in integer math, as 4-row x 4-token tiles for an expert with 2 or
 more tokens where the CPU has AVX512-VNNI, and where it has AMX, from AMX_MIN_TOKENS on, as AMX-INT8 tiles
-(kernels.moe_amx, activations quantized per weight group of >= 64); decode is always the row dots); one
+(moe_kernels.moe_amx, activations quantized per weight group of >= 64); decode is always the row dots); one
 with more is dequantized once (into per-thread buffers reused across experts and calls) and runs
 torch.matmul in `prefill_dtype` (gemm.py; fp32 is the exact choice; bf16 halves the bytes and is the
 fast one with AMX and on some AVX512-BF16 cores, and 3x slower than fp32 where oneDNN must convert: the default
@@ -69,7 +69,7 @@ import torch
 
 from ktlite import numa
 from ktlite.errors import KtliteError
-from ktlite.kernels.cpu import gemm, kernels
+from ktlite.kernels.cpu import gemm, moe_kernels
 from ktlite.kernels.cpu.quant import (
     INT_DOT_METHODS,
     QUANTIZED_METHODS,
@@ -104,7 +104,7 @@ Q8_TILES_FP32_PREFILL_THRESHOLD = 64
 # Where bf16 GEMMs win over fp32 (AMX, Zen 5: 400+ GMAC/s, 4x the tiles' ~100) the tiles do not move this much.
 Q8_BF16_PREFILL_THRESHOLD = 24
 Q8_METHODS = (*INT_DOT_METHODS, "RAWINT4")  # --kt-method values stored as INT4/INT8 rows
-# with AMX an expert with this many tokens or more runs on AMX tiles (kernels.moe_amx); fewer: the row dots or VNNI
+# with AMX an expert with this many tokens or more runs on AMX tiles (moe_kernels.moe_amx); fewer: the row dots or VNNI
 # tiles, without the AMX tiles' fixed cost per 32 rows and weight group (2-core Sapphire Rapids VM, V2-Lite layer,
 # every expert on one path: INT4 at 3 tokens per expert 27.4 vs 27.4 ms, at 4 29.6 vs 32.9 ms; INT8 at 2 36.9 vs
 # 37.6 ms, at 3 39.9 vs 45.0 ms). Not from a tie on: the AMX tiles quantize activations per weight group, the row
@@ -128,7 +128,7 @@ def default_prefill_threshold(method: str, prefill_dtype: torch.dtype, int8_acti
     if prefill_dtype == torch.bfloat16:
         return Q8_BF16_PREFILL_THRESHOLD if q8 else DEFAULT_PREFILL_THRESHOLD[method]
     if q8:
-        return Q8_TILES_FP32_PREFILL_THRESHOLD if kernels.INT_TILES else Q8_FP32_PREFILL_THRESHOLD
+        return Q8_TILES_FP32_PREFILL_THRESHOLD if moe_kernels.INT_TILES else Q8_FP32_PREFILL_THRESHOLD
     return FP32_PREFILL_THRESHOLD
 # (token, expert) pairs per batch of the matmul path: bounds its buffers (V3: 4096 x 7168 bf16 = 58 MB)
 PAIR_BATCH = 4096
@@ -149,7 +149,7 @@ class ExpertLayer:
     pool_of: np.ndarray  # [S] pool that owns each slot
     gate_up: QuantizedWeight  # [S, 2I, H]: gate rows then up rows
     down: QuantizedWeight  # [S, H, I]
-    # kernels.fold_steps of gate_up / down per slot, and whether each slot's scales fold; slots written since the
+    # moe_kernels.fold_steps of gate_up / down per slot, and whether each slot's scales fold; slots written since the
     # last check are checked again (a dynamic placement swap re-checks one slot, not the layer)
     _steps: list[np.ndarray] = field(default_factory=list)
     _folds: np.ndarray = field(default_factory=lambda: np.zeros((2, 0), bool))
@@ -161,7 +161,7 @@ class ExpertLayer:
         return self.gate_up.nbytes() + self.down.nbytes()
 
     def fold_steps(self) -> tuple[np.ndarray, np.ndarray]:
-        """The steps (kernels.fold_steps) of gate_up and of down where every slot's INT4 scales fold, else NO_STEPS
+        """The steps (moe_kernels.fold_steps) of gate_up and of down where every slot's INT4 scales fold, else NO_STEPS
         (also for INT8 and off AMX): the AMX tiles then sum whole rows."""
         with self._checking:
             if self._answer is None:
@@ -177,7 +177,7 @@ class ExpertLayer:
             self._unchecked = set(range(self.experts.size))
         for slot in self._unchecked:
             for i, w in enumerate(folding):
-                steps = kernels.NO_STEPS if w is None else kernels.fold_steps(w.scales[slot:slot + 1])
+                steps = moe_kernels.NO_STEPS if w is None else moe_kernels.fold_steps(w.scales[slot:slot + 1])
                 self._folds[i, slot] = steps.shape[0] > 0
                 if steps.shape[0]:
                     self._steps[i][slot] = steps[0]
@@ -185,7 +185,7 @@ class ExpertLayer:
         unfolded = [w is not None and not folds.all() for w, folds in zip(folding, self._folds)]
         if any(unfolded):
             _warn_unfolded()
-        return tuple(kernels.NO_STEPS if w is None or off else steps
+        return tuple(moe_kernels.NO_STEPS if w is None or off else steps
                      for w, steps, off in zip(folding, self._steps, unfolded))
 
     def written(self, slot: int) -> None:
@@ -203,9 +203,9 @@ def _warn_unfolded() -> None:  # once per process
 
 
 def amx_fits(layer: ExpertLayer) -> bool:
-    """Whether the layer's experts can run on AMX tiles here (kernels.moe_amx: INT4/INT8, groups >= 64, 32+ rows)."""
-    return (kernels.AMX and min(layer.gate_up.group_size, layer.down.group_size) >= kernels.AMX_MIN_GROUP
-            and min(layer.inter, layer.hidden) >= kernels.AMX_BLOCK_ROWS)
+    """Whether the layer's experts can run on AMX tiles here (moe_kernels.moe_amx: INT4/INT8, groups >= 64, 32+ rows)."""
+    return (moe_kernels.AMX and min(layer.gate_up.group_size, layer.down.group_size) >= moe_kernels.AMX_MIN_GROUP
+            and min(layer.inter, layer.hidden) >= moe_kernels.AMX_BLOCK_ROWS)
 
 
 @dataclass
@@ -303,7 +303,7 @@ class CPUMoE:
         if prefill_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"prefill_dtype must be torch.bfloat16 or torch.float32, got {prefill_dtype}")
         self.prefill_dtype = prefill_dtype
-        amx = kernels.AMX and self.group_size >= kernels.AMX_MIN_GROUP
+        amx = moe_kernels.AMX and self.group_size >= moe_kernels.AMX_MIN_GROUP
         self.prefill_threshold = (default_prefill_threshold(self.method, prefill_dtype, self.int8_activations, amx)
                                   if prefill_threshold is None
                                   else prefill_threshold)
@@ -459,7 +459,7 @@ class CPUMoE:
         return _summed(parts, hidden)
 
     def decode_experts(self, layer_idx: int, tokens: int, width: int, top_k: int) -> tuple | None:
-        """kernels.moe_rows_routed's `experts` for the layer where `forward` takes `tokens` rows of `width` (each
+        """moe_kernels.moe_rows_routed's `experts` for the layer where `forward` takes `tokens` rows of `width` (each
         routed to `top_k` experts: the fused kernels' intermediate rows are a reused buffer) in that one
         compiled call, else None. It does where there are too few tokens for any expert to reach the matmul path, so
         every pool's work is the fused kernels' anyway, split between the row dots and the AMX tiles as _run_pool
@@ -483,7 +483,7 @@ class CPUMoE:
                   topk_weights: torch.Tensor, skip_mask: torch.Tensor | None) -> torch.Tensor:
         ids, weights, skip = _routing_arrays(topk_ids, topk_weights, skip_mask)
         x = hidden.detach().to("cpu", torch.float32).contiguous().numpy()
-        out, missing = kernels.moe_rows_routed(x, ids, weights, skip, experts)
+        out, missing = moe_kernels.moe_rows_routed(x, ids, weights, skip, experts)
         if missing >= 0:
             self._route(self._layer(layer_idx), topk_ids, topk_weights, skip_mask)  # raises, naming the experts
         return torch.from_numpy(out).to(device=hidden.device, dtype=hidden.dtype)
@@ -505,7 +505,7 @@ class CPUMoE:
                skip_mask: torch.Tensor | None) -> list[_PoolWork]:
         """One _PoolWork per pool: its (token, weight) pairs grouped by slot."""
         ids, weights, skip = _routing_arrays(topk_ids, topk_weights, skip_mask)
-        slots, tok_ptr, tok_idx, tok_w, pool_ptr, missing = kernels.group_pairs(
+        slots, tok_ptr, tok_idx, tok_w, pool_ptr, missing = moe_kernels.group_pairs(
             ids, weights, layer.slot_of, layer.pool_of, skip, self.pools.count)
         if missing >= 0:
             chosen = ids[(ids >= 0) & (ids < layer.n_experts)]
@@ -524,7 +524,7 @@ class CPUMoE:
         return self.int8_activations and {layer.gate_up.method, layer.down.method} <= set(INT_DOT_METHODS)
 
     def _amx_tokens(self, layer: ExpertLayer) -> int | None:
-        """Tokens per expert from which the layer's experts run on AMX tiles (kernels.moe_amx); None: never here."""
+        """Tokens per expert from which the layer's experts run on AMX tiles (moe_kernels.moe_amx); None: never here."""
         return AMX_MIN_TOKENS[layer.gate_up.method] if self._int8_dots(layer) and amx_fits(layer) else None
 
     def _run_pool(self, layer: ExpertLayer, work: _PoolWork, x: torch.Tensor) -> torch.Tensor:
@@ -536,21 +536,21 @@ class CPUMoE:
         light = work.select(~heavy) if heavy.any() else work  # decode: no selection to build
         if light.slots.size:
             gu, dn = layer.gate_up, layer.down
-            xp = kernels.padded_rows(np.ascontiguousarray(x.float().numpy()), gu.kp)
+            xp = moe_kernels.padded_rows(np.ascontiguousarray(x.float().numpy()), gu.kp)
             q8 = self._int8_dots(layer)
             tiles_from = self._amx_tokens(layer)
             tiles = np.diff(light.tok_ptr) >= tiles_from if tiles_from is not None else np.zeros(0, bool)
             rows = light.select(~tiles) if tiles.any() else light
             if rows.slots.size:
                 act = self._act_buffer(rows.tok_idx.size, layer)
-                kernels.moe_rows(xp, rows.slots, rows.tok_ptr, rows.tok_idx, rows.tok_w, gu.qweight, gu.scales,
+                moe_kernels.moe_rows(xp, rows.slots, rows.tok_ptr, rows.tok_idx, rows.tok_w, gu.qweight, gu.scales,
                                  dn.qweight, dn.scales, gu.group_shift, dn.group_shift, q8, self._scratch(layer), act,
                                  out.numpy())
             if tiles.any():
                 on_amx = light.select(tiles)
                 act = self._act_buffer(on_amx.tok_idx.size, layer)
                 gu_steps, d_steps = layer.fold_steps()
-                kernels.moe_amx(xp, on_amx.slots, on_amx.tok_ptr, on_amx.tok_idx, on_amx.tok_w, gu.qweight, gu.scales,
+                moe_kernels.moe_amx(xp, on_amx.slots, on_amx.tok_ptr, on_amx.tok_idx, on_amx.tok_w, gu.qweight, gu.scales,
                                 gu_steps, dn.qweight, dn.scales, d_steps, gu.group_shift, dn.group_shift,
                                 numba.config.NUMBA_NUM_THREADS, act, out.numpy())
         if heavy.any():
@@ -577,7 +577,7 @@ class CPUMoE:
             ys = self._buffer("down", pairs * hidden).view(pairs, hidden)
             self._per_expert_matmul(layer, batch, dn, act, ys, scratch, weight)
             if dtype == torch.bfloat16:  # straight from the bf16 rows: no fp32 copy of ys
-                kernels.scatter_add_bf16(gemm.numpy_bits(ys), batch.tok_idx, batch.tok_w, out.numpy())
+                moe_kernels.scatter_add_bf16(gemm.numpy_bits(ys), batch.tok_idx, batch.tok_w, out.numpy())
             else:
                 out.index_add_(0, idx, ys * torch.from_numpy(batch.tok_w)[:, None])
 
@@ -611,7 +611,7 @@ class CPUMoE:
     def _act_buffer(self, pairs: int, layer: ExpertLayer) -> np.ndarray:
         """The fused kernels' [pairs, Kp] fp32 intermediate: every row is written up to I, the padding read as
         zeros (reused: at 512 tokens a fresh one is 17 MB of page faults per call)."""
-        return kernels.pair_rows(self._buffer("fused_act", pairs * layer.down.kp, torch.float32).numpy(), pairs,
+        return moe_kernels.pair_rows(self._buffer("fused_act", pairs * layer.down.kp, torch.float32).numpy(), pairs,
                                  layer.down.kp, layer.inter)
 
     def warmup(self) -> None:

@@ -93,7 +93,7 @@ def check_group_size(method: str, group_size: int | None) -> int:
 
 
 # --cpu-activations: what INT4/INT8 rows are dotted with. int8: activations quantized per 32 values
-# (kernels.quantize_activations) and integer dot products, llama.cpp's and kt-kernel's AMX methods' way,
+# (activations.quantize_activations) and integer dot products, llama.cpp's and kt-kernel's AMX methods' way,
 # ~0.5 % relative error added per matmul; fp32: the exact fp32 activations; auto: int8 where the CPU does
 # the integer dots in hardware (AVX2), else fp32
 ACTIVATIONS = ("auto", "int8", "fp32")
@@ -112,7 +112,7 @@ def int8_activations(setting: str) -> bool:
     """Whether a --cpu-activations value (auto, int8, fp32; any case) means int8 activations on this CPU."""
     key = normalize_activations(setting)
     if key == "auto":
-        from ktlite.kernels.cpu.kernels import int_dot_in_hardware  # numba code: imported on use only
+        from ktlite.kernels.cpu.int8_dots import int_dot_in_hardware  # numba code: imported on use only
 
         return int_dot_in_hardware()
     return key == "int8"
@@ -174,9 +174,9 @@ class QuantizedWeight:
 
 
 def _on_cache_lines(shape: tuple[int, ...], dtype: type) -> np.ndarray:
-    """np.empty starting on a cache line (kernels.cache_line_bytes): AMX tile loads read INT8 rows straight from
-    storage (kernels.amx_block_dot)."""
-    from ktlite.kernels.cpu.kernels import cache_line_bytes  # numba code: imported on use only
+    """np.empty starting on a cache line (amx_kernels.cache_line_bytes): AMX tile loads read INT8 rows straight from
+    storage (amx_tiles.amx_block_dot)."""
+    from ktlite.kernels.cpu.amx_kernels import cache_line_bytes  # numba code: imported on use only
 
     return cache_line_bytes(int(np.prod(shape)) * np.dtype(dtype).itemsize).view(dtype).reshape(shape)
 
@@ -268,7 +268,7 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
 
 
 def _dequantize_native(qw: QuantizedWeight) -> torch.Tensor:
-    from ktlite.kernels.cpu.kernels import dequant_rows_f32  # numba code: compiled on first use only
+    from ktlite.kernels.cpu.linear_kernels import dequant_rows_f32  # numba code: compiled on first use only
 
     q = np.ascontiguousarray(qw.qweight).reshape(-1, qw.qweight.shape[-1])
     s = np.ascontiguousarray(qw.scales).reshape(q.shape[0], qw.scales.shape[-1])
@@ -280,7 +280,7 @@ def _dequantize_native(qw: QuantizedWeight) -> torch.Tensor:
 
 def int8_activation_values(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """x [..., K] -> the values the int8-activation kernels multiply (xq * xd per `block` values of the zero-padded
-    row, kernels.quantize_activations' fp32 arithmetic; the AMX tiles quantize per weight group), in fp64
+    row, activations.quantize_activations' fp32 arithmetic; the AMX tiles quantize per weight group), in fp64
     [..., K]: their reference."""
     k = x.shape[-1]
     blocks = torch.nn.functional.pad(x.float(), (0, -k % block)).reshape(*x.shape[:-1], -1, block)

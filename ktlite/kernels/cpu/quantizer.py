@@ -138,7 +138,7 @@ def _int4_scale(x, neg_divisors, sr, errs):
 def _row_multiples(s, bits):
     """Each group scale of one row rounded to a whole multiple m of the row's step = max |s| / INT4_MULTIPLES
     (|m| in 1..INT4_MULTIPLES, zero scales stay zero): code x m then fits a signed byte, so the AMX tiles multiply
-    the stored weights as (code x m) and sum a whole row without a per-group rescale (kernels.fold_steps). The
+    the stored weights as (code x m) and sum a whole row without a per-group rescale (amx_kernels.fold_steps). The
     step keeps 20 significant bits, so step x m is exact in fp32 and max |s| / INT4_MULTIPLES gives it back.
     bits: a 1-element uint32 scratch."""
     top = _amax(s)

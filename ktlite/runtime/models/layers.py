@@ -49,7 +49,7 @@ class RMSNorm(nn.Module):
 
 
 def plain_norm(norm: nn.Module) -> bool:
-    """Whether norm is an fp32 RMSNorm without unit offset: the compiled blocks' (kernels.rms_scaled)."""
+    """Whether norm is an fp32 RMSNorm without unit offset: the compiled blocks' (device_blocks.rms_scaled)."""
     return isinstance(norm, RMSNorm) and norm.weight.dtype == torch.float32 and not norm.unit_offset
 
 

@@ -42,6 +42,6 @@ def select_experts(
 
 
 def route_args(spec: RouterSpec) -> tuple[bool, int, int, int, int, bool, np.float32]:
-    """The spec as the compiled router takes it (kernels.route_rows: the same selection as select_experts)."""
+    """The spec as the compiled router takes it (device_blocks.route_rows: the same selection as select_experts)."""
     return (spec.scoring == "sigmoid", TOPK_METHODS.index(spec.method), spec.n_group, spec.topk_group, spec.top_k,
             spec.normalize, np.float32(spec.scaling_factor))

@@ -1,0 +1,443 @@
+"""Row dots and row decoders of every storage format, on fp32 activations.
+
+Group size = 2**group_shift (32, 64 or 128), each row a whole number of 64-byte chunks (quant.py pads):
+
+- `row_dot(qrow, srow, x, xs, group_shift)` = sum_k w[k] x[k] straight from the stored row, for
+  x of length >= Kp (zero padded). Per 16 weights: widen bytes to int32 (`vpmovzxbd`/`vpmovsxbd`),
+  nibble and/shift (INT4), `vcvtdq2ps`, FMA with x; the products of a 32-weight block are summed in
+  a vector, multiplied by the block's scale and added to a vector accumulator (one horizontal sum per
+  row). INT4's -8 offset is folded out: sum (q - 8) s x = sum s (q x) - 8 sum_b s_b xs[b], with
+  xs[b] = sum of x over 32-block b (computed once per token). BF16: shift into fp32 bits + FMA.
+- FP8 (E4M3 records, fp8.py) decodes like INT8 with e4m3 -> fp32 by integer shifts and one exact
+  multiply by 2^120; GGUF blocks (Q4_K, Q5_K, Q6_K, Q8_0 records, gguf_quants.py) are walked run by run
+  (`_gguf_runs`: 16 codes, their scale and min), the scales unpacked in scalar IR per sub-block.
+- `decode_row(qrow, srow, out, group_shift)` writes the dequantized row (length Kp) into `out`:
+  fp32, or bf16 bits (uint16, round to nearest even via LLVM's fptrunc to bfloat) when `out` is
+  uint16 (the prefill path).
+
+The same rows on int8 activations: int8_dots.py.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from ktlite.kernels.cpu.fp8 import E4M3
+from ktlite.kernels.cpu.gguf_quants import BLOCKS
+from ktlite.kernels.cpu.simd import (
+    F32, I16, I32, V16, V32, V8, VF, array_args, bf16_scalar_to_f32, bf16_to_f32, byte_ptr, c64, cvec, hsum, is_vec,
+    load_at, load_nibbles, prefetch_ahead, round_bf16, splat, vfma, vload, vstore,
+)
+
+_T_E4M3 = numba.from_dtype(E4M3)
+_T_GGUF = {numba.from_dtype(dtype): kind for kind, (dtype, _) in BLOCKS.items()}  # numba record type -> GGML type
+
+
+@intrinsic
+def _int4_row_dot(typingctx, q, s, x, xs, gs):
+    if not (is_vec(q, types.uint8) and is_vec(s, types.float32) and is_vec(x, types.float32)
+            and is_vec(xs, types.float32)):
+        return None
+    sig = types.float32(q, s, x, xs, types.int64)
+
+    def codegen(context, builder, sig, args):
+        (qp, nb), (sp, _), (xp, _), (xsp, _) = array_args(context, builder, sig, args, 4)
+        gs = args[4]
+        acc_lo = cgutils.alloca_once_value(builder, cvec(VF, 0.0))
+        acc_hi = cgutils.alloca_once_value(builder, cvec(VF, 0.0))
+        off = cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
+        with cgutils.for_range(builder, builder.lshr(nb, c64(6))) as loop:
+            c = loop.index
+            k0 = builder.shl(c, c64(7))  # chunk c: bytes 64c.., weights 128c..
+            b0 = builder.shl(c, c64(6))
+            prefetch_ahead(builder, qp, b0)
+            sc = [load_at(builder, sp, builder.lshr(builder.add(k0, c64(32 * i)), gs)) for i in range(4)]
+            o = builder.load(off)
+            for i in range(4):
+                o = builder.fma(sc[i], load_at(builder, xsp, builder.add(builder.shl(c, c64(2)), c64(i))), o)
+            builder.store(o, off)
+            lo, hi = zip(*(load_nibbles(builder, qp, builder.add(b0, c64(16 * p))) for p in range(4)))
+            part = []
+            for vals, base in ((lo, 0), (hi, 64)):  # 32-weight blocks base+0 and base+32
+                f = [builder.sitofp(v, VF) for v in vals]
+                xv = [vload(builder, xp, builder.add(k0, c64(base + 16 * p)), VF) for p in range(4)]
+                part.append(vfma(builder, f[1], xv[1], builder.fmul(f[0], xv[0])))
+                part.append(vfma(builder, f[3], xv[3], builder.fmul(f[2], xv[2])))
+            a = vfma(builder, part[0], splat(builder, sc[0]), builder.load(acc_lo))
+            builder.store(vfma(builder, part[1], splat(builder, sc[1]), a), acc_lo)
+            a = vfma(builder, part[2], splat(builder, sc[2]), builder.load(acc_hi))
+            builder.store(vfma(builder, part[3], splat(builder, sc[3]), a), acc_hi)
+        tot = hsum(builder, builder.fadd(builder.load(acc_lo), builder.load(acc_hi)))
+        return builder.fsub(tot, builder.fmul(ir.Constant(F32, 8.0), builder.load(off)))
+
+    return sig, codegen
+
+
+@intrinsic
+def _int8_row_dot(typingctx, q, s, x, gs):
+    if not (is_vec(q, types.int8) and is_vec(s, types.float32) and is_vec(x, types.float32)):
+        return None
+    sig = types.float32(q, s, x, types.int64)
+
+    def codegen(context, builder, sig, args):
+        (qp, nb), (sp, _), (xp, _) = array_args(context, builder, sig, args, 3)
+        gs = args[3]
+        accs = [cgutils.alloca_once_value(builder, cvec(VF, 0.0)) for _ in range(2)]
+        with cgutils.for_range(builder, builder.lshr(nb, c64(6))) as loop:
+            k0 = builder.shl(loop.index, c64(6))
+            prefetch_ahead(builder, qp, k0)
+            f = [builder.sitofp(vload(builder, qp, builder.add(k0, c64(16 * p)), V8), VF) for p in range(4)]
+            xv = [vload(builder, xp, builder.add(k0, c64(16 * p)), VF) for p in range(4)]
+            for h, acc in enumerate(accs):
+                part = vfma(builder, f[2 * h + 1], xv[2 * h + 1], builder.fmul(f[2 * h], xv[2 * h]))
+                scale = load_at(builder, sp, builder.lshr(builder.add(k0, c64(32 * h)), gs))
+                builder.store(vfma(builder, part, splat(builder, scale), builder.load(acc)), acc)
+        return hsum(builder, builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
+
+    return sig, codegen
+
+
+_TWO_POW_120 = ir.Constant(F32, 2.0**120)
+
+
+def _e4m3_to_f32(builder, z):
+    """e4m3fn bit patterns (zero-extended to int32 lanes) -> their exact fp32 values. Sign to bit 31,
+    exponent and mantissa (7 bits) to bits 26..20: that is the value scaled by 2^-120 (exponent bias 127
+    instead of 7; e4m3 subnormals land on fp32 subnormals), so one multiply by 2^120 (exact) restores
+    it. NaN (0x7f/0xff) is not preserved; checkpoints hold none."""
+    # byte to bits 31..24, arithmetic shift by 4 (sign copies into 30..27, the rest to 26..20), clear 30..27:
+    # three integer ops per lane where sign and magnitude apart take five (the decode is compute-bound on AVX2)
+    top = builder.shl(z, cvec(V32, 24))
+    bits = builder.and_(builder.ashr(top, cvec(V32, 4)), cvec(V32, -0x78100000))  # 0x87F00000 as int32
+    return builder.fmul(builder.bitcast(bits, VF), splat(builder, _TWO_POW_120))
+
+
+@intrinsic
+def _fp8_row_dot(typingctx, q, s, x, gs):
+    if not (is_vec(q, _T_E4M3) and is_vec(s, types.float32) and is_vec(x, types.float32)):
+        return None
+    sig = types.float32(q, s, x, types.int64)
+
+    def codegen(context, builder, sig, args):
+        (qp, nb), (sp, _), (xp, _) = array_args(context, builder, sig, args, 3)
+        qp = byte_ptr(builder, qp)
+        gs = args[3]
+        accs = [cgutils.alloca_once_value(builder, cvec(VF, 0.0)) for _ in range(2)]
+        with cgutils.for_range(builder, builder.lshr(nb, c64(6))) as loop:
+            k0 = builder.shl(loop.index, c64(6))
+            prefetch_ahead(builder, qp, k0)
+            f = [_e4m3_to_f32(builder, builder.zext(vload(builder, qp, builder.add(k0, c64(16 * p)), V8), V32))
+                 for p in range(4)]
+            xv = [vload(builder, xp, builder.add(k0, c64(16 * p)), VF) for p in range(4)]
+            for h, acc in enumerate(accs):  # 32-weight halves: a group is at least 32 wide
+                part = vfma(builder, f[2 * h + 1], xv[2 * h + 1], builder.fmul(f[2 * h], xv[2 * h]))
+                scale = load_at(builder, sp, builder.lshr(builder.add(k0, c64(32 * h)), gs))
+                builder.store(vfma(builder, part, splat(builder, scale), builder.load(acc)), acc)
+        return hsum(builder, builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
+
+    return sig, codegen
+
+
+@intrinsic
+def _bf16_row_dot(typingctx, q, x):
+    if not (is_vec(q, types.uint16) and is_vec(x, types.float32)):
+        return None
+    sig = types.float32(q, x)
+
+    def codegen(context, builder, sig, args):
+        (qp, n), (xp, _) = array_args(context, builder, sig, args, 2)
+        accs = [cgutils.alloca_once_value(builder, cvec(VF, 0.0)) for _ in range(4)]
+        with cgutils.for_range(builder, builder.lshr(n, c64(6))) as loop:  # 64 weights per step
+            k0 = builder.shl(loop.index, c64(6))
+            prefetch_ahead(builder, qp, k0)  # uint16 elements: twice the distance in bytes
+            for p, acc in enumerate(accs):
+                k = builder.add(k0, c64(16 * p))
+                w = bf16_to_f32(builder, vload(builder, qp, k, V16))
+                builder.store(vfma(builder, w, vload(builder, xp, k, VF), builder.load(acc)), acc)
+        tot = builder.fadd(builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
+                           builder.fadd(builder.load(accs[2]), builder.load(accs[3])))
+        res = cgutils.alloca_once_value(builder, hsum(builder, tot))
+        start = builder.and_(n, c64(~63))
+        with cgutils.for_range(builder, builder.sub(n, start)) as loop:  # BF16 rows are not padded
+            k = builder.add(start, loop.index)
+            w = bf16_scalar_to_f32(builder, load_at(builder, qp, k))
+            builder.store(builder.fma(w, load_at(builder, xp, k), builder.load(res)), res)
+        return builder.load(res)
+
+    return sig, codegen
+
+
+@intrinsic
+def f32_dot(typingctx, a, b):
+    if not (is_vec(a, types.float32) and is_vec(b, types.float32)):
+        return None
+    sig = types.float32(a, b)
+
+    def codegen(context, builder, sig, args):
+        (ap, n), (bp, _) = array_args(context, builder, sig, args, 2)
+        accs = [cgutils.alloca_once_value(builder, cvec(VF, 0.0)) for _ in range(4)]
+        with cgutils.for_range(builder, builder.lshr(n, c64(6))) as loop:  # 64 per step
+            k0 = builder.shl(loop.index, c64(6))
+            for p, acc in enumerate(accs):
+                k = builder.add(k0, c64(16 * p))
+                builder.store(vfma(builder, vload(builder, ap, k, VF), vload(builder, bp, k, VF),
+                                    builder.load(acc)), acc)
+        tot = builder.fadd(builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
+                           builder.fadd(builder.load(accs[2]), builder.load(accs[3])))
+        res = cgutils.alloca_once_value(builder, hsum(builder, tot))
+        start = builder.and_(n, c64(~63))
+        with cgutils.for_range(builder, builder.sub(n, start)) as loop:
+            k = builder.add(start, loop.index)
+            builder.store(builder.fma(load_at(builder, ap, k), load_at(builder, bp, k), builder.load(res)), res)
+        return builder.load(res)
+
+    return sig, codegen
+
+
+def _decoder(qdtype):
+    """decode_row for one byte-coded format: INT4 (uint8 nibbles), INT8 (int8) or FP8 (E4M3 records)."""
+
+    def typer(typingctx, q, s, out, gs):
+        if not (is_vec(q, qdtype) and is_vec(s, types.float32) and (is_vec(out, types.float32)
+                                                                        or is_vec(out, types.uint16))):
+            return None
+        bf16 = out.dtype == types.uint16
+        sig = types.void(q, s, out, types.int64)
+
+        def codegen(context, builder, sig, args):
+            (qp, nb), (sp, _), (op, _) = array_args(context, builder, sig, args, 3)
+            qp = byte_ptr(builder, qp)
+            gs = args[3]
+
+            def put(v, k):  # v: fp32 lanes of weights k..k+15 before their group's scale
+                v = builder.fmul(v, splat(builder, load_at(builder, sp, builder.lshr(k, gs))))
+                vstore(builder, round_bf16(builder, v) if bf16 else v, op, k)
+
+            with cgutils.for_range(builder, builder.lshr(nb, c64(6))) as loop:
+                b0 = builder.shl(loop.index, c64(6))
+                prefetch_ahead(builder, qp, b0)
+                if qdtype == types.uint8:
+                    k0 = builder.shl(loop.index, c64(7))
+                    for p in range(4):
+                        lo, hi = load_nibbles(builder, qp, builder.add(b0, c64(16 * p)))
+                        put(builder.sitofp(builder.sub(lo, cvec(V32, 8)), VF), builder.add(k0, c64(16 * p)))
+                        put(builder.sitofp(builder.sub(hi, cvec(V32, 8)), VF), builder.add(k0, c64(64 + 16 * p)))
+                else:
+                    for p in range(4):
+                        k = builder.add(b0, c64(16 * p))
+                        raw = vload(builder, qp, k, V8)
+                        if qdtype == types.int8:
+                            put(builder.sitofp(builder.sext(raw, V32), VF), k)
+                        else:
+                            put(_e4m3_to_f32(builder, builder.zext(raw, V32)), k)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return intrinsic(typer)
+
+
+_decode_int4 = _decoder(types.uint8)
+_decode_int8 = _decoder(types.int8)
+_decode_fp8 = _decoder(_T_E4M3)
+
+
+# ---- GGUF blocks (gguf_quants.py) ----------------------------------------------------------------
+# One walker emits, block by block, each run of 16 weights as (first k, fp32 codes, scale, min): ggml's
+# w = scale * code - min. The row dot FMAs codes * x into a vector accumulator scaled per run (mins: one
+# scalar term per 32 weights against xs, the block sums of x); the decoder stores scale * code - min,
+# multiply then subtract like gguf-py's numpy, so the values are gguf.quants.dequantize's bit for bit.
+
+_BLOCK_BYTES = {kind: dtype.itemsize for kind, (dtype, _) in BLOCKS.items()}
+_BLOCK_WEIGHTS = {kind: qk for kind, (_, qk) in BLOCKS.items()}
+
+
+def _byte(builder, bp, off):
+    return builder.zext(builder.load(builder.gep(bp, [off], inbounds=True)), I32)
+
+
+def _f16_at(builder, bp, off):
+    """The little-endian float16 at byte offset `off` as fp32, by integer ops (no F16C needed)."""
+    h = builder.zext(builder.load(builder.bitcast(builder.gep(bp, [off], inbounds=True), I16.as_pointer()), align=1), I32)
+    c = lambda v: ir.Constant(I32, v)
+    sign = builder.shl(builder.and_(h, c(0x8000)), c(16))
+    e = builder.and_(builder.lshr(h, c(10)), c(0x1F))
+    m = builder.and_(h, c(0x3FF))
+    normal = builder.or_(sign, builder.or_(builder.shl(builder.add(e, c(112)), c(23)), builder.shl(m, c(13))))
+    special = builder.or_(sign, builder.or_(c(0x7F800000), builder.shl(m, c(13))))  # inf / nan
+    tiny = builder.fmul(builder.uitofp(m, F32), ir.Constant(F32, 2.0**-24))  # zero / subnormal: exact
+    tiny = builder.select(builder.icmp_unsigned("!=", sign, c(0)), builder.fneg(tiny), tiny)
+    big = builder.bitcast(builder.select(builder.icmp_unsigned("==", e, c(31)), special, normal), F32)
+    return builder.select(builder.icmp_unsigned("==", e, c(0)), tiny, big)
+
+
+def _lanes(builder, bp, off):
+    """16 bytes at bp[off] as int32 lanes (zero-extended)."""
+    return builder.zext(vload(builder, bp, off, V8), V32)
+
+
+def _k4_scale_min(builder, bp, sc, j):
+    """6-bit (scale, min) of sub-block j (0..7) from a Q4_K/Q5_K block's 12 packed bytes at byte offset sc."""
+    at = lambda i: _byte(builder, bp, builder.add(sc, c64(i)))
+    c = lambda v: ir.Constant(I32, v)
+    if j < 4:
+        return builder.and_(at(j), c(63)), builder.and_(at(j + 4), c(63))
+    scale = builder.or_(builder.and_(at(j + 4), c(0xF)), builder.shl(builder.lshr(at(j - 4), c(6)), c(4)))
+    mn = builder.or_(builder.lshr(at(j + 4), c(4)), builder.shl(builder.lshr(at(j), c(6)), c(4)))
+    return scale, mn
+
+
+def _gguf_runs(builder, kind, bp, blk):
+    """(k of the run's first weight within the row, fp32 codes [16], scale, min or None) for each run of
+    16 weights of block `blk`, in order."""
+    base = builder.mul(blk, c64(_BLOCK_BYTES[kind]))
+    k0 = builder.mul(blk, c64(_BLOCK_WEIGHTS[kind]))
+    at = lambda off: builder.add(base, c64(off))
+    kk = lambda off: builder.add(k0, c64(off))
+    vi = lambda v: cvec(V32, v)
+    if kind == "Q8_0":
+        d = _f16_at(builder, bp, at(0))
+        for p in range(2):
+            yield kk(16 * p), builder.sitofp(builder.sext(vload(builder, bp, at(2 + 16 * p), V8), V32), VF), d, None
+    elif kind in ("Q4_K", "Q5_K"):
+        five = kind == "Q5_K"
+        d, dmin = _f16_at(builder, bp, at(0)), _f16_at(builder, bp, at(2))
+        qs = 48 if five else 16
+        for sub in range(8):  # 32-weight sub-blocks: run j = sub // 2, low nibbles then high nibbles
+            s, m = _k4_scale_min(builder, bp, at(4), sub)
+            scale = builder.fmul(d, builder.uitofp(s, F32))
+            mn = builder.fmul(dmin, builder.uitofp(m, F32))
+            for p in range(2):
+                code = builder.and_(builder.lshr(_lanes(builder, bp, at(qs + 32 * (sub // 2) + 16 * p)),
+                                                 vi(4 * (sub % 2))), vi(15))
+                if five:
+                    high = builder.and_(builder.lshr(_lanes(builder, bp, at(16 + 16 * p)), vi(sub)), vi(1))
+                    code = builder.or_(code, builder.shl(high, vi(4)))
+                yield kk(32 * sub + 16 * p), builder.sitofp(code, VF), scale, mn if p == 0 else None
+    else:  # Q6_K: halves of 128, runs of 32 (low nibbles of ql[:32], of ql[32:64], then high), scales per 16
+        d = _f16_at(builder, bp, at(208))
+        for h in range(2):
+            for r in range(4):
+                for sub in range(2):
+                    lo = builder.and_(builder.lshr(_lanes(builder, bp, at(64 * h + 32 * (r % 2) + 16 * sub)),
+                                                   vi(4 * (r // 2))), vi(15))
+                    hi = builder.and_(builder.lshr(_lanes(builder, bp, at(128 + 32 * h + 16 * sub)), vi(2 * r)), vi(3))
+                    code = builder.sub(builder.or_(lo, builder.shl(hi, vi(4))), vi(32))
+                    sc = builder.sitofp(builder.load(builder.gep(bp, [at(192 + 8 * h + 2 * r + sub)], inbounds=True)), F32)
+                    yield kk(128 * h + 32 * r + 16 * sub), builder.sitofp(code, VF), builder.fmul(d, sc), None
+
+
+def _gguf_kind(ty):
+    return _T_GGUF.get(ty.dtype) if isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" else None
+
+
+def _gguf_dot(kind):
+    def typer(typingctx, q, x, xs):
+        if _gguf_kind(q) != kind or not (is_vec(x, types.float32) and is_vec(xs, types.float32)):
+            return None
+        sig = types.float32(q, x, xs)
+
+        def codegen(context, builder, sig, args):
+            (qp, nb), (xp, _), (xsp, _) = array_args(context, builder, sig, args, 3)
+            bp = byte_ptr(builder, qp)
+            acc = cgutils.alloca_once_value(builder, cvec(VF, 0.0))
+            mins = cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
+            with cgutils.for_range(builder, nb) as loop:
+                prefetch_ahead(builder, bp, builder.mul(loop.index, c64(_BLOCK_BYTES[kind])))
+                for k, codes, scale, mn in _gguf_runs(builder, kind, bp, loop.index):
+                    prod = builder.fmul(codes, vload(builder, xp, k, VF))
+                    builder.store(vfma(builder, prod, splat(builder, scale), builder.load(acc)), acc)
+                    if mn is not None:  # sum over the 32-weight sub-block of min * x = min * xs[k / 32]
+                        xsum = load_at(builder, xsp, builder.lshr(k, c64(5)))
+                        builder.store(builder.fma(mn, xsum, builder.load(mins)), mins)
+            return builder.fsub(hsum(builder, builder.load(acc)), builder.load(mins))
+
+        return sig, codegen
+
+    return intrinsic(typer)
+
+
+def _gguf_decode(kind):
+    def typer(typingctx, q, out):
+        if _gguf_kind(q) != kind or not (is_vec(out, types.float32) or is_vec(out, types.uint16)):
+            return None
+        bf16 = out.dtype == types.uint16
+        sig = types.void(q, out)
+
+        def codegen(context, builder, sig, args):
+            (qp, nb), (op, _) = array_args(context, builder, sig, args, 2)
+            bp = byte_ptr(builder, qp)
+            with cgutils.for_range(builder, nb) as loop:
+                held = None
+                for k, codes, scale, mn in _gguf_runs(builder, kind, bp, loop.index):
+                    v = builder.fmul(splat(builder, scale), codes)
+                    if kind in ("Q4_K", "Q5_K"):
+                        held = mn if mn is not None else held  # the sub-block's min, from its first run
+                        v = builder.fsub(v, splat(builder, held))
+                    vstore(builder, round_bf16(builder, v) if bf16 else v, op, k)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return intrinsic(typer)
+
+
+_GGUF_DOT = {kind: _gguf_dot(kind) for kind in _BLOCK_BYTES}
+_GGUF_DECODE = {kind: _gguf_decode(kind) for kind in _BLOCK_BYTES}
+
+
+def row_dot(qrow, srow, x, xs, group_shift):  # pragma: no cover - replaced by the overload in jit code
+    raise NotImplementedError("row_dot is only callable from numba-compiled code")
+
+
+def decode_row(qrow, srow, out, group_shift):  # pragma: no cover - replaced by the overload in jit code
+    raise NotImplementedError("decode_row is only callable from numba-compiled code")
+
+
+@overload(row_dot, inline="always")
+def _row_dot_impl(qrow, srow, x, xs, group_shift):
+    if qrow.dtype == types.uint8:
+        return lambda qrow, srow, x, xs, group_shift: _int4_row_dot(qrow, srow, x, xs, group_shift)
+    if qrow.dtype == types.int8:
+        return lambda qrow, srow, x, xs, group_shift: _int8_row_dot(qrow, srow, x, group_shift)
+    if qrow.dtype == types.uint16:
+        return lambda qrow, srow, x, xs, group_shift: _bf16_row_dot(qrow, x)
+    if qrow.dtype == _T_E4M3:
+        return lambda qrow, srow, x, xs, group_shift: _fp8_row_dot(qrow, srow, x, group_shift)
+    gguf = _T_GGUF.get(qrow.dtype)
+    if gguf is not None:
+        dot = _GGUF_DOT[gguf]
+        return lambda qrow, srow, x, xs, group_shift: dot(qrow, x, xs)
+    return None
+
+
+def _decode_bf16(qrow, srow, out, group_shift):
+    bits = out.view(np.uint32)
+    for j in range(qrow.shape[0]):
+        bits[j] = np.uint32(qrow[j]) << np.uint32(16)
+
+
+@overload(decode_row, inline="always")
+def _decode_row_impl(qrow, srow, out, group_shift):
+    if qrow.dtype == types.uint8:
+        return lambda qrow, srow, out, group_shift: _decode_int4(qrow, srow, out, group_shift)
+    if qrow.dtype == types.int8:
+        return lambda qrow, srow, out, group_shift: _decode_int8(qrow, srow, out, group_shift)
+    if qrow.dtype == types.uint16 and out.dtype == types.float32:
+        return _decode_bf16
+    if qrow.dtype == _T_E4M3:
+        return lambda qrow, srow, out, group_shift: _decode_fp8(qrow, srow, out, group_shift)
+    gguf = _T_GGUF.get(qrow.dtype)
+    if gguf is not None:
+        decode = _GGUF_DECODE[gguf]
+        return lambda qrow, srow, out, group_shift: decode(qrow, out)
+    return None
+
+# tokens of one expert from which a row is decoded once into fp32 and then dotted per token, rather
+# than decoded again inside a fused row_dot per token (both ~35 G weights/s per core from L1)
+DECODE_ONCE_TOKENS = 3

@@ -1,0 +1,197 @@
+"""LLVM vector primitives the CPU kernels' numba intrinsics are written with (every kernel module imports these).
+
+Row primitives are numba intrinsics that emit LLVM vector IR directly (16 fp32 lanes = one zmm register on
+AVX-512; LLVM splits them on narrower machines). Written as plain numba loops, LLVM fully unrolled the 64-byte
+chunk loop and then either left it scalar (`vcvtsi2ss` per weight, int64 nibble arithmetic because numba widens
+integer ops to intp) or vectorized the *outer* loop with gathers; every format then ran at ~10 G weights/s on 2
+cores, bound by decoding, not memory.
+
+Here: the IR types (`I8`..`F32`, 16-lane vectors `V8`..`VF`, the 32/64-byte vectors of the integer dots), vector
+load / store / splat / FMA / horizontal sum, the software prefetch every row loop issues PREFETCH_BYTES ahead of
+the bytes it reads (a thread walks two row streams, gate and up, while it decodes, and the hardware prefetcher
+alone left INT4 decode at ~60 % of memory bandwidth), bf16 <-> fp32 conversions and the vector SiLU.
+
+The kernels live in several files by concern (rowdots, int8_dots, amx_tiles, activations, linear_kernels,
+amx_kernels, moe_kernels, device_blocks); numba's cache is keyed on a hash of all of them (numba_cache.py), so a
+change here recompiles every cached kernel that inlines it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ktlite.kernels.cpu.target import configure_numba
+
+CHUNK = 64  # bytes per chunk: 64 INT8 or 128 INT4 weights (quant.py's INT4 nibble layout)
+XS_BLOCK = 32  # weights per entry of xs (the smallest group size)
+
+I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+LANES = 16
+V8, V16, V32, VF = (ir.VectorType(t, LANES) for t in (I8, I16, I32, F32))
+
+
+def c64(v):
+    return ir.Constant(I64, v)
+
+
+def cvec(vty, val):
+    return ir.Constant(vty, [val] * vty.count)
+
+
+def splat(builder, val, vty=VF):
+    undef = ir.Constant(vty, ir.Undefined)
+    v = builder.insert_element(undef, val, ir.Constant(I32, 0))
+    return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(I32, vty.count), [0] * vty.count))
+
+
+def vfma(builder, a, b, c):
+    """a * b + c for fp32 vectors of any lane count."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3),
+                                        f"llvm.fma.v{a.type.count}f32")
+    return builder.call(fn, [a, b, c])
+
+
+def vload(builder, base, off, vty):
+    return builder.load(builder.bitcast(builder.gep(base, [off], inbounds=True), vty.as_pointer()), align=1)
+
+
+def vstore(builder, val, base, off):
+    builder.store(val, builder.bitcast(builder.gep(base, [off], inbounds=True), val.type.as_pointer()), align=1)
+
+
+def load_at(builder, base, off):
+    return builder.load(builder.gep(base, [off], inbounds=True))
+
+
+# software prefetch distance: with 2 streams per thread (gate and up rows) and FMA work between loads the
+# hardware prefetcher alone kept INT4 decode at ~60 % of memory bandwidth; 4 KiB ahead reaches ~100 %
+PREFETCH_BYTES = 4096
+
+
+def prefetch_ahead(builder, base, off, ahead=PREFETCH_BYTES):
+    """Hint that the bytes at base[off + ahead] are needed soon (llvm.prefetch: read, keep in all caches)."""
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
+    ptr = builder.bitcast(builder.gep(base, [builder.add(off, c64(ahead))]), I8.as_pointer())
+    builder.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+
+def hsum(builder, v):
+    """Sum of a float vector's lanes, as a halving tree (extract upper half, add)."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n, 2 * n))))
+        v = builder.fadd(lo, hi)
+    return builder.extract_element(v, ir.Constant(I32, 0))
+
+
+def array_args(context, builder, sig, args, n):
+    """(data pointer, length) of the first n (1-D, C-contiguous) array arguments."""
+    out = []
+    for ty, val in zip(sig.args[:n], args[:n]):
+        a = context.make_array(ty)(context, builder, val)
+        out.append((a.data, builder.extract_value(a.shape, 0)))
+    return out
+
+
+def is_vec(ty, dtype=None):
+    return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and (dtype is None or ty.dtype == dtype)
+
+
+def load_nibbles(builder, qp, off):
+    """16 bytes at qp[off] -> (low nibbles, high nibbles) as int32 vectors."""
+    z = builder.zext(vload(builder, qp, off, V8), V32)
+    return builder.and_(z, cvec(V32, 15)), builder.lshr(z, cvec(V32, 4))
+
+
+# byte / word / dword vectors of the integer dots (int8_dots.py, amx_tiles.py)
+B32, W16, D8, F8 = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8), ir.VectorType(F32, 8)
+F2 = ir.VectorType(F32, 2)
+B64, W32 = ir.VectorType(I8, 64), ir.VectorType(I16, 32)
+
+
+def llvm_call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+_EXP_TAYLOR = [1.0 / math.factorial(i) for i in range(7)]  # e^r = sum r^i / i!, |r| <= ln 2 / 2: error ~1e-7
+_LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 in two parts (Cody-Waite): n ln2_hi exact for |n| <= 126
+
+
+@intrinsic
+def silu_mul(typingctx, g, u):
+    """g = SiLU(g) * u = g u / (1 + exp(-g)) elementwise, 16 lanes at a time (g, u C-contiguous fp32 of the same
+    size, a multiple of 16). numba's np.exp is one libm call per value (no SVML): here exp(-g) = 2^n e^r with n =
+    round(-g log2 e), r = -g - n ln 2 (in two parts, so r keeps fp32 precision), e^r a degree-6 Taylor polynomial,
+    g clamped to +-87 (exp(-g) in fp32's normal range; the product is ~0 or g u there anyway)."""
+    if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float32 for a in (g, u)):
+        return None
+    sig = types.void(g, u)
+
+    def codegen(context, builder, sig, args):
+        ga, ua = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args, args))
+        with cgutils.for_range(builder, builder.lshr(ga.nitems, c64(4))) as loop:
+            k = builder.shl(loop.index, c64(4))
+            gv = vload(builder, ga.data, k, VF)
+            neg = builder.fneg(llvm_call(builder, "llvm.minnum.v16f32", VF, [
+                llvm_call(builder, "llvm.maxnum.v16f32", VF, [gv, cvec(VF, -87.0)]), cvec(VF, 87.0)]))
+            n = llvm_call(builder, "llvm.rint.v16f32", VF, [builder.fmul(neg, cvec(VF, math.log2(math.e)))])
+            r = vfma(builder, n, cvec(VF, -_LN2_LO), vfma(builder, n, cvec(VF, -_LN2_HI), neg))
+            poly = cvec(VF, _EXP_TAYLOR[-1])
+            for c in reversed(_EXP_TAYLOR[:-1]):
+                poly = vfma(builder, poly, r, cvec(VF, c))
+            two_n = builder.bitcast(builder.shl(builder.add(builder.fptosi(n, V32), cvec(V32, 127)),
+                                                cvec(V32, 23)), VF)
+            denom = vfma(builder, poly, two_n, cvec(VF, 1.0))
+            vstore(builder, builder.fdiv(builder.fmul(gv, vload(builder, ua.data, k, VF)), denom), ga.data, k)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def byte_ptr(builder, ptr):
+    return builder.bitcast(ptr, I8.as_pointer())
+
+
+def bf16_to_f32(builder, bits16):
+    return builder.bitcast(builder.shl(builder.zext(bits16, V32), cvec(V32, 16)), VF)
+
+
+def bf16_scalar_to_f32(builder, bits16):
+    return builder.bitcast(builder.shl(builder.zext(bits16, I32), ir.Constant(I32, 16)), F32)
+
+
+class _BFloat(ir.Type):
+    """LLVM's bfloat (llvmlite has no class for it): fptrunc to it lets LLVM pick vcvtneps2bf16 on CPUs
+    with AVX512-BF16."""
+
+    def _to_string(self):
+        return "bfloat"
+
+
+_VBF = ir.VectorType(_BFloat(), LANES)
+
+
+def _native_bf16() -> bool:
+    """Whether the compile target converts to bf16 in hardware. Elsewhere LLVM lowers fptrunc to bfloat
+    as a call to compiler-rt's __truncsfbf2, which the JIT cannot resolve (the process aborts), so the
+    rounding is spelled out in integer ops instead."""
+    return configure_numba().enabled("avx512bf16")
+
+
+def round_bf16(builder, v):
+    """fp32 vector -> bf16 bits, round to nearest even (as torch's .to(bfloat16) for finite values)."""
+    if _native_bf16():
+        return builder.bitcast(builder.fptrunc(v, _VBF), V16)
+    bits = builder.bitcast(v, V32)
+    odd = builder.and_(builder.lshr(bits, cvec(V32, 16)), cvec(V32, 1))  # ties go to the even neighbour
+    rounded = builder.add(bits, builder.add(odd, cvec(V32, 0x7FFF)))
+    return builder.trunc(builder.lshr(rounded, cvec(V32, 16)), V16)
