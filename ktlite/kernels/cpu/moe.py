@@ -28,8 +28,8 @@ that means the placement and the mask disagree. Ids < 0 (padding) are ignored.
 Each layer keeps its own storage formats (quant.py: INT4/INT8/BF16 quantized by ktlite, or FP8 / GGUF
 blocks as a checkpoint ships them; gate_up and down may differ, e.g. GGUF Q4_K and Q6_K); the kernels
 dispatch on the stored dtype. Paths, per expert and call: an expert with fewer than `prefill_threshold`
-tokens (default_prefill_threshold: per method, prefill dtype and activations) runs in the fused GEMV kernel (moe_kernels.py over rowdots.py: vector row dots straight
-from the stored bytes, fp32 math on the exact dequantized weights, or, with int8 `activations`, INT4/INT8 rows
+tokens (default_prefill_threshold: per method, prefill dtype and activations) runs in the fused GEMV kernel
+(moe_kernels.py over rowdots.py: vector row dots straight from the stored bytes, fp32 math on the exact dequantized weights, or, with int8 `activations`, INT4/INT8 rows
 dotted with activations quantized per 32 values in integer math, as 4-row x 4-token tiles for an expert with 2 or
 more tokens where the CPU has AVX512-VNNI, and where it has AMX, from AMX_MIN_TOKENS on, as AMX-INT8 tiles
 (moe_kernels.moe_amx, activations quantized per weight group of >= 64); decode is always the row dots); one
