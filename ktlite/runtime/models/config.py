@@ -1,9 +1,10 @@
 """What every model family's config shares, and the parsing helpers families use.
 
 Each family parses its own `config.json` (see the family modules and `registry.py`) into a frozen
-dataclass that satisfies `ModelConfig`: the facts the runtime needs without knowing the family
+dataclass deriving from `ModelConfig`: the facts the runtime needs without knowing the family
 (layers, hidden size, vocabulary, which layers are MoE and their expert shapes, the router, what is
-cached per token). `load_config(path)` / `parse_config(raw)` pick the family from `architectures` /
+cached per token). The fields every family carries are declared there and read by `Fields.common`
+(the family's defaults apply where the file says nothing); the family's dataclass adds its own. `load_config(path)` / `parse_config(raw)` pick the family from `architectures` /
 `model_type`.
 
 Two config dialects exist in the wild: hub folders (`rope_scaling` with `type`, top-level
@@ -19,7 +20,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ktlite.errors import ConfigError
 
@@ -111,8 +112,13 @@ class RouterSpec:
             raise ConfigError("config.json: topk_method='noaux_tc' scores groups by their top-2, needs >= 2 experts per group")
 
 
-class ModelConfig(Protocol):
-    """What the runtime (plan, pool, loader, CPU experts, scheduler) reads of any family's config."""
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """What the runtime (plan, pool, loader, CPU experts, scheduler) reads of any family's config: the
+    fields every family carries, declared and parsed (`Fields.common`) here once, and the methods each
+    family implements. A family's config is a frozen dataclass deriving from this one that adds its own
+    fields; it also gives `router` (RouterSpec) and `shared_intermediate_size` (intermediate size of a MoE
+    layer's shared expert(s) together, 0: none), as fields or properties."""
 
     architecture: str
     vocab_size: int
@@ -124,40 +130,43 @@ class ModelConfig(Protocol):
     n_routed_experts: int
     num_experts_per_tok: int
     tie_word_embeddings: bool
+    rms_norm_eps: float
     max_position_embeddings: int
+    rope: RopeConfig
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
-    fp8_block_size: tuple[int, int] | None
+    fp8_block_size: tuple[int, int] | None  # block-FP8 checkpoints: (128, 128) as DeepSeek-V3's
     fp8_skip: tuple[str, ...]  # quantization_config.modules_to_not_convert: what an FP8 checkpoint keeps high precision
-    rope: RopeConfig
-    router: RouterSpec
 
     @property
-    def moe_layers(self) -> list[int]: ...
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
-    def is_moe_layer(self, layer_idx: int) -> bool: ...
-
-    @property
-    def shared_intermediate_size(self) -> int:
-        """Intermediate size of a MoE layer's shared expert(s) together (0: none)."""
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        raise NotImplementedError
 
     def token_cache_specs(self, tp_size: int = 1, kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
         """What one tensor-parallel rank caches per token (the KV pool's buffers) in a pool of kv_dtype
         (--kv-cache-dtype; None: a 16/32-bit pool). The layout may depend on it: an FP8 pool holds MLA
         latents, index keys and GQA K/V per kv head as packed rows with their scales (uint8 specs)."""
+        raise NotImplementedError
 
     def request_state_specs(self, tp_size: int = 1) -> list:
         """What one running request keeps per layer beyond its tokens (recurrent layers' state)."""
+        raise NotImplementedError
 
     def attention_workspace(self, tp_size: int) -> int:
         """Activation values per token one attention layer holds at once on a rank (the plan's estimate)."""
+        raise NotImplementedError
 
     def check_tensor_parallel(self, tp_size: int) -> None:
         """Raise ConfigError when the model cannot split over `tp_size` ranks."""
+        raise NotImplementedError
 
     def expert_weight_name(self, layer: int, expert: int, proj: str) -> str:
         """Checkpoint name of a routed expert's `proj` ("gate", "up" or "down") weight."""
+        raise NotImplementedError
 
 
 # ---- parsing helpers the families share ---------------------------------------------------------
@@ -268,6 +277,7 @@ class Fields:
     """config.json values with family defaults; `need` names a missing required field."""
 
     def __init__(self, raw: dict[str, Any], defaults: dict[str, Any], keep_none: tuple[str, ...] = ()):
+        self.raw = raw
         self.values = {**defaults, **{k: v for k, v in raw.items() if v is not None or k in keep_none}}
 
     def need(self, name: str) -> Any:
@@ -279,10 +289,13 @@ class Fields:
         value = self.values.get(name)
         return default if value is None else value
 
-    def common(self) -> dict[str, Any]:
-        """The fields every family names the same way."""
+    def common(self, architecture: str, **given: Any) -> dict[str, Any]:
+        """`ModelConfig`'s fields but `rope` (see `rope`), each read under its usual name (required unless the
+        family's defaults hold it); `given` holds the ones the family reads its own way (another name, a
+        value of its own)."""
         self.check_silu()
-        return dict(
+        common = dict(
+            architecture=architecture,
             vocab_size=int(self.need("vocab_size")),
             hidden_size=int(self.need("hidden_size")),
             num_hidden_layers=int(self.need("num_hidden_layers")),
@@ -295,6 +308,16 @@ class Fields:
             fp8_block_size=fp8_block_size(self.values),
             fp8_skip=fp8_skip(self.values),
         )
+        for name in ("max_position_embeddings", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
+                     "num_experts_per_tok"):
+            if name not in given:
+                common[name] = int(self.need(name))
+        return {**common, **given}
+
+    def rope(self, head_dim: int, **family: Any) -> RopeConfig:
+        """`rope_config` of the raw file over `head_dim`, with the family's defaults (`theta`, `interleave`, ...)."""
+        return rope_config(self.raw, head_dim, max_position_embeddings=int(self.need("max_position_embeddings")),
+                           **family)
 
     def check_silu(self) -> None:
         act = self.get("hidden_act", "silu")

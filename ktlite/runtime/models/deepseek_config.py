@@ -10,29 +10,20 @@ import torch
 from ktlite.errors import ConfigError
 from ktlite.kernels.triton.kv_fp8 import Fp8Rows, latent_rows, packs_fp8
 from ktlite.runtime.kv_cache import TokenCacheSpec
-from ktlite.runtime.models.config import Fields, RopeConfig, RouterSpec, rope_config
+from ktlite.runtime.models.config import Fields, ModelConfig, RouterSpec
 
 ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
 
 @dataclass(frozen=True)
-class DeepseekConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
+class DeepseekConfig(ModelConfig):
     q_lora_rank: int | None
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
-    moe_intermediate_size: int
-    n_routed_experts: int
     n_shared_experts: int
-    num_experts_per_tok: int
     first_k_dense_replace: int
     moe_layer_freq: int
     routed_scaling_factor: float
@@ -41,15 +32,6 @@ class DeepseekConfig:
     n_group: int
     topk_group: int
     norm_topk_prob: bool
-    tie_word_embeddings: bool
-    rms_norm_eps: float
-    max_position_embeddings: int
-    rope: RopeConfig
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    torch_dtype: str
-    fp8_block_size: tuple[int, int] | None  # DeepSeek-V3 FP8 checkpoints: (128, 128)
-    fp8_skip: tuple[str, ...]
 
     @property
     def qk_head_dim(self) -> int:
@@ -70,10 +52,6 @@ class DeepseekConfig:
             and layer_idx >= self.first_k_dense_replace
             and layer_idx % self.moe_layer_freq == 0
         )
-
-    @property
-    def moe_layers(self) -> list[int]:
-        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
     @property
     def is_v3(self) -> bool:
@@ -145,6 +123,9 @@ def _defaults(arch: str) -> dict[str, Any]:
         "n_shared_experts": 1 if v3 else 2,
         "max_position_embeddings": 4096 if v3 else 2048,
         "attention_bias": False,
+        "moe_intermediate_size": 0,
+        "n_routed_experts": 0,
+        "num_experts_per_tok": 0,
     }
 
 
@@ -166,24 +147,19 @@ def parse_config(raw: dict[str, Any]) -> DeepseekConfig:
     qk_rope = int(f.need("qk_rope_head_dim"))
     if qk_rope % 2:
         raise ConfigError(f"config.json: qk_rope_head_dim={qk_rope} must be even")
-    rope = rope_config(raw, qk_rope, theta=10000.0, interleave=True,
-                       max_position_embeddings=int(f.values["max_position_embeddings"]))
+    rope = f.rope(qk_rope, theta=10000.0, interleave=True)
     if rope.head_dim != qk_rope:
         raise ConfigError(f"config.json: partial_rotary_factor rotates {rope.head_dim} of qk_rope_head_dim={qk_rope}; "
                           "MLA rotates all of it")
     cfg = DeepseekConfig(
-        architecture=arch,
-        **f.common(),
-        intermediate_size=int(f.need("intermediate_size")),
+        **f.common(arch),
+        rope=rope,
         q_lora_rank=None if q_lora is None else int(q_lora),
         kv_lora_rank=int(f.need("kv_lora_rank")),
         qk_nope_head_dim=int(f.need("qk_nope_head_dim")),
         qk_rope_head_dim=qk_rope,
         v_head_dim=int(f.need("v_head_dim")),
-        moe_intermediate_size=int(f.get("moe_intermediate_size", 0)),
-        n_routed_experts=int(f.get("n_routed_experts", 0)),
         n_shared_experts=int(f.get("n_shared_experts", 0)),
-        num_experts_per_tok=int(f.get("num_experts_per_tok", 0)),
         first_k_dense_replace=int(f.values["first_k_dense_replace"]),
         moe_layer_freq=int(f.values["moe_layer_freq"]),
         routed_scaling_factor=float(f.values["routed_scaling_factor"]),
@@ -192,8 +168,6 @@ def parse_config(raw: dict[str, Any]) -> DeepseekConfig:
         n_group=int(f.values["n_group"]),
         topk_group=int(f.values["topk_group"]),
         norm_topk_prob=bool(f.values["norm_topk_prob"]),
-        max_position_embeddings=int(f.values["max_position_embeddings"]),
-        rope=rope,
     )
     cfg.router  # validates the routing fields
     return cfg

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ktlite.runtime.models.config import Fields, RouterSpec, rope_config
+from ktlite.runtime.models.config import Fields, RouterSpec
 from ktlite.runtime.models.gqa import GQASpec
 from ktlite.runtime.models.gqa_moe import GQAMoEConfig, GQAMoEForCausalLM, moe_layer_ids
 
@@ -23,32 +23,25 @@ def parse_config(raw: dict[str, Any]) -> GQAMoEConfig:
     f = Fields(raw, {"max_position_embeddings": 131072, "attention_bias": True,
                      "use_qk_norm": False, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
                      "routed_scaling_factor": 1.0, "first_k_dense_replace": 1, "n_shared_experts": 1})
-    common = f.common()
+    common = f.common(ARCHITECTURES[0])
     heads = common["num_attention_heads"]
     head_dim = int(f.get("head_dim") or common["hidden_size"] // heads)
-    experts, top_k = int(f.need("n_routed_experts")), int(f.need("num_experts_per_tok"))
-    moe_inter = int(f.need("moe_intermediate_size"))
+    experts, top_k, moe_inter = common["n_routed_experts"], common["num_experts_per_tok"], common["moe_intermediate_size"]
     first_dense = int(f.values["first_k_dense_replace"])
     if int(f.get("num_nextn_predict_layers", 0)):
         logger.info("config.json: the %d multi-token-prediction layer(s) after layer %d are not loaded",
                     int(f.values["num_nextn_predict_layers"]), common["num_hidden_layers"] - 1)
     return GQAMoEConfig(
-        architecture=ARCHITECTURES[0], **common,
-        intermediate_size=int(f.need("intermediate_size")),
+        **common,
         attention=GQASpec(common["hidden_size"], heads, int(f.get("num_key_value_heads", heads)), head_dim,
                           common["rms_norm_eps"], bias=bool(f.values["attention_bias"]),
                           qk_norm="per_head" if f.values["use_qk_norm"] else None),
-        moe_intermediate_size=moe_inter,
-        n_routed_experts=experts,
-        num_experts_per_tok=top_k,
         shared_intermediate_size=moe_inter * int(f.values["n_shared_experts"]),
         moe_layer_ids=moe_layer_ids(common["num_hidden_layers"], lambda i: experts > 0 and i >= first_dense),
         router=RouterSpec(experts, top_k, "sigmoid", "noaux_tc", int(f.values["n_group"]), int(f.values["topk_group"]),
                           normalize=bool(f.values["norm_topk_prob"]),
                           scaling_factor=float(f.values["routed_scaling_factor"]), correction_bias=True),
-        max_position_embeddings=int(f.values["max_position_embeddings"]),
-        rope=rope_config(raw, head_dim, theta=1000000.0, interleave=False, partial_rotary_factor=0.5,
-                         max_position_embeddings=int(f.values["max_position_embeddings"])),
+        rope=f.rope(head_dim, theta=1000000.0, interleave=False, partial_rotary_factor=0.5),
     )
 
 

@@ -11,36 +11,18 @@ import torch
 
 from ktlite.runtime.kv_cache import TokenCacheSpec
 from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
-from ktlite.runtime.models.config import RopeConfig, RouterSpec
+from ktlite.runtime.models.config import ModelConfig, RouterSpec
 from ktlite.runtime.models.gqa import GQASpec, GQAttention
 from ktlite.runtime.models.layers import MLP, MoE
 from ktlite.runtime.models.rope import RotaryEmbedding
 
 
 @dataclass(frozen=True)
-class GQAMoEConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
+class GQAMoEConfig(ModelConfig):
     attention: GQASpec
-    moe_intermediate_size: int
-    n_routed_experts: int
-    num_experts_per_tok: int
     shared_intermediate_size: int
     moe_layer_ids: tuple[int, ...]
     router: RouterSpec
-    tie_word_embeddings: bool
-    rms_norm_eps: float
-    max_position_embeddings: int
-    rope: RopeConfig
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    torch_dtype: str
-    fp8_block_size: tuple[int, int] | None
-    fp8_skip: tuple[str, ...]
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # checkpoint names of gate/up/down
     moe_prefix: str = "mlp"  # the checkpoint's name of the MoE block inside a layer
 

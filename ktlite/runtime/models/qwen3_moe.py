@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ktlite.runtime.models.config import Fields, RouterSpec, rope_config
+from ktlite.runtime.models.config import Fields, RouterSpec
 from ktlite.runtime.models.gqa import GQASpec
 from ktlite.runtime.models.gqa_moe import GQAMoEConfig, GQAMoEForCausalLM, moe_layer_ids
 
@@ -18,26 +18,19 @@ Model = GQAMoEForCausalLM
 def parse_config(raw: dict[str, Any]) -> GQAMoEConfig:
     f = Fields(raw, {"max_position_embeddings": 40960, "decoder_sparse_step": 1,
                      "mlp_only_layers": [], "norm_topk_prob": True, "attention_bias": False})
-    common = f.common()
-    heads = common["num_attention_heads"]
+    common = f.common(ARCHITECTURES[0], n_routed_experts=int(f.get("num_experts") or f.get("num_local_experts", 0)))
+    heads, experts = common["num_attention_heads"], common["n_routed_experts"]
     head_dim = int(f.get("head_dim") or common["hidden_size"] // heads)
-    experts = int(f.get("num_experts") or f.get("num_local_experts", 0))
     step, dense_only = int(f.values["decoder_sparse_step"]), set(f.values["mlp_only_layers"])
     layers = common["num_hidden_layers"]
     return GQAMoEConfig(
-        architecture=ARCHITECTURES[0], **common,
-        intermediate_size=int(f.need("intermediate_size")),
+        **common,
         attention=GQASpec(common["hidden_size"], heads, int(f.get("num_key_value_heads", heads)), head_dim,
                           common["rms_norm_eps"], bias=bool(f.values["attention_bias"]), qk_norm="per_head"),
-        moe_intermediate_size=int(f.need("moe_intermediate_size")),
-        n_routed_experts=experts,
-        num_experts_per_tok=int(f.need("num_experts_per_tok")),
         shared_intermediate_size=0,
         moe_layer_ids=moe_layer_ids(layers, lambda i: experts > 0 and i not in dense_only and (i + 1) % step == 0),
-        router=RouterSpec(experts, int(f.need("num_experts_per_tok")), "softmax", normalize=bool(f.values["norm_topk_prob"])),
-        max_position_embeddings=int(f.values["max_position_embeddings"]),
-        rope=rope_config(raw, head_dim, theta=1000000.0, interleave=False,
-                         max_position_embeddings=int(f.values["max_position_embeddings"])),
+        router=RouterSpec(experts, common["num_experts_per_tok"], "softmax", normalize=bool(f.values["norm_topk_prob"])),
+        rope=f.rope(head_dim, theta=1000000.0, interleave=False),
     )
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from ktlite.errors import ConfigError
 from ktlite.runtime.kv_cache import TokenCacheSpec
 from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
-from ktlite.runtime.models.config import Fields, RopeConfig, RouterSpec, rope_config
+from ktlite.runtime.models.config import Fields, ModelConfig, RouterSpec
 from ktlite.runtime.models.gated_deltanet import GatedDeltaNet, LinearAttentionSpec
 from ktlite.runtime.models.gqa import GQASpec, GQAttention
 from ktlite.runtime.models.layers import MLP, MoE
@@ -33,31 +33,13 @@ MODEL_TYPES = ("qwen3_next",)
 
 
 @dataclass(frozen=True)
-class Qwen3NextConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
+class Qwen3NextConfig(ModelConfig):
     attention: GQASpec
     linear: LinearAttentionSpec
     full_attention_layers: tuple[int, ...]
-    moe_intermediate_size: int
-    n_routed_experts: int
-    num_experts_per_tok: int
     shared_intermediate_size: int
     moe_layer_ids: tuple[int, ...]
     router: RouterSpec
-    tie_word_embeddings: bool
-    rms_norm_eps: float
-    max_position_embeddings: int
-    rope: RopeConfig
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    torch_dtype: str
-    fp8_block_size: tuple[int, int] | None
-    fp8_skip: tuple[str, ...]
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx in self.moe_layer_ids
@@ -101,10 +83,10 @@ def parse_config(raw: dict[str, Any]) -> Qwen3NextConfig:
     f = Fields(raw, {"max_position_embeddings": 262144, "decoder_sparse_step": 1,
                      "mlp_only_layers": [], "norm_topk_prob": True, "attention_bias": False,
                      "linear_conv_kernel_dim": 4})
-    common = f.common()
+    common = f.common(ARCHITECTURES[0], n_routed_experts=int(f.get("num_experts", 0)))
     heads, layers, hidden = common["num_attention_heads"], common["num_hidden_layers"], common["hidden_size"]
     head_dim = int(f.get("head_dim") or hidden // heads)
-    experts, top_k = int(f.get("num_experts", 0)), int(f.need("num_experts_per_tok"))
+    experts, top_k = common["n_routed_experts"], common["num_experts_per_tok"]
     step, dense_only = int(f.values["decoder_sparse_step"]), set(f.values["mlp_only_layers"])
     linear = LinearAttentionSpec(hidden, int(f.need("linear_num_key_heads")), int(f.need("linear_num_value_heads")),
                                  int(f.need("linear_key_head_dim")), int(f.need("linear_value_head_dim")),
@@ -112,22 +94,16 @@ def parse_config(raw: dict[str, Any]) -> Qwen3NextConfig:
     if linear.value_heads % linear.key_heads:
         raise ConfigError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
     return Qwen3NextConfig(
-        architecture=ARCHITECTURES[0], **common,
-        intermediate_size=int(f.need("intermediate_size")),
+        **common,
         attention=GQASpec(hidden, heads, int(f.get("num_key_value_heads", heads)), head_dim, common["rms_norm_eps"],
                           bias=bool(f.values["attention_bias"]), qk_norm="per_head", output_gate=True,
                           unit_offset_norms=True),
         linear=linear,
         full_attention_layers=_full_attention_layers(f, layers),
-        moe_intermediate_size=int(f.need("moe_intermediate_size")),
-        n_routed_experts=experts,
-        num_experts_per_tok=top_k,
         shared_intermediate_size=int(f.get("shared_expert_intermediate_size", 0)),
         moe_layer_ids=tuple(i for i in range(layers) if experts and i not in dense_only and (i + 1) % step == 0),
         router=RouterSpec(experts, top_k, "softmax", normalize=bool(f.values["norm_topk_prob"])),
-        max_position_embeddings=int(f.values["max_position_embeddings"]),
-        rope=rope_config(raw, head_dim, theta=10000000.0, interleave=False, partial_rotary_factor=0.25,
-                         max_position_embeddings=int(f.values["max_position_embeddings"])),
+        rope=f.rope(head_dim, theta=10000000.0, interleave=False, partial_rotary_factor=0.25),
     )
 
 
