@@ -1,7 +1,7 @@
 """bench/RESULTS.md as the current results: one section per bench script, each replaced by that script's `--write`.
 
 A section sits between `<!-- bench:NAME begin -->` and `<!-- bench:NAME end -->` and says the date, the machine
-(CPU model and vector flags from ktlite.doctor, the GPU) and the exact command before the bench's own tables. Dated
+(CPU model and vector flags from ktlite.machine, the GPU) and the exact command before the bench's own tables. Dated
 logs live in bench/history/. Not a benchmark itself (the leading underscore keeps it out of `ktlite bench`).
 """
 
@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from ktlite.doctor import cpu_features, cpu_model
+from ktlite.machine import cpu_features, cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "bench" / "RESULTS.md"

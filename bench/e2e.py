@@ -45,7 +45,7 @@ from cpu_moe import memory_bandwidth  # the same reference as the CPU-expert ben
 
 from ktlite import Engine
 from ktlite.config import EngineConfig
-from ktlite.runtime.memory import allocated_by_component
+from ktlite.runtime.plan_components import allocated_by_component
 from ktlite.runtime.models import build
 from ktlite.runtime.models.config import parse_config
 from ktlite.runtime.tiny_model import train_tokenizer

@@ -543,7 +543,7 @@ def version() -> None:
     click.echo(f"ktlite {__version__}")
     click.echo(f"python {platform.python_version()}, torch {torch.__version__}, numba {version_of('numba')}, "
                f"triton {version_of('triton')}")
-    from ktlite.doctor import cpu_features, cpu_flags, cpu_model
+    from ktlite.machine import cpu_features, cpu_flags, cpu_model
 
     click.echo(f"cpu: {cpu_model()}, {os.cpu_count()} logical cores ({cpu_features()})")
     flags = cpu_flags()

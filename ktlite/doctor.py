@@ -6,8 +6,8 @@ vector flags the expert kernels use and what Numba compiles for), memory (RAM, f
 GPUs (name, memory, compute capability, driver, whether ktlite's Triton and FP8 kernels run there),
 versions, and the Numba threading layer the expert pools need. Nothing is compiled or allocated (but
 the one page the NUMA check places), and torch is imported only when an NVIDIA driver is present, so it
-runs in a few seconds without a GPU. The machine probes here (usable CPUs, physical cores, NUMA nodes,
-available RAM) are also what ktlite.runtime.knobs chooses knobs from.
+runs in a few seconds without a GPU. The machine probes it reports (usable CPUs, physical cores, NUMA
+nodes, available RAM, CPU flags, the driver) are ktlite/machine.py's, which knobs and kernels read too.
 """
 
 from __future__ import annotations
@@ -15,15 +15,14 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import json
-import math
 import os
 import platform
-import re
 import shutil
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from ktlite import numa
+from ktlite.machine import (available_ram, cgroup_cpu_limit, cpu_features, cpu_flags, cpu_model, meminfo, numa_nodes,
+                            nvidia_driver_version, physical_cores, transparent_hugepages, usable_cpus)
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 _GIB = 2**30
@@ -40,104 +39,12 @@ class Check:
     fix: str = ""
 
 
-def _read(path: str | Path) -> str | None:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return None
-
-
-def _cpuinfo(key: str) -> str | None:
-    for line in (_read("/proc/cpuinfo") or "").splitlines():
-        if line.startswith(key):
-            return line.split(":", 1)[1].strip()
-    return None
-
-
-def cpu_flags() -> set[str]:
-    return set((_cpuinfo("flags") or "").split())
-
-
-def cpu_vendor() -> str:
-    """GenuineIntel, AuthenticAMD, ... ("" where /proc/cpuinfo does not say)."""
-    return _cpuinfo("vendor_id") or ""
-
-
-def cpu_model() -> str:
-    return _cpuinfo("model name") or platform.processor() or "unknown CPU"
-
-
-VECTOR_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
-
-
-def cpu_features() -> str:
-    flags = cpu_flags()
-    return " ".join(f for f in VECTOR_FLAGS if f in flags) or "no AVX2/AVX-512/AMX flags found"
-
-
 def _version(dist: str) -> str | None:
     """Installed version from the package metadata (importing torch alone takes seconds)."""
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-# ---- the machine (also what ktlite.runtime.knobs chooses from) ----
-
-
-_cpu_list = numa.cpu_list  # '0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11}
-
-
-def usable_cpus() -> set[int]:
-    try:
-        return set(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return set(range(os.cpu_count() or 1))
-
-
-def cgroup_cpu_limit() -> int | None:
-    """Whole CPUs a cgroup v2 quota allows (a container started with --cpus), None if unlimited."""
-    quota = (_read("/sys/fs/cgroup/cpu.max") or "max").split()
-    if quota[0] == "max" or len(quota) < 2:
-        return None
-    return max(1, math.ceil(int(quota[0]) / int(quota[1])))
-
-
-def physical_cores(cpus: set[int]) -> int:
-    """Distinct (package, core) pairs among `cpus`, capped by a cgroup CPU quota."""
-    cores = set()
-    for cpu in cpus:
-        topo = f"/sys/devices/system/cpu/cpu{cpu}/topology"
-        package, core = _read(f"{topo}/physical_package_id"), _read(f"{topo}/core_id")
-        cores.add((package, core) if package is not None and core is not None else ("cpu", cpu))
-    limit = cgroup_cpu_limit()
-    return max(1, min(len(cores), limit) if limit else len(cores))
-
-
-def numa_nodes(cpus: set[int]) -> int:
-    """NUMA nodes that hold at least one of `cpus` (1 when the kernel exposes no topology)."""
-    return len(numa.Topology.probe(allowed=cpus).nodes)
-
-
-def meminfo() -> dict[str, int]:
-    """/proc/meminfo in bytes (the HugePages_* counts stay counts)."""
-    out = {}
-    for line in (_read("/proc/meminfo") or "").splitlines():
-        match = re.fullmatch(r"(\S+):\s+(\d+)(\s+kB)?", line.strip())
-        if match:
-            out[match.group(1)] = int(match.group(2)) * (1024 if match.group(3) else 1)
-    return out
-
-
-def available_ram() -> int:
-    """Bytes this process can still allocate: MemAvailable, capped by a cgroup v2 memory limit."""
-    info = meminfo()
-    free = info.get("MemAvailable", info.get("MemFree", 0))
-    limit, used = _read("/sys/fs/cgroup/memory.max"), _read("/sys/fs/cgroup/memory.current")
-    if limit and limit.isdigit() and used and used.isdigit():
-        free = min(free, int(limit) - int(used))
-    return max(free, 0)
 
 
 # ---- checks --------------------------------------------------------------------------------
@@ -222,9 +129,7 @@ def _memory_checks() -> list[Check]:
     out = [Check("ram", status, f"{total / _GIB:.1f} GiB total, {free / _GIB:.1f} GiB available",
                  "free memory: the CPU experts must fit in the available RAM (ktlite plan says how much they need)"
                  if status == WARN else "")]
-    thp = (Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
-           if Path("/sys/kernel/mm/transparent_hugepage/enabled").is_file() else "")
-    mode = thp[thp.find("[") + 1:thp.find("]")] if "[" in thp else "unknown"
+    mode = transparent_hugepages()
     pages = info.get("HugePages_Total", 0)
     value = f"transparent huge pages: {mode}; {pages} reserved huge pages"
     if mode == "never":
@@ -235,15 +140,8 @@ def _memory_checks() -> list[Check]:
     return out
 
 
-def _driver_version() -> str | None:
-    for word in (_read("/proc/driver/nvidia/version") or "").split():
-        if re.fullmatch(r"\d+(\.\d+)+", word):
-            return word
-    return None
-
-
 def _gpu_checks() -> list[Check]:
-    driver = _driver_version()
+    driver = nvidia_driver_version()
     if driver is None and shutil.which("nvidia-smi") is None:  # no NVIDIA driver: skip importing torch (seconds)
         return [Check("gpu", WARN, "no NVIDIA driver: attention and dense layers run on the CPU (torch twins)",
                       "fine for trying ktlite; serve big models on a machine with an NVIDIA GPU")]

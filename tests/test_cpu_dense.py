@@ -29,7 +29,7 @@ from ktlite.kernels.cpu.quant import dequantize, int8_activation_values, quantiz
 from ktlite.runtime.cpu_dense import (apply_cpu_dense, eligible_linears, fused_groups, head_matrix_owners,
                                       planned_weight_bytes, quantize_dense)
 from ktlite.runtime.forward_batch import ForwardBatch
-from ktlite.runtime.memory import WEIGHT_COMPONENTS, allocated_by_component
+from ktlite.runtime.plan_components import WEIGHT_COMPONENTS, allocated_by_component
 from ktlite.runtime.models import build, load_config
 from ktlite.runtime.models import layers as model_layers
 from ktlite.runtime.models.base import Embedding

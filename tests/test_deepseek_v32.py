@@ -15,7 +15,8 @@ from test_gqa_engine import EXACT, GREEDY, hf_greedy, prompts
 from ktlite import Engine
 from ktlite.cli import main
 from ktlite.runtime import models
-from ktlite.runtime.memory import PlanDoesNotFit, PlanInputs, make_plan
+from ktlite.runtime.memory import PlanDoesNotFit, make_plan
+from ktlite.runtime.plan_inputs import PlanInputs
 from ktlite.runtime.models import load_config
 
 TOL = 1e-4

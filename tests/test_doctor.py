@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from ktlite import doctor, numa
 from ktlite.cli import main
-from ktlite.doctor import FAIL, OK, WARN, _cpu_list, numa_nodes, physical_cores, usable_cpus
+from ktlite.doctor import FAIL, OK, WARN
+from ktlite.machine import numa_nodes, physical_cores, usable_cpus
 
 EXPECTED = {"cpu", "cores", "numa", "numa placement", "cpu vector flags", "numba target", "ram", "huge pages", "python", "torch",
             "triton", "numba", "numpy", "numba threading layer"}
@@ -74,7 +75,7 @@ def test_doctor_text_lines_carry_status_and_fix(monkeypatch):
 
 
 def test_cpu_topology_parsing():
-    assert _cpu_list("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11} and _cpu_list("") == set()
+    assert numa.cpu_list("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11} and numa.cpu_list("") == set()
     cpus = usable_cpus()
     assert 1 <= physical_cores(cpus) <= len(cpus) and 1 <= numa_nodes(cpus) <= len(cpus)
 

@@ -116,7 +116,7 @@ def test_any_expert_placement_gives_the_same_greedy_output(tiny_v3, batch, expec
 
 
 def test_planned_bytes_equal_allocated_bytes(tiny_v3):
-    from ktlite.runtime.memory import allocated_by_component
+    from ktlite.runtime.plan_components import allocated_by_component
 
     with Engine(str(tiny_v3), **{**EXACT, "kt_num_gpu_experts": 6, "kt_gpu_prefill_token_threshold": 64}) as eng:
         plan = eng.runtime.plan
@@ -194,7 +194,7 @@ def test_fp8_weights_kept_on_device_match_dequantized(tiny_v3_fp8):
         assert attn.q_b_proj.weight.dtype == torch.float8_e4m3fn
         kept = eng.generate(input_ids=ids, sampling_params=GREEDY)
         plan = eng.runtime.plan
-        from ktlite.runtime.memory import allocated_by_component
+        from ktlite.runtime.plan_components import allocated_by_component
 
         allocated = allocated_by_component(eng.runtime.runner.model)
         allocated.update(plan.allocated())

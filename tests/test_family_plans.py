@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 from ktlite.cli import main
 from ktlite.errors import ConfigError
-from ktlite.runtime.memory import PlanInputs, make_plan
+from ktlite.runtime.memory import make_plan
+from ktlite.runtime.plan_inputs import PlanInputs
 from ktlite.runtime.models import load_config, parse_config, supported
 from ktlite.runtime.models.registry import tiny_configs
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ktlite.config import EngineConfig
-from ktlite.doctor import cpu_flags
+from ktlite.machine import cpu_flags
 from ktlite.errors import ConfigError
 from ktlite.kernels.cpu import activations, amx_kernels, amx_tiles, int8_dots, linear_kernels, moe_kernels
 from ktlite.kernels.cpu import moe as moe_module

@@ -15,9 +15,9 @@ from ktlite.cli import main
 from ktlite.config import AUTO_KNOBS, EngineConfig
 from ktlite.errors import ConfigError, PlanError
 from ktlite.kernels.cpu.quant import empty_quantized
-from ktlite.runtime.assembly import plan_inputs
 from ktlite.runtime.knobs import MIN_AUTO_CHUNK, TARGET_CONTEXT, Hardware, choose_knobs, cpu_expert_bytes, resolve
-from ktlite.runtime.memory import PlanDoesNotFit, PlanInputs, _plan, _splits, make_plan
+from ktlite.runtime.memory import PlanDoesNotFit, make_plan, plan_on
+from ktlite.runtime.plan_inputs import PlanInputs, plan_inputs, splits
 from ktlite.runtime.models import load_config
 
 DATA = Path(__file__).parent / "data"
@@ -46,10 +46,10 @@ def test_chosen_knobs_fit_every_device(name, machine):
     except PlanDoesNotFit as exc:
         # refused only when no value of the automatic knobs could fit: the most GPUs the model splits
         # over, no GPU experts, the smallest chunk and KV pool ktlite would choose
-        tp = max(t for t in range(1, max(hardware.gpus, 1) + 1) if _splits(cfg, t))
+        tp = max(t for t in range(1, max(hardware.gpus, 1) + 1) if splits(cfg, t))
         least = dataclasses.replace(exc.plan.inputs, tensor_parallel_size=tp, kt_num_gpu_experts=0,
                                     chunked_prefill_size=MIN_AUTO_CHUNK, max_total_tokens=MIN_AUTO_CHUNK)
-        assert not _plan(cfg, least, (exc.plan.ranks[0].device_bytes,) * tp).fits
+        assert not plan_on(cfg, least, (exc.plan.ranks[0].device_bytes,) * tp).fits
         assert exc.suggestions and "To fit, change one of: " in str(exc)
         return
     plan = choice.plan
@@ -83,7 +83,7 @@ def test_gpu_experts_are_the_most_that_leave_the_kv_target():
     experts, target = choice.plan.gpu_experts_total, 64 * TARGET_CONTEXT
     assert 0 < experts < cfg.n_routed_experts and choice.plan.kv_pool_tokens >= target
     more = dataclasses.replace(choice.plan.inputs, kt_num_gpu_experts=experts + 1, max_total_tokens=None)
-    assert _plan(cfg, more, (24 * 2**30,)).kv_pool_tokens < target
+    assert plan_on(cfg, more, (24 * 2**30,)).kv_pool_tokens < target
     # what is left: the plan's rule, applied again to the free memory at load time
     assert choice.config.max_total_tokens is None
     assert next(r.value for r in choice.rows if r.flag == "--max-total-tokens") == f"{choice.plan.kv_pool_tokens:,}"
@@ -135,7 +135,7 @@ def test_the_default_chunk_shrinks_to_the_headroom():
     chunk = choice.config.chunked_prefill_size
     assert 256 <= chunk < 8192
     bigger = dataclasses.replace(choice.plan.inputs, chunked_prefill_size=chunk + 1, max_total_tokens=None)
-    assert not _plan(cfg, bigger, (24 * 2**30,)).fits
+    assert not plan_on(cfg, bigger, (24 * 2**30,)).fits
 
 
 def test_no_gpu_keeps_experts_on_cpu_and_sizes_the_pool_for_the_target():

@@ -32,7 +32,8 @@ from ktlite.cli import main
 from ktlite.errors import ConfigError
 from ktlite.kernels.triton.kv_fp8 import FP8_MAX, Fp8Rows, latent_rows
 from ktlite.runtime.forward_batch import ForwardBatch
-from ktlite.runtime.memory import PlanDoesNotFit, PlanInputs, make_plan
+from ktlite.runtime.memory import PlanDoesNotFit, make_plan
+from ktlite.runtime.plan_inputs import PlanInputs
 from ktlite.runtime.models import load_config
 from ktlite.runtime.models.deepseek import MLAttention
 from ktlite.runtime.tiny_model import write_tiny_model

@@ -21,7 +21,8 @@ from click.testing import CliRunner
 from ktlite import Engine
 from ktlite.cli import main
 from ktlite.kernels.triton.kv_fp8 import FP8_MAX, Fp8Rows
-from ktlite.runtime.memory import PlanInputs, make_plan
+from ktlite.runtime.memory import make_plan
+from ktlite.runtime.plan_inputs import PlanInputs
 from ktlite.runtime.models import load_config
 from ktlite.runtime.models.gqa import GQAttention
 from ktlite.runtime.tiny_model import write_tiny_model

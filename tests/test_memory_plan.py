@@ -12,16 +12,9 @@ from safetensors.torch import load_file
 
 from ktlite.cli import main
 from ktlite.errors import ConfigError, PlanError
-from ktlite.runtime.memory import (
-    WEIGHT_COMPONENTS,
-    PlanDoesNotFit,
-    PlanInputs,
-    allocated_by_component,
-    components_of,
-    expert_bytes,
-    make_plan,
-    parse_size,
-)
+from ktlite.runtime.memory import PlanDoesNotFit, expert_bytes, make_plan
+from ktlite.runtime.plan_components import WEIGHT_COMPONENTS, allocated_by_component, components_of
+from ktlite.runtime.plan_inputs import PlanInputs, parse_size
 from ktlite.runtime.models import build, load_config
 from ktlite.runtime.models.deepseek import DeepseekForCausalLM
 

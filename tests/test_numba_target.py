@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from ktlite.doctor import cpu_flags
+from ktlite.machine import cpu_flags
 from ktlite.kernels.cpu.target import CPUINFO_TO_LLVM, choose_target, configure_numba
 
 # flags as /proc/cpuinfo lists them (the relevant subset)

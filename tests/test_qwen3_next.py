@@ -13,7 +13,8 @@ from test_tensor_parallel import logits_of
 
 from ktlite import Engine
 from ktlite.runtime import models
-from ktlite.runtime.memory import PlanInputs, make_plan
+from ktlite.runtime.memory import make_plan
+from ktlite.runtime.plan_inputs import PlanInputs
 from ktlite.runtime.models import load_config
 
 DATA = Path(__file__).parent / "data"
@@ -199,7 +200,7 @@ def test_fp8_linear_attention_stays_fp8_planned_at_its_size_and_matches_transfor
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     from ktlite.runtime.loader import CheckpointReader
-    from ktlite.runtime.memory import allocated_by_component
+    from ktlite.runtime.plan_components import allocated_by_component
     from ktlite.runtime.models.fp8 import FP8Linear
 
     reader = CheckpointReader(fp8_next)

@@ -61,7 +61,7 @@ def test_section_says_date_machine_and_command():
 
 
 def test_machine_line_reads_doctors_probes():
-    from ktlite.doctor import cpu_features, cpu_model
+    from ktlite.machine import cpu_features, cpu_model
 
     line = page_mod.machine()
     assert cpu_model() in line and cpu_features() in line and "GPU: " in line

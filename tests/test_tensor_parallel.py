@@ -18,7 +18,9 @@ import torch
 
 from ktlite import Engine
 from ktlite.errors import ConfigError
-from ktlite.runtime.memory import COMPONENTS, PlanInputs, allocated_by_component, make_plan
+from ktlite.runtime.memory import make_plan
+from ktlite.runtime.plan_components import COMPONENTS, allocated_by_component
+from ktlite.runtime.plan_inputs import PlanInputs
 from ktlite.runtime.model_runner import ForwardBatch
 from ktlite.runtime.models import build, load_config
 from ktlite.runtime.models.tp_layers import TPContext

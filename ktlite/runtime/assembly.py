@@ -19,16 +19,17 @@ from ktlite.config import EngineConfig
 from ktlite.kernels.cpu.moe import CPUMoE
 from ktlite.runtime import models
 from ktlite.runtime.cpu_dense import apply_cpu_dense
-from ktlite.runtime.expert_sources import gpu_experts_int4, open_source
+from ktlite.runtime.expert_sources import open_source
 from ktlite.runtime.experts import DynamicPlacement, ExpertStats, initial_placement
 from ktlite.runtime.hybrid_moe import HybridMoE, alloc_gpu_experts
 from ktlite.runtime.knobs import choose_knobs
 from ktlite.runtime.kv_cache import KVPool
 from ktlite.runtime.loader import CheckpointReader, load_weights
-from ktlite.runtime.memory import MemoryPlan, PlanInputs, make_plan
+from ktlite.runtime.memory import MemoryPlan, make_plan
 from ktlite.runtime.model_runner import ModelRunner
 from ktlite.runtime.state_cache import StatePool
-from ktlite.runtime.models.config import ModelConfig, load_config
+from ktlite.runtime.models.config import load_config
+from ktlite.runtime.plan_inputs import plan_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -65,46 +66,6 @@ class Runtime:
             logger.info("expert distribution written to %s", self.record_path)
         if self.cpu_moe is not None:
             self.cpu_moe.close()
-
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-                torch.float8_e4m3fn: "fp8_e4m3"}
-CPU_DEVICE_CONTEXTS = 4  # KV pool of a CPU-only run without --max-total-tokens: this many full contexts
-
-
-def _free_ram() -> int:
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 8 * 2**30
-
-
-def plan_inputs(config: EngineConfig, cfg: ModelConfig) -> PlanInputs:
-    """The plan's view of the flags. On a CPU-only run the "GPU" is the CPU: without --gpu-memory it
-    plans against half the free RAM, and the KV pool defaults to a few full contexts rather than
-    all of that."""
-    context = config.context_length or cfg.max_position_embeddings
-    gpu_memory, max_total = config.gpu_memory, config.max_total_tokens
-    if config.torch_device.type == "cpu":
-        gpu_memory = gpu_memory or _free_ram() // 2
-        max_total = max_total or CPU_DEVICE_CONTEXTS * context
-    return PlanInputs(
-        gpu_memory=gpu_memory,
-        mem_fraction_static=config.mem_fraction_static,
-        max_total_tokens=max_total,
-        # a chunk longer than the context is never formed, so it need not be planned for
-        chunked_prefill_size=min(config.chunked_prefill_size, context) if config.chunked_prefill_size > 0 else -1,
-        max_running_requests=config.max_running_requests,
-        context_length=context,
-        kt_num_gpu_experts=config.kt_num_gpu_experts,
-        kt_gpu_experts_ratio=config.kt_gpu_experts_ratio,
-        kt_gpu_prefill_token_threshold=config.kt_gpu_prefill_token_threshold,
-        tensor_parallel_size=config.tensor_parallel_size,
-        dtype="fp8" if config.keeps_fp8(cfg.fp8_block_size is not None) else _DTYPE_NAMES[config.torch_dtype],
-        kv_cache_dtype=_DTYPE_NAMES[config.torch_kv_dtype],
-        gpu_expert_format="int4_g32" if gpu_experts_int4(config) else "dense",
-        dense_quantization=config.cpu_dense_quantization,
-    )
 
 
 def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:

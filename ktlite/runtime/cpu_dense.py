@@ -33,7 +33,7 @@ from torch import nn
 from ktlite.config import EngineConfig
 from ktlite.kernels.cpu.dense_linear import DenseWorkspace, QuantizedHeads, QuantizedLinear
 from ktlite.kernels.cpu.quant import check_group_size, matrix_bytes, quantize
-from ktlite.runtime.memory import allocated_by_component, components_of
+from ktlite.runtime.plan_components import allocated_by_component, components_of
 
 logger = logging.getLogger(__name__)
 

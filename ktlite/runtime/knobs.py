@@ -36,11 +36,13 @@ from dataclasses import dataclass
 import torch
 
 from ktlite.config import AUTO_KNOBS, EngineConfig
-from ktlite.doctor import available_ram, numa_nodes, physical_cores, usable_cpus
+from ktlite.machine import available_ram, numa_nodes, physical_cores, usable_cpus
 from ktlite.errors import ConfigError, PlanError
 from ktlite.kernels.cpu.quant import QUANTIZED_METHODS, RAWINT4_GROUP, check_group_size, matrix_bytes, normalize_kt_method
-from ktlite.runtime.memory import MemoryPlan, PlanInputs, _largest, _plan, _splits, make_plan, parse_size
+from ktlite.runtime.memory import MemoryPlan, make_plan, plan_on
 from ktlite.runtime.models.config import ModelConfig
+from ktlite.runtime.plan_inputs import PlanInputs, gib, parse_size, plan_inputs, splits
+from ktlite.runtime.plan_suggestions import largest
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +51,6 @@ DEFAULT_CHUNK = 8192  # SGLang's --chunked-prefill-size
 MIN_AUTO_CHUNK = 256  # a chunk lowered below this would hide that the user's own values do not fit
 CPU_DEVICE_SHARE = 0.5  # without a GPU, the share of available RAM planned for the device side
 SET_BY_YOU = "set by you"
-_GIB = 2**30
-
-
-def _gib(n: float) -> str:
-    return f"{n / _GIB:.2f} GiB"
 
 
 # ---- the machine ------------------------------------------------------------------------------
@@ -102,9 +99,9 @@ class Hardware:
                    cores if cpu_cores else here.logical_cores, numa or here.numa_nodes, described=True)
 
     def summary(self) -> str:
-        gpus = f"{self.gpus} GPU{'s' if self.gpus > 1 else ''} x {_gib(self.gpu_memory)}" if self.gpus else "no GPU"
+        gpus = f"{self.gpus} GPU{'s' if self.gpus > 1 else ''} x {gib(self.gpu_memory)}" if self.gpus else "no GPU"
         how = "described" if self.described else "detected"
-        return (f"{gpus}, {_gib(self.ram)} RAM available, {self.physical_cores} physical cores "
+        return (f"{gpus}, {gib(self.ram)} RAM available, {self.physical_cores} physical cores "
                 f"({self.logical_cores} logical), {self.numa_nodes} NUMA node{'s' if self.numa_nodes > 1 else ''} ({how})")
 
 
@@ -142,17 +139,17 @@ class CPUExpertFit:
 
     def text(self) -> str:
         if self.expert_bytes is None:
-            return f"routed experts on the CPU: {self.method}, as large as the GGUF file's expert tensors; {_gib(self.ram)} RAM"
-        beside = f" beside the device side's {_gib(self.device_bytes)}" if self.device_bytes else ""
+            return f"routed experts on the CPU: {self.method}, as large as the GGUF file's expert tensors; {gib(self.ram)} RAM"
+        beside = f" beside the device side's {gib(self.device_bytes)}" if self.device_bytes else ""
         verdict = "fit" if self.fits else "do NOT fit"
-        return f"routed experts on the CPU: {_gib(self.expert_bytes)} in {self.method}{beside}; {_gib(self.ram)} RAM: {verdict}"
+        return f"routed experts on the CPU: {gib(self.expert_bytes)} in {self.method}{beside}; {gib(self.ram)} RAM: {verdict}"
 
     def error(self) -> str:
-        fixes = [f"--kt-method {m} ({_gib(b)})" for m, b in self.smaller if b + self.device_bytes <= self.ram]
-        fixes.append(f"a machine with at least {_gib(self.expert_bytes + self.device_bytes)} of available RAM")
-        return (f"The routed experts kept on the CPU need {_gib(self.expert_bytes)} in --kt-method {self.method}"
-                f"{' plus the device side ' + _gib(self.device_bytes) if self.device_bytes else ''}, but only "
-                f"{_gib(self.ram)} of RAM is available. To fit, change one of: {'; '.join(fixes)}.")
+        fixes = [f"--kt-method {m} ({gib(b)})" for m, b in self.smaller if b + self.device_bytes <= self.ram]
+        fixes.append(f"a machine with at least {gib(self.expert_bytes + self.device_bytes)} of available RAM")
+        return (f"The routed experts kept on the CPU need {gib(self.expert_bytes)} in --kt-method {self.method}"
+                f"{' plus the device side ' + gib(self.device_bytes) if self.device_bytes else ''}, but only "
+                f"{gib(self.ram)} of RAM is available. To fit, change one of: {'; '.join(fixes)}.")
 
 
 def _cpu_fit(config: EngineConfig, cfg: ModelConfig, plan: MemoryPlan, hardware: Hardware) -> CPUExpertFit:
@@ -215,7 +212,7 @@ class _Search:
         count = {} if experts is None else {"kt_num_gpu_experts": experts, "kt_gpu_experts_ratio": None}
         inputs = dataclasses.replace(self.base, tensor_parallel_size=tp, chunked_prefill_size=chunk,
                                      max_total_tokens=self.user_total, **count)
-        return _plan(self.cfg, inputs, (self.budget,) * tp)
+        return plan_on(self.cfg, inputs, (self.budget,) * tp)
 
     def holds_target(self, plan: MemoryPlan) -> bool:
         return plan.fits and (self.user_total is not None or plan.kv_pool_tokens >= self.target)
@@ -232,7 +229,7 @@ def _choose_tp(s: _Search, config: EngineConfig, hardware: Hardware, experts: in
                      ("--kt-gpu-prefill-token-threshold", config.kt_gpu_prefill_token_threshold is not None)):
         if on:
             return 1, f"chosen: {flag} does not run with tensor parallelism"
-    tp = next((t for t in range(hardware.gpus, 1, -1) if _splits(s.cfg, t)), None)
+    tp = next((t for t in range(hardware.gpus, 1, -1) if splits(s.cfg, t)), None)
     if tp is None:
         return 1, f"chosen: the model does not split over 2..{hardware.gpus} GPUs"
     share = "all" if tp == hardware.gpus else f"{tp} of the"
@@ -240,7 +237,7 @@ def _choose_tp(s: _Search, config: EngineConfig, hardware: Hardware, experts: in
 
 
 def _choose_chunk(s: _Search, tp: int, experts: int | None, default: int, context: int) -> tuple[int, str]:
-    best = _largest(lambda c: s.plan(tp, experts, c).fits, 1, default)
+    best = largest(lambda c: s.plan(tp, experts, c).fits, 1, default)
     if best is not None and best < default and best >= min(MIN_AUTO_CHUNK, default):
         return best, "chosen: the largest chunk whose prefill workspace and KV pool fit"
     caps = [name for name, v in (("the context length", context), ("--max-total-tokens", s.user_total)) if v == default]
@@ -253,7 +250,7 @@ def _choose_experts(s: _Search, tp: int, chunk: int, gpu: bool) -> tuple[int, st
     if not gpu:
         return 0, "chosen: no GPU; the routed experts stay in the CPU store"
     beside = s.target_text if s.user_total is None else f"the {s.user_total:,}-token KV pool you set"
-    experts = _largest(lambda e: s.holds_target(s.plan(tp, e, chunk)), 0, s.cfg.n_routed_experts) or 0
+    experts = largest(lambda e: s.holds_target(s.plan(tp, e, chunk)), 0, s.cfg.n_routed_experts) or 0
     if experts == s.cfg.n_routed_experts:
         return experts, f"chosen: every routed expert fits beside {beside}"
     return experts, f"chosen: the most that fit beside {beside}" if experts else f"chosen: {beside} needs the room"
@@ -288,8 +285,6 @@ def _clamp_to_machine(config: EngineConfig, cfg: ModelConfig, hardware: Hardware
 def resolve(config: EngineConfig, cfg: ModelConfig, hardware: Hardware) -> KnobChoice:
     """Choose every knob of AUTO_KNOBS the caller did not set; raises PlanDoesNotFit when even the
     chosen values cannot fit (the error names the knobs and the values that fit)."""
-    from ktlite.runtime.assembly import plan_inputs  # assembly calls this module: import at use
-
     config = _clamp_to_machine(config, cfg, hardware)
     given = config.user_set if config.user_set is not None else frozenset(AUTO_KNOBS)
     ratio_set = config.kt_gpu_experts_ratio is not None  # the ratio wins over the count
@@ -364,7 +359,7 @@ def _rows(config: EngineConfig, given: frozenset[str], why: dict[str, str], plan
         row("--kt-cpuinfer", "kt_cpuinfer", config.kt_cpuinfer),
         row("--kt-threadpool-count", "kt_threadpool_count", config.kt_threadpool_count),
         row("--max-running-requests", "max_running_requests", config.max_running_requests),
-        KnobRow("--gpu-memory" if gpu else "device budget (RAM)", _gib(budget), budget_how),
+        KnobRow("--gpu-memory" if gpu else "device budget (RAM)", gib(budget), budget_how),
         row("--kt-method", "kt_method", cpu.method, f"; {cpu.text()}"),
     ]
 

@@ -75,12 +75,14 @@ import torch.multiprocessing as mp
 
 from ktlite.config import EngineConfig
 from ktlite.errors import ConfigError, EngineFailure
-from ktlite.runtime.assembly import Runtime, assemble, plan_inputs
+from ktlite.runtime.assembly import Runtime, assemble
 from ktlite.runtime.host_cache import make_host_cache
-from ktlite.runtime.memory import allocated_by_component, make_plan
+from ktlite.runtime.memory import make_plan
 from ktlite.runtime.model_runner import ForwardBatch, ModelRunner
 from ktlite.runtime.models.config import load_config
 from ktlite.runtime.models.tp_layers import TPContext
+from ktlite.runtime.plan_components import allocated_by_component
+from ktlite.runtime.plan_inputs import plan_inputs
 from ktlite.runtime.radix_cache import prefix_cache_enabled
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import functools
 import logging
 from dataclasses import dataclass
 
-from ktlite.doctor import cpu_flags, cpu_vendor  # the machine probes (stdlib only)
+from ktlite.machine import cpu_flags, cpu_vendor  # the machine probes (stdlib only)
 
 logger = logging.getLogger(__name__)
 
