@@ -165,7 +165,7 @@ def test_errors_are_anthropic_shaped(server, client):
         assert status == 400 and kind.startswith("application/json") and err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
         assert err["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as exc:
-        client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "system", "content": "x"}])
+        client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "developer", "content": "x"}])
     assert exc.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError) as exc:
         client.messages.create(model="nope", max_tokens=4, messages=USER)

@@ -3,7 +3,9 @@
 Order of logits processing, per row: penalties -> grammar mask (rows with a `json_schema`) ->
 min_tokens suppression of ending ids (not on grammar rows: the grammar decides where output may end)
 -> greedy argmax, or temperature -> top_k -> top_p -> min_p -> one draw with the request's own
-generator.
+generator. A thinking budget then overrides the draw: once `thinking_budget` output tokens are out
+and the think block is still open, the next tokens are `think_end_ids`, one per step (SGLang's
+thinking budget), after which sampling goes on as before.
 
 Batch invariance: every sampled row goes through the same sorted pipeline and draws exactly one
 uniform number per step from its own CPU generator, so a request's tokens depend only on its
@@ -70,6 +72,10 @@ class SamplingParams:
     # Constrain the output to compact JSON matching this schema (a dict or JSON text; {"type":
     # "object"} for any object); kept as canonical JSON text. See ktlite/runtime/grammar.py.
     json_schema: str | dict[str, Any] | None = None
+    # At most this many output tokens of reasoning: after them, unless `think_end_ids` (the think
+    # block's close tag, tokenized) already occurred, those ids are forced and the answer follows.
+    thinking_budget: int | None = None
+    think_end_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.json_schema is not None:
@@ -110,6 +116,11 @@ class SamplingParams:
             "stop_token_ids",
             "a list of non-negative integers",
         )
+        check(self.thinking_budget is None or (is_int(self.thinking_budget) and self.thinking_budget >= 0),
+              "thinking_budget", "an integer >= 0 or null")
+        check(isinstance(self.think_end_ids, list) and all(is_int(t) and t >= 0 for t in self.think_end_ids)
+              and (self.thinking_budget is None or bool(self.think_end_ids)),
+              "think_end_ids", "a non-empty list of non-negative integers with a thinking_budget")
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "a boolean")
         check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "a boolean")
 
@@ -162,6 +173,20 @@ class SamplerState:
         self._seen: torch.Tensor | None = None  # [V] bool: token occurs in prompt + output
         self._counts: torch.Tensor | None = None  # [V] float32: occurrences in output
         self._counted = 0  # output_ids[:_counted] are already in _seen/_counts
+        # thinking budget: the output index where the close tag began to be forced, -1 when the think
+        # block closed within the budget, None before the budget is reached
+        self._forced_from: int | None = None
+
+    def forced_token(self, params: SamplingParams) -> int | None:
+        """The token the thinking budget forces next, or None (sample as usual)."""
+        budget, end, out = params.thinking_budget, params.think_end_ids, self.output_ids
+        if budget is None or len(out) < budget:
+            return None
+        if self._forced_from is None:  # the budget is spent now: is the think block still open?
+            closed = any(out[i : i + len(end)] == end for i in range(len(out) - len(end) + 1))
+            self._forced_from = -1 if closed else len(out)
+        k = len(out) - self._forced_from
+        return end[k] if self._forced_from >= 0 and k < len(end) else None
 
     def append(self, token_id: int) -> None:
         self.output_ids.append(int(token_id))
@@ -247,6 +272,17 @@ def sample(
     batch, vocab = logits.shape
     if len(params) != batch or len(states) != batch:
         raise ValueError(f"sample: {batch} logits rows but {len(params)} params and {len(states)} states")
+    forced = [(i, s.forced_token(p)) for i, (p, s) in enumerate(zip(params, states)) if p.thinking_budget is not None]
+    forced = [(i, t) for i, t in forced if t is not None]
+    tokens = _sample(logits, params, states, eos_token_ids, masks)
+    for i, t in forced:
+        tokens[i] = t
+    return tokens
+
+
+def _sample(logits: torch.Tensor, params: Sequence[SamplingParams], states: Sequence[SamplerState],
+            eos_token_ids: Iterable[int], masks: TokenMasks | None) -> torch.Tensor:
+    batch, vocab = logits.shape
     if masks is None and all(p.is_greedy and not p.has_penalties and len(s.output_ids) >= p.min_tokens
                              for p, s in zip(params, states)):
         return logits.argmax(dim=-1)  # nothing to change first: no copy of the logits (~0.3 ms of a CPU decode step)

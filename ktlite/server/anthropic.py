@@ -5,10 +5,19 @@ messages and tools), so the template, the grammar for forced tool calls and the 
 tool-call parsers are shared; only the JSON in and out differs:
 - `system` (text or text blocks) -> a system message; user `tool_result` blocks -> `role: "tool"`
   messages; assistant `tool_use` blocks -> `tool_calls` (arguments as JSON text), `thinking` blocks
-  -> `reasoning_content`; images and documents are refused (400).
-- `tools` [{name, description, input_schema}] -> OpenAI function tools; `tool_choice` auto / any /
-  tool / none -> auto / required / named / none; `thinking` enabled/disabled -> the template
-  variables `thinking` and `enable_thinking` (`budget_tokens` is not enforced).
+  -> `reasoning_content`; `role: "system"` turns inside `messages` (Claude Code's mid-conversation
+  system messages) -> system messages where they stand; images and documents are refused (400).
+- Claude Code's billing header (a system text block `x-anthropic-billing-header: cc_version=...;`
+  whose hash changes between requests) is dropped before templating, so consecutive turns share
+  their prompt prefix in the cache; the first drop is logged.
+- `tools` [{name, description, input_schema}] -> OpenAI function tools, rendered by the model's
+  own chat template; `tool_choice` auto / any / tool / none -> auto / required / named / none;
+  `thinking` enabled / adaptive / disabled -> the template variables `thinking` and
+  `enable_thinking`; `budget_tokens` (enabled) is enforced when a reasoning parser is set: after
+  that many output tokens inside the think block the close tag is forced and the answer follows
+  (SGLang's thinking budget). `output_config.format` json_schema constrains the output as
+  OpenAI's response_format does; `output_config.effort`, `context_management`, `metadata`,
+  `cache_control` on any block, and other fields this server has no use for are ignored.
 - Replies: content blocks thinking (with an empty `signature`: nothing is signed here), text,
   tool_use; `stop_reason` end_turn / max_tokens / stop_sequence / tool_use.
 - Usage: `input_tokens` counts the prompt tokens that were prefilled, `cache_read_input_tokens` those
@@ -18,7 +27,10 @@ tool-call parsers are shared; only the JSON in and out differs:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -29,6 +41,11 @@ from ktlite.runtime.scheduler import StreamEvent
 from ktlite.server.chat_output import ChatOutput, OutputStream, Piece
 from ktlite.server.protocol import (APIError, ChatSpec, Frame, ParsedRequest, bad_request, chat_prompt, parse_tools,
                                     sampling_params)
+from ktlite.server.reasoning import think_format
+
+logger = logging.getLogger(__name__)
+
+BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's per-request first system block
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
@@ -53,6 +70,24 @@ def _text_of(content: Any, param: str) -> str:
             parts.append(block["text"])
         return "".join(parts)
     raise bad_request(f"{param} must be a string or a list of text blocks", param)
+
+
+@functools.cache
+def _log_billing_dropped() -> None:
+    """Logs once per process (the cache makes later calls no-ops)."""
+    logger.info("dropped Claude Code's billing header from the system prompt (%r...): it changes on every "
+                "request and would end the prompt prefix the cache can reuse", BILLING_HEADER)
+
+
+def _system(value: Any) -> str:
+    """`system` -> one text, without Claude Code's billing header block."""
+    if isinstance(value, list):
+        kept = [b for b in value if not (isinstance(b, dict) and b.get("type") == "text"
+                                         and isinstance(b.get("text"), str) and b["text"].startswith(BILLING_HEADER))]
+        if len(kept) < len(value):
+            _log_billing_dropped()
+        value = kept
+    return _text_of(value, "system")
 
 
 def _blocks(content: Any, param: str) -> list[dict[str, Any]]:
@@ -116,11 +151,16 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         raise bad_request("messages: a non-empty list of {role, content} is required", "messages")
     out: list[dict[str, Any]] = []
     if body.get("system") is not None:
-        out.append({"role": "system", "content": _text_of(body["system"], "system")})
+        system = _system(body["system"])
+        if system or not isinstance(body["system"], list):
+            out.append({"role": "system", "content": system})
     for i, m in enumerate(messages):
         param = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise bad_request(f"{param}.role must be 'user' or 'assistant'", f"{param}.role")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise bad_request(f"{param}.role must be 'user', 'assistant' or 'system'", f"{param}.role")
+        if m["role"] == "system":  # a mid-conversation system message (Claude Code sends them)
+            out.append({"role": "system", "content": _text_of(m.get("content"), f"{param}.content")})
+            continue
         blocks = _blocks(m.get("content"), f"{param}.content")
         if m["role"] == "user":
             out.extend(_user_messages(blocks, f"{param}.content"))
@@ -162,14 +202,40 @@ def _tool_choice(value: Any) -> tuple[str, str | None]:
 
 
 def _thinking(value: Any) -> dict[str, Any]:
-    """`thinking` -> template variables (both names that templates use for the switch)."""
+    """`thinking` -> template variables (both names that templates use for the switch); "adaptive"
+    is "enabled" without a budget."""
     if value is None:
         return {}
     kind = value.get("type") if isinstance(value, dict) else None
     if kind not in ("enabled", "disabled", "adaptive"):
-        raise bad_request('thinking.type must be "enabled" or "disabled"', "thinking")
+        raise bad_request('thinking.type must be "enabled", "adaptive" or "disabled"', "thinking.type")
     on = kind != "disabled"
     return {"thinking": on, "enable_thinking": on}
+
+
+def thinking_budget(value: Any) -> int | None:
+    """`thinking.budget_tokens` of an enabled `thinking`, else None (no budget)."""
+    if not isinstance(value, dict) or value.get("type") != "enabled" or value.get("budget_tokens") is None:
+        return None
+    budget = value["budget_tokens"]
+    if not is_int(budget) or budget < 1:
+        raise bad_request(f"thinking.budget_tokens must be an integer >= 1, got {budget!r}", "thinking.budget_tokens")
+    return budget
+
+
+def _output_schema(value: Any) -> dict[str, Any] | None:
+    """`output_config.format` {"type": "json_schema", "schema"} -> the schema; `effort` is ignored."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request("output_config must be an object", "output_config")
+    fmt = value.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise bad_request('output_config.format must be {"type": "json_schema", "schema": {...}}',
+                          "output_config.format")
+    return fmt["schema"]
 
 
 def chat_spec(body: dict[str, Any]) -> ChatSpec:
@@ -179,7 +245,8 @@ def chat_spec(body: dict[str, Any]) -> ChatSpec:
         raise bad_request("tool_choice requires a tool call but no tools were given", "tool_choice")
     if name is not None and name not in {t["function"]["name"] for t in tools}:
         raise bad_request(f"tool_choice names the tool {name!r}, which is not in tools", "tool_choice")
-    return ChatSpec(_messages(body), tools, choice, name, template_kwargs=_thinking(body.get("thinking")))
+    return ChatSpec(_messages(body), tools, choice, name, response_schema=_output_schema(body.get("output_config")),
+                    template_kwargs=_thinking(body.get("thinking")))
 
 
 def parse_request(body: dict[str, Any], tokenizer, context_length: int, model: str, tool_parser: str | None,
@@ -193,10 +260,14 @@ def parse_request(body: dict[str, Any], tokenizer, context_length: int, model: s
     stops = body.get("stop_sequences")
     if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops)):
         raise bad_request("stop_sequences must be a list of non-empty strings", "stop_sequences")
+    budget = thinking_budget(body.get("thinking"))
     prompt = chat_prompt(chat_spec(body), tokenizer, tool_parser, reasoning_parser, id_prefix="toolu_")
     sampling = {"max_tokens": max_tokens, "stop": stops,
                 **{k: body[k] for k in ("temperature", "top_p", "top_k") if body.get(k) is not None}}
     params, name, given = sampling_params(sampling, 0, context_length, [len(prompt.ids)], prompt.json_schema)
+    if budget is not None and prompt.output.reasoning_parser is not None:  # the output has a think block
+        params = dataclasses.replace(params, thinking_budget=budget, think_end_ids=tokenizer.encode(
+            think_format(prompt.output.reasoning_parser).close, add_bos=False))
     return ParsedRequest("messages", model, [prompt.ids], params, stream, False, name, given, output=prompt.output,
                          request_id=f"msg_{uuid.uuid4().hex[:24]}", created=int(time.time()))
 
