@@ -29,7 +29,9 @@ from chat_templates import MAPPING, with_template
 from ktlite import Engine
 from ktlite.runtime.sampling import SamplerState, SamplingParams
 from ktlite.server import ServerOptions, ServerThread
+from ktlite.runtime.tokenizer import Tokenizer
 from ktlite.server import anthropic as A
+from ktlite.server.protocol import chat_prompt
 from test_anthropic_api import post
 
 CORPUS = Path(__file__).parent / "data" / "agents" / "claude_code"
@@ -128,6 +130,28 @@ def test_billing_header_dropped_once_logged(engine, caplog):
     body = {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
             "system": [{"type": "text", "text": "about x-anthropic-billing-header: lines"}]}
     assert "about x-anthropic-billing-header" in _rendered(body, engine.tokenizer)
+
+
+# the guard Qwen3.5's and MiniMax's templates carry: a system message only at the start
+GUARDED = ("{%- for message in messages %}{%- if message.role == 'system' and not loop.first %}"
+           "{{ raise_exception('System message must be at the beginning.') }}{%- endif %}{%- endfor %}" + MAPPING)
+
+
+def test_late_system_message_with_a_guarded_template(tiny_v3, tmp_path):
+    """A template that takes a system message only at the start gets Claude Code's mid-conversation
+    system message as a user turn in its place; consecutive turns still share their prefix."""
+    tokenizer = Tokenizer(with_template(tiny_v3, tmp_path / "guarded", GUARDED))
+    prompts = []
+    for name in ("3_turn1_tool_result.json", "4_turn2.json"):
+        body = _load(CORPUS / name)
+        late = next(m["content"] for m in body["messages"] if m["role"] == "system")
+        prompts.append(chat_prompt(A.chat_spec(body), tokenizer).ids)
+        assert "<|im_start|>user\n" + late[:100] in tokenizer.decode(prompts[-1])
+    common = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+    assert common > 0.9 * len(prompts[0])
+    lone = {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "x"}],
+            "system": "only at the start"}
+    assert chat_prompt(A.chat_spec(lone), tokenizer).ids  # a leading system message renders as before
 
 
 def _stream(server, body: dict) -> list[tuple[str, dict]]:

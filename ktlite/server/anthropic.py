@@ -6,7 +6,9 @@ tool-call parsers are shared; only the JSON in and out differs:
 - `system` (text or text blocks) -> a system message; user `tool_result` blocks -> `role: "tool"`
   messages; assistant `tool_use` blocks -> `tool_calls` (arguments as JSON text), `thinking` blocks
   -> `reasoning_content`; `role: "system"` turns inside `messages` (Claude Code's mid-conversation
-  system messages) -> system messages where they stand; images and documents are refused (400).
+  system messages) -> system messages where they stand (user turns in their place if the template
+  refuses a system message after the start: `protocol.chat_prompt`); images and documents are
+  refused (400).
 - Claude Code's billing header (a system text block `x-anthropic-billing-header: cc_version=...;`
   whose hash changes between requests) is dropped before templating, so consecutive turns share
   their prompt prefix in the cache; the first drop is logged.

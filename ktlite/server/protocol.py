@@ -280,6 +280,17 @@ def chat_spec(body: dict[str, Any]) -> ChatSpec:
                     _response_schema(body.get("response_format")), dict(kwargs), separate)
 
 
+def _late_system_as_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """System messages after the conversation began (Claude Code's mid-conversation system messages),
+    as user messages in place: for templates that refuse a system message anywhere but the start. In
+    place, so consecutive turns still share their prompt prefix."""
+    out, started = [], False
+    for m in messages:
+        started = started or m.get("role") != "system"
+        out.append({**m, "role": "user"} if started and m.get("role") == "system" else m)
+    return out
+
+
 def chat_prompt(spec: ChatSpec, tokenizer, tool_parser: str | None = None, reasoning_parser: str | None = None,
                 id_prefix: str = "call_") -> ChatPrompt:
     """Render the template and decide how the output is constrained and taken apart."""
@@ -293,7 +304,13 @@ def chat_prompt(spec: ChatSpec, tokenizer, tool_parser: str | None = None, reaso
     try:
         text = tokenizer.render_chat(spec.messages, tools=tools, **kwargs)
     except RequestError as exc:
-        raise bad_request(str(exc), exc.param or "messages") from exc
+        late = _late_system_as_user(spec.messages)
+        if late == spec.messages:
+            raise bad_request(str(exc), exc.param or "messages") from exc
+        try:  # templates that take a system message only at the start ("must be at the beginning")
+            text = tokenizer.render_chat(late, tools=tools, **kwargs)
+        except RequestError:
+            raise bad_request(str(exc), exc.param or "messages") from exc
     schema = forced_call_schema(tools, spec.tool_name) if forced else spec.response_schema
     split = bool(reasoning_parser) and spec.separate_reasoning and schema is None  # a grammar output is all answer
     plan = OutputPlan(reasoning_parser if split else None,
