@@ -337,7 +337,8 @@ class CPUMoE:
         slot_of[experts] = np.arange(experts.size)
         s = experts.size
         # pool p owns a contiguous block of slots: one mbind (one memory mapping) per pool per array; slots dealt
-        # round-robin would cut every array into a mapping per slot, ~60k for DeepSeek-V3 (vm.max_map_count: 65530)
+        # round-robin would cut every array into a mapping per slot, ~60k for 58 MoE layers of 256 experts x 4 arrays
+        # (vm.max_map_count: 65530)
         pool_of = np.arange(s) * self.pools.count // max(s, 1)
         place = functools.partial(self._bind, owners=pool_of)
         return ExpertLayer(
