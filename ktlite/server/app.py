@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server: routes, auth, admission, streaming, shutdown.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics, GET /openapi.json (the OpenAPI description, `ktlite/server/openapi.py`), and
-Anthropic's POST /v1/messages and /v1/messages/count_tokens (`ktlite/server/anthropic.py`). Every
+GET /metrics, GET /openapi.json (the OpenAPI description, `ktlite/server/openapi.py`), OpenAI's
+Responses API POST /v1/responses (`ktlite/server/responses.py`, with its bounded in-memory store for
+`previous_response_id`), and Anthropic's POST /v1/messages and /v1/messages/count_tokens
+(`ktlite/server/anthropic.py`). Every
 error is OpenAI's JSON shape `{"error": {message, type, param, code}}`, on /v1/messages* Anthropic's
 `{"type": "error", "error": {type, message}}`. With --api-key, /v1/* takes the key as
 `Authorization: Bearer KEY` or `x-api-key: KEY` (what each API's clients send).
@@ -43,7 +45,8 @@ from typing import Any
 from aiohttp import web
 
 from ktlite.errors import RequestError
-from ktlite.server import anthropic
+from ktlite.runtime.scheduler import StreamEvent
+from ktlite.server import anthropic, responses
 from ktlite.server.chat_output import parse_output
 from ktlite.server.metrics import Metrics
 from ktlite.server.openapi import openapi
@@ -109,6 +112,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.shutting_down = False
         self._active: set[str] = set()  # rids of the requests in the engine, aborted on shutdown
+        self.responses = responses.ResponseStore()  # Responses API: stored responses (store: true)
 
     # ---- app ----------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -116,6 +120,7 @@ class OpenAIServer:
         app[ENGINE_KEY] = self
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/responses", self.create_response)
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_get("/v1/models", self.models)
@@ -208,6 +213,14 @@ class OpenAIServer:
                                          self.options.tool_call_parser, self.options.reasoning_parser)
         return await self._run(request, parsed, arrival)
 
+    async def create_response(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        body = await self._json(request)
+        model = self._resolve_model(body.get("model"))
+        parsed = responses.parse_request(body, self.engine.tokenizer, self.engine.runtime.context_length, model,
+                                         self.options.tool_call_parser, self.options.reasoning_parser, self.responses)
+        return await self._run(request, parsed, arrival)
+
     async def count_tokens(self, request: web.Request) -> web.Response:
         body = await self._json(request)
         self._resolve_model(body.get("model"))
@@ -254,7 +267,7 @@ class OpenAIServer:
             try:
                 self.engine.scheduler.check_prompt(len(ids), parsed.params)
             except RequestError as exc:
-                param = "prompt" if parsed.kind == "completion" else (exc.param or "messages")
+                param = {"completion": "prompt", "responses": "input"}.get(parsed.kind, exc.param or "messages")
                 code = "context_length_exceeded" if "context" in str(exc) or "KV pool" in str(exc) else None
                 raise bad_request(str(exc), param, code) from exc
         if parsed.params.json_schema is not None:
@@ -344,6 +357,9 @@ class OpenAIServer:
         if any(r.finish_reason == "abort" for r in results):
             raise APIError(503, "the request was aborted (the server is shutting down)", "server_error", None, "aborted")
         r = results[0]
+        if parsed.kind == "responses":
+            final = StreamEvent("", [], r.finish_reason, r.prompt_tokens, r.completion_tokens, r.cached_tokens)
+            return web.json_response(responses.response_object(parsed, r.text, final, self._count_tokens))
         if parsed.kind == "chat":
             return web.json_response(chat_response(parsed, r.text, r.finish_reason, r.prompt_tokens,
                                                    r.completion_tokens, r.cached_tokens))
@@ -362,10 +378,15 @@ class OpenAIServer:
         full = self.engine.tokenizer.decode(token_ids, skip_special_tokens=parsed.params.skip_special_tokens)
         return anthropic.matched_stop(parsed.params.stop, full)
 
+    def _count_tokens(self, text: str) -> int:
+        return len(self.engine.tokenizer.encode(text, add_bos=False))
+
     async def _stream(self, request: web.Request, parsed: ParsedRequest, arrival: float) -> web.StreamResponse:
+        frames: OpenAIStream | anthropic.MessageStream | responses.ResponseStream
         if parsed.kind == "messages":
-            frames: OpenAIStream | anthropic.MessageStream = anthropic.MessageStream(
-                parsed, lambda ids, reason: self._stop_sequence(parsed, ids, reason))
+            frames = anthropic.MessageStream(parsed, lambda ids, reason: self._stop_sequence(parsed, ids, reason))
+        elif parsed.kind == "responses":
+            frames = responses.ResponseStream(parsed, self._count_tokens)
         else:
             frames = OpenAIStream(parsed)
         writer = SSEWriter(request)

@@ -169,6 +169,48 @@ MESSAGES_REQUEST = {
     },
 }
 
+_TEXT_PARTS = {"anyOf": [{"type": "string"}, {"type": "array", "maxItems": 2, "items": {
+    "type": "object", "required": ["type", "text"], "properties": {
+        "type": {"type": "string", "enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}}]}
+
+RESPONSES_REQUEST = {
+    "type": "object",
+    "required": ["input"],
+    "properties": {
+        "model": {"type": "string", "examples": ["default"]},
+        "instructions": {"type": ["string", "null"]},
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "maxItems": 4, "items": {"anyOf": [
+            {"type": "object", "required": ["role", "content"], "properties": {
+                "type": {"const": "message"}, "role": {"type": "string", "enum": ["user", "developer", "assistant"]},
+                "content": _TEXT_PARTS}},
+            {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+                "type": {"const": "function_call"}, "call_id": {"type": "string"}, "name": {"type": "string"},
+                "arguments": {"type": "string"}}},
+            {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+                "type": {"const": "function_call_output"}, "call_id": {"type": "string"}, "output": _TEXT_PARTS}},
+            {"type": "object", "required": ["type", "summary"], "properties": {
+                "type": {"const": "reasoning"}, "summary": {"type": "array", "maxItems": 1, "items": {
+                    "type": "object", "required": ["type", "text"], "properties": {
+                        "type": {"const": "summary_text"}, "text": {"type": "string"}}}}}}]}}]},
+        "tools": {"type": "array", "maxItems": 3, "items": {
+            "type": "object", "required": ["type", "name"], "properties": {
+                "type": {"const": "function"}, "name": {"type": "string", "examples": ["get_weather"]},
+                "description": {"type": "string"}, "parameters": _SCHEMA}}},
+        "tool_choice": {"anyOf": [{"type": "string", "enum": ["auto", "none", "required"]},
+                                  {"type": "object", "required": ["type", "name"], "properties": {
+                                      "type": {"const": "function"}, "name": {"type": "string"}}}]},
+        "text": {"type": "object", "properties": {"format": {"type": "object", "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]}, "schema": _SCHEMA}}}},
+        "previous_response_id": {"type": ["string", "null"]},
+        "store": {"type": "boolean"},
+        "max_output_tokens": {"type": ["integer", "null"], "minimum": 1, "examples": [1, 4, 16]},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "stream": {"type": "boolean"},
+        "metadata": {"type": "object"},
+    },
+}
+
 COUNT_TOKENS_REQUEST = {"type": "object", "required": ["model", "messages"], "properties": _ANTHROPIC_CHAT}
 
 COMPLETION_REQUEST = {
@@ -233,6 +275,8 @@ OPENAPI: dict[str, Any] = {
     "paths": {
         "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest", "ChatCompletion"),
         "/v1/completions": _generation("Text completion", "CompletionRequest", "Completion"),
+        "/v1/responses": _generation("OpenAI Responses API", "ResponsesRequest", "Response",
+                                     stream="named events (response.created ... response.completed)"),
         "/v1/messages": _generation("Anthropic Messages API", "MessagesRequest", "Message", _ANTHROPIC_ERRORS,
                                     "Anthropic's named events (message_start ... message_stop)"),
         "/v1/messages/count_tokens": {"post": {
@@ -261,6 +305,13 @@ OPENAPI: dict[str, Any] = {
             "Completion": {"type": "object", "properties": {
                 "id": {"type": "string"}, "object": {"const": "text_completion"}, "model": {"type": "string"},
                 "choices": {"type": "array"}, "usage": _USAGE}},
+            "ResponsesRequest": RESPONSES_REQUEST,
+            "Response": {"type": "object", "properties": {
+                "id": {"type": "string"}, "object": {"const": "response"}, "model": {"type": "string"},
+                "status": {"type": "string"}, "output": {"type": "array"}, "usage": {"type": "object", "properties": {
+                    "input_tokens": {"type": "integer"}, "output_tokens": {"type": "integer"},
+                    "total_tokens": {"type": "integer"}, "input_tokens_details": {"type": "object", "properties": {
+                        "cached_tokens": {"type": "integer"}}}}}}},
             "MessagesRequest": MESSAGES_REQUEST,
             "CountTokensRequest": COUNT_TOKENS_REQUEST,
             "Message": {"type": "object", "properties": {
