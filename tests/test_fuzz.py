@@ -30,7 +30,7 @@ ENGINE_FLAGS = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 256
                 "served_model_name": "tiny"}
 MAX_BYTES = 64 * 1024
 TIMEOUT_S = HANG_GUARD_S
-EXAMPLES = {"chat": 200, "completion": 150, "raw": 100, "headers": 60}
+EXAMPLES = {"chat": 200, "completion": 150, "responses": 60, "raw": 100, "headers": 60}
 FUZZ_EXAMPLES = sum(EXAMPLES.values())
 SETTINGS = dict(deadline=None, database=None, derandomize=True, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
@@ -138,12 +138,18 @@ def check(status: int, headers: dict[str, str], data: bytes) -> None:
         return
     if headers.get("content-type", "").startswith("text/event-stream"):
         lines = [l for l in data.decode().split("\n") if l]
+        if lines[0].startswith("event: "):  # the Responses API: named events, no [DONE]
+            assert lines[-2] in ("event: response.completed", "event: response.incomplete"), lines[-2:]
+            return
         assert lines[-1] == "data: [DONE]", lines[-3:]
         for line in lines[:-1]:
             obj = json.loads(line[len("data: "):])
             assert "error" not in obj, obj
         return
     obj = json.loads(data)
+    if obj.get("object") == "response":
+        assert obj["status"] in ("completed", "incomplete") and obj["usage"]["output_tokens"] >= 1
+        return
     assert obj["choices"] and obj["usage"]["completion_tokens"] >= 1
 
 
@@ -186,8 +192,14 @@ RAW = st.one_of(
 )
 
 
+@settings(max_examples=EXAMPLES["responses"], **SETTINGS)
+@given(body=body_strategy("ResponsesRequest"))
+def test_fuzz_responses(server, body):
+    post_json(server, "/v1/responses", body)
+
+
 @settings(max_examples=EXAMPLES["raw"], **SETTINGS)
-@given(raw=RAW, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+@given(raw=RAW, path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses"]))
 def test_fuzz_raw_bodies(server, raw, path):
     status, headers, data = request(server.url, "POST", path, raw, {"Content-Type": "application/json"})
     check(status, headers, data)

@@ -34,17 +34,16 @@ from openai.types.responses import Response, ResponseStreamEvent
 from ktlite import Engine
 from ktlite.runtime.sampling import SamplingParams
 from ktlite.runtime.scheduler import StreamEvent
-from ktlite.server import ServerOptions, ServerThread
 from ktlite.server import responses as R
 from ktlite.server.chat_output import OutputPlan
 from test_anthropic_api import post
+from test_claude_code import PARSERS, _load, server  # noqa: F401 - server: the fixture, on this module's engine
 
 CORPUS = Path(__file__).parent / "data" / "agents" / "codex"
 BODIES = sorted(CORPUS.glob("*.json"))
 CONTEXT = 32768  # the verbatim bodies render to ~19k tokens
 ENGINE_FLAGS = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 8192, "chunked_prefill_size": 2048,
                 "max_running_requests": 4, "gpu_memory": "1GiB", "served_model_name": "tiny"}
-PARSERS = {"tool_parser": "qwen3_coder", "reasoning_parser": "qwen3"}
 GREEDY = {"temperature": 0.0}
 CUT = 120  # characters kept of each long text in the replay
 TOOL = {"type": "function", "name": "set_light", "description": "Switch a light.",
@@ -54,10 +53,6 @@ TOOL = {"type": "function", "name": "set_light", "description": "Switch a light.
 TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
                "response.content_part.added", "response.output_text.delta", "response.output_text.done",
                "response.content_part.done", "response.output_item.done", "response.completed"]
-
-
-def _load(path: Path) -> dict:
-    return json.loads(path.read_text())
 
 
 def _shrunk(body: dict) -> dict:
@@ -83,13 +78,6 @@ def engine(tiny_v3, tmp_path_factory):
     model = with_template(tiny_v3, tmp_path_factory.mktemp("responses") / "m", MAPPING, context=CONTEXT)
     with Engine(str(model), **ENGINE_FLAGS) as eng:
         yield eng
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(engine, ServerOptions(port=0, tool_call_parser=PARSERS["tool_parser"],
-                                            reasoning_parser=PARSERS["reasoning_parser"])) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

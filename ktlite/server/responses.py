@@ -274,6 +274,8 @@ def parse_request(body: dict[str, Any], tokenizer, context_length: int, model: s
     if body.get("input") is None:
         raise bad_request("'input' is a required property", "input")
     history = _history(body, store) + input_messages(body["input"])
+    if not history:
+        raise bad_request("input must not be empty", "input")
     tools, namespaces = _tools(body.get("tools"))
     choice, name = _tool_choice(body.get("tool_choice"), tools)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
@@ -331,14 +333,10 @@ class ResponseStream:
         return self._frames
 
     def event(self, event: StreamEvent) -> list[Frame]:
-        self._frames = []
-        if event.text:
-            self._piece(self.output.feed(event.text))
-        return self._frames
+        return self._frames_of(self.output.feed(event.text)) if event.text else []
 
     def end(self, final: StreamEvent) -> list[Frame]:
-        self._frames = []
-        self._piece(self.output.finish())
+        self._frames_of(self.output.finish())
         self._close()
         incomplete = final.finish_reason == "length"
         reasoning = "".join(c["text"] for item in self.items if item["type"] == "reasoning" for c in item["content"])
@@ -366,6 +364,11 @@ class ResponseStream:
                 "completed_at": int(time.time()) if done else None, "error": None, "incomplete_details": None,
                 "model": self.req.model, "output": list(self.items) if done else [], "usage": usage_,
                 "truncation": "disabled", "user": None, **self.req.echo}
+
+    def _frames_of(self, piece: Piece) -> list[Frame]:
+        self._frames = []
+        self._piece(piece)
+        return self._frames
 
     def _emit(self, kind: str, **data: Any) -> None:
         self._frames.append((kind, {"type": kind, "sequence_number": self._seq, **data}))
