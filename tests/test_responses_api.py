@@ -158,6 +158,15 @@ def test_function_call_round_trip(client):
                           "response.output_item.done", "response.completed"]
 
 
+def test_json_schema_text_format(client):
+    schema = {"type": "object", "properties": {"room": {"enum": ["kitchen", "hall"]}}, "required": ["room"],
+              "additionalProperties": False}
+    r = client.responses.create(model="tiny", input="Which room?", max_output_tokens=40,
+                                text={"format": {"type": "json_schema", "name": "room", "schema": schema}})
+    assert r.status == "completed" and [o.type for o in r.output] == ["message"]
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
 def test_previous_response_id(client):
     """Stored responses chain: the second turn's prompt holds the first turn, whose prompt the prefix
     cache serves; an unknown id and a store=false response are not found (400, OpenAI's shape)."""
@@ -200,11 +209,14 @@ def test_errors_are_openai_shaped(server):
                  {"model": "tiny", "input": [{"role": "user", "content": [{"type": "input_image"}]}]},
                  {"model": "tiny", "input": "x", "tool_choice": "required"},
                  {"model": "tiny", "input": "x", "max_output_tokens": 0},
-                 {"model": "tiny", "input": "x", "store": "no"}):
+                 {"model": "tiny", "input": "x", "store": "no"},
+                 {"model": "tiny", "input": [], "instructions": "only instructions"},
+                 {"model": "tiny", "input": "x", "max_output_tokens": CONTEXT}):
         status, kind, raw = post(server.url + "/v1/responses", body)
         err = json.loads(raw)["error"]
         assert status == 400 and kind.startswith("application/json") and err["type"] == "invalid_request_error"
         assert err["message"] and set(err) == {"message", "type", "param", "code"}
+        assert "max_tokens" not in err["message"] and err["param"] != "max_tokens"
 
 
 # ---- the frames, without the engine ----------------------------------------------------------------
@@ -246,6 +258,23 @@ def test_reasoning_text_and_namespaced_calls():
     assert stored.messages[0] == {"role": "user", "content": "go"}
     assert stored.messages[1]["reasoning_content"] == "hm" and stored.messages[1]["content"] == "Ok."
     assert [c["function"]["name"] for c in stored.messages[1]["tool_calls"]] == ["f", "spawn_agent"]
+
+
+def test_failed_and_incomplete_frames():
+    """An error after the start is response.failed; a reply cut by max_output_tokens marks its last
+    item and the response incomplete. Both pass the SDK's stream parser."""
+    req = R.ResponsesRequest("responses", "tiny", [[1]], SamplingParams(), True, False, "max_output_tokens", True,
+                             request_id="resp_y")
+    s = R.ResponseStream(req, len)
+    frames = s.start() + s.event(StreamEvent("Hel", [0])) + s.error("the request was aborted", 503)
+    assert frames[-1][1]["response"]["status"] == "failed" and frames[-1][1]["response"]["error"]["code"] == "aborted"
+    _sdk_replay(frames)
+    s = R.ResponseStream(req, len)
+    frames = s.start() + s.event(StreamEvent("Hel", [0])) + s.end(StreamEvent("", [], "length", 3, 1, 0))
+    assert _sdk_replay(frames) is None  # not completed: the SDK's get_final_response raises
+    done = frames[-1][1]["response"]
+    assert frames[-1][0] == "response.incomplete" and done["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert done["output"][0]["status"] == "incomplete" and done["output"][0]["content"][0]["text"] == "Hel"
 
 
 def test_store_is_bounded():

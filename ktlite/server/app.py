@@ -286,7 +286,8 @@ class OpenAIServer:
         try:
             await asyncio.to_thread(self.engine.scheduler.grammars.compile, parsed.params.json_schema)
         except RequestError as exc:
-            param = "tools" if parsed.output.forced_call else "response_format"
+            param = "tools" if parsed.output.forced_call else \
+                "text.format" if parsed.kind == "responses" else "response_format"
             raise bad_request(str(exc), param, "invalid_schema") from exc
 
     def _admit(self, n: int) -> None:

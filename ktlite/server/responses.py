@@ -283,8 +283,13 @@ def parse_request(body: dict[str, Any], tokenizer, context_length: int, model: s
                     template_kwargs=_thinking(body.get("reasoning")))
     prompt = chat_prompt(spec, tokenizer, tool_parser, reasoning_parser)
     sampling = {k: v for k, v in body.items() if k not in ("max_tokens", "max_completion_tokens")}
-    params, _, given = sampling_params({**sampling, "max_tokens": max_tokens}, 1 << 20, context_length,
-                                       [len(prompt.ids)], prompt.json_schema)
+    try:
+        params, _, given = sampling_params({**sampling, "max_tokens": max_tokens}, 1 << 20, context_length,
+                                           [len(prompt.ids)], prompt.json_schema)
+    except APIError as exc:  # name the field as this API calls it
+        if exc.param == "max_tokens":
+            exc.param, exc.message = "max_output_tokens", exc.message.replace("max_tokens", "max_output_tokens")
+        raise
     echo = {"instructions": instructions, "previous_response_id": body.get("previous_response_id"),
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
             "parallel_tool_calls": body.get("parallel_tool_calls", True), "max_output_tokens": max_tokens,
@@ -336,9 +341,9 @@ class ResponseStream:
         return self._frames_of(self.output.feed(event.text)) if event.text else []
 
     def end(self, final: StreamEvent) -> list[Frame]:
-        self._frames_of(self.output.finish())
-        self._close()
         incomplete = final.finish_reason == "length"
+        self._frames_of(self.output.finish())
+        self._close("incomplete" if incomplete else "completed")
         reasoning = "".join(c["text"] for item in self.items if item["type"] == "reasoning" for c in item["content"])
         thought = min(self._count(reasoning), final.completion_tokens) if reasoning else 0  # re-tokenizing may differ
         self.response = self._response("incomplete" if incomplete else "completed", usage(
@@ -417,7 +422,8 @@ class ResponseStream:
         self._emit(kind, item_id=item["id"], output_index=len(self.items) - 1, content_index=0, delta=text,
                    **({"logprobs": []} if kind == "response.output_text.delta" else {}))
 
-    def _close(self) -> None:
+    def _close(self, status: str = "completed") -> None:
+        """Close the open item; `status` "incomplete" for the one max_output_tokens cut."""
         if self._open_kind is None:
             return
         self._open_kind = None
@@ -432,7 +438,7 @@ class ResponseStream:
             else:
                 self._emit("response.reasoning_text.done", **ids, content_index=0, text=part["text"])
             self._emit("response.content_part.done", **ids, content_index=0, part=dict(part))
-        item["status"] = "completed"
+        item["status"] = status
         self._emit("response.output_item.done", output_index=index, item=dict(item))
 
 
