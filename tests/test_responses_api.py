@@ -2,8 +2,9 @@
 stream parser checks the event order), and Codex CLI's recorded requests replayed through the route.
 
 tests/data/agents/codex/ holds request bodies recorded from the real Codex CLI (0.171.0, see the README
-there): turn 1, turn 1 after its `exec_command` call ran (function_call + function_call_output), and
-turn 2 (`codex exec resume --last`). They carry what current Codex sends: `store: false` with the
+there): turn 1, turn 1 after its `exec_command` call ran (function_call + function_call_output),
+turn 2 (`codex exec resume --last`), and a turn 1 after a call that ktlite's own frames carried
+(Codex sends back our reasoning, message and function_call items). They carry what current Codex sends: `store: false` with the
 whole history every turn, `developer` messages instead of `instructions`, `include`,
 `prompt_cache_key`, `client_metadata`, `reasoning.summary`, 7 function tools, a `namespace` tool and a
 hosted `web_search` tool. Every body is parsed verbatim; their ~19k-token prompts (in the tiny model's
@@ -315,13 +316,25 @@ def _events(raw: bytes, status: int) -> list[dict]:
 
 
 def test_corpus_is_codex():
-    assert [p.name for p in BODIES] == ["1_turn1.json", "2_turn1_tool_output.json", "3_turn2.json"]
+    assert [p.name for p in BODIES] == ["1_turn1.json", "2_turn1_tool_output.json", "3_turn2.json",
+                                        "4_ktlite_frames_tool_output.json"]
     for path in BODIES:
         body = _load(path)
         assert body["store"] is False and body["stream"] is True and "instructions" not in body
         assert {t["type"] for t in body["tools"]} == {"function", "namespace", "web_search"}
     kinds = [item.get("type") for item in _load(CORPUS / "2_turn1_tool_output.json")["input"]]
     assert kinds[-2:] == ["function_call", "function_call_output"]
+    kinds = [item.get("type") for item in _load(CORPUS / "4_ktlite_frames_tool_output.json")["input"]]
+    assert kinds[-4:] == ["reasoning", "message", "function_call", "function_call_output"]
+
+
+def test_codex_echoes_our_items():
+    """What Codex sent back after ktlite's own frames (reasoning, text, a call) is one assistant turn."""
+    body = _load(CORPUS / "4_ktlite_frames_tool_output.json")
+    assistant, tool = R.input_messages(body["input"])[-2:]
+    assert assistant["reasoning_content"] == "The user wants a.txt." and assistant["content"] == "Let me look."
+    assert [c["function"]["name"] for c in assistant["tool_calls"]] == ["exec_command"]
+    assert tool["role"] == "tool" and tool["tool_call_id"] == assistant["tool_calls"][0]["id"]
 
 
 @pytest.mark.parametrize("path", BODIES, ids=lambda p: p.stem)
@@ -345,9 +358,9 @@ def test_every_body_accepted_verbatim(path, engine, caplog):
 
 
 def test_codex_turns_replayed(server, engine):
-    """The three requests (shrunk), streamed as Codex asks: each answers with well-formed events, and
-    each turn reads from the cache the prompt prefix the previous one left."""
-    previous, stored = None, len(server.server.responses)
+    """The requests (shrunk), streamed as Codex asks: each answers with well-formed events, and each
+    turn of a session reads from the cache the prompt prefix the previous one left."""
+    previous, session, stored = None, None, len(server.server.responses)
     for path in BODIES:
         body = _shrunk(_load(path))
         status, _, raw = post(server.url + "/v1/responses", body)
@@ -356,8 +369,8 @@ def test_codex_turns_replayed(server, engine):
         assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["store"] is False
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
         usage = events[-1]["response"]["usage"]
-        if previous is not None:
+        if body["prompt_cache_key"] == session:
             assert usage["input_tokens_details"]["cached_tokens"] >= previous["input_tokens"] - 1
             assert usage["input_tokens"] > previous["input_tokens"]
-        previous = usage
+        previous, session = usage, body["prompt_cache_key"]
     assert len(server.server.responses) == stored  # store: false
