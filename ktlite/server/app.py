@@ -4,10 +4,9 @@ Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /he
 GET /metrics, GET /openapi.json (the OpenAPI description, `ktlite/server/openapi.py`), OpenAI's
 Responses API POST /v1/responses (`ktlite/server/responses.py`, with its bounded in-memory store for
 `previous_response_id`), and Anthropic's POST /v1/messages and /v1/messages/count_tokens
-(`ktlite/server/anthropic.py`). Every
-error is OpenAI's JSON shape `{"error": {message, type, param, code}}`, on /v1/messages* Anthropic's
-`{"type": "error", "error": {type, message}}`. With --api-key, /v1/* takes the key as
-`Authorization: Bearer KEY` or `x-api-key: KEY` (what each API's clients send).
+(`ktlite/server/anthropic.py`). Every error is OpenAI's JSON shape `{"error": {message, type, param,
+code}}`, on /v1/messages* Anthropic's `{"type": "error", "error": {type, message}}`. With --api-key,
+/v1/* takes the key as `Authorization: Bearer KEY` or `x-api-key: KEY` (what each API's clients send).
 
 A request with a JSON schema to enforce (response_format, or a forced tool call) has its grammar
 compiled in a worker thread before it is queued, so a schema the engine cannot enforce is a 400

@@ -60,7 +60,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 @dataclass
 class ParsedRequest:
-    kind: str  # "chat" or "completion"
+    kind: str  # "chat", "completion", "messages" (anthropic.py) or "responses" (responses.py)
     model: str
     prompts: list[list[int]]  # token ids, one list per prompt (chat: exactly one)
     params: SamplingParams

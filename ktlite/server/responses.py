@@ -51,8 +51,8 @@ from typing import Any
 from ktlite.runtime.sampling import is_int
 from ktlite.runtime.scheduler import StreamEvent
 from ktlite.server.chat_output import OutputStream, Piece, new_id
-from ktlite.server.protocol import (APIError, ChatSpec, Frame, ParsedRequest, bad_request, chat_prompt, parse_tools,
-                                    sampling_params)
+from ktlite.server.protocol import (DEFAULT_CHAT_MAX_TOKENS, APIError, ChatSpec, Frame, ParsedRequest, bad_request,
+                                    chat_prompt, parse_tools, sampling_params)
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ def parse_request(body: dict[str, Any], tokenizer, context_length: int, model: s
     prompt = chat_prompt(spec, tokenizer, tool_parser, reasoning_parser)
     sampling = {k: v for k, v in body.items() if k not in ("max_tokens", "max_completion_tokens")}
     try:
-        params, _, given = sampling_params({**sampling, "max_tokens": max_tokens}, 1 << 20, context_length,
+        params, _, given = sampling_params({**sampling, "max_tokens": max_tokens}, DEFAULT_CHAT_MAX_TOKENS, context_length,
                                            [len(prompt.ids)], prompt.json_schema)
     except APIError as exc:  # name the field as this API calls it
         if exc.param == "max_tokens":
