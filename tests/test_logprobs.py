@@ -92,6 +92,13 @@ def test_echo_prompt_logprobs_match_reference(client, engine, reference, monkeyp
         assert choice.finish_reason == "length"
         check_completion_logprobs(choice.logprobs, ids, reference(ids), 2)
     assert reply.usage.completion_tokens == 0 and reply.usage.prompt_tokens == 32
+    # the prompts are cached now; prompt logprobs still compute every position
+    again = client.completions.create(model="tiny", prompt=prompts[0], echo=True, logprobs=2, max_tokens=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].logprobs.token_logprobs[1:] == pytest.approx(reply.choices[0].logprobs.token_logprobs[1:],
+                                                                         abs=TOL)
+    single = client.completions.create(model="tiny", prompt=[7], echo=True, logprobs=1, max_tokens=0)
+    assert single.choices[0].logprobs.token_logprobs == [None] and single.choices[0].finish_reason == "length"
 
     ids = prompts[0]
     one = client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0)

@@ -432,26 +432,22 @@ class Scheduler:
             masks = self._mask_executor.submit(self.grammars.masks, [sample_reqs[i].grammar for i in rows], rows,
                                                len(sample_reqs))
         logits = self.runner.forward(batch)  # [R, vocab]: per plan entry its prompt rows, then its sampling row
-        prompt_at, sample_at, targets, tops, counts, at = [], [], [], [], [], 0
+        prompt, sample_at, at = [], [], 0
         for req, n in plan:
-            offsets = req.prompt_rows(n)
-            prompt_at += range(at, at + len(offsets))
+            offsets = req.prompt_rows(n)  # contiguous rows: a view, no copy of the logits
+            prompt.append(gather(logits[at:at + len(offsets)], [req.prompt_ids[req.computed + k + 1] for k in offsets],
+                                 [req.params.top_logprobs] * len(offsets)))
             at += len(offsets)
-            targets += [req.prompt_ids[req.computed + k + 1] for k in offsets]
-            tops += [req.params.top_logprobs] * len(offsets)
-            counts.append(len(offsets))
             if req.wants_sample(n):
                 sample_at.append(at)
                 at += 1
-        prompt = iter(gather(logits[prompt_at], targets, tops) if prompt_at else [])
-        split = [list(itertools.islice(prompt, c)) for c in counts]
         if not sample_reqs:
-            return StepOutput([], [], split)
-        if prompt_at:
+            return StepOutput([], [], prompt)
+        if len(sample_at) < logits.shape[0]:
             logits = logits[sample_at]
         ids = sample(logits, [r.params for r in sample_reqs], [r.sampler for r in sample_reqs],
                      eos_token_ids=self.tokenizer.eos_token_ids, masks=masks.result() if masks else None).tolist()
-        return StepOutput(ids, self._sampled_logprobs(logits, sample_reqs, ids), split)
+        return StepOutput(ids, self._sampled_logprobs(logits, sample_reqs, ids), prompt)
 
     @staticmethod
     def _sampled_logprobs(logits: torch.Tensor, reqs: list[Request], ids: list[int]) -> list[TokenLogprob | None]:

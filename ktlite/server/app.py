@@ -13,10 +13,10 @@ and a slow first compile never stalls the event loop.
 
 A request that is admitted gets its own rid (the response id) and runs through
 `Engine.stream_ids`, one engine request per sample (`n`, or `best_of` to choose from): the first
-prefills the prompt, which the prefix cache then indexes, and the others start once its first event
-is out, so they take the prompt's KV from the cache instead of computing it again. If the client goes away (a failed write, or aiohttp cancelling the handler
-when the connection drops) the stream iterator is closed, which aborts the request and frees its
-KV at once.
+prefills the prompt, which the prefix cache indexes, and the others start once its first event is
+out, so they take the prompt's KV from the cache instead of computing it again. If the client goes
+away (a failed write, or aiohttp cancelling the handler when the connection drops) the stream
+iterators are closed, which aborts the requests and frees their KV at once.
 
 Admission (`--max-queued-requests Q`): the server holds at most `--max-running-requests` + Q
 requests at once; the next one gets 503 with `Retry-After`, so a flood never piles up unbounded.
@@ -39,7 +39,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,12 +47,12 @@ from typing import Any
 from aiohttp import web
 
 from ktlite.errors import RequestError
+from ktlite.runtime.sampling import SamplingParams
+from ktlite.runtime.scheduler import StreamEvent
 from ktlite.server import anthropic
 from ktlite.server.chat_output import parse_output
 from ktlite.server.metrics import Metrics
 from ktlite.server.openapi import openapi
-from ktlite.runtime.sampling import SamplingParams
-from ktlite.runtime.scheduler import StreamEvent
 from ktlite.server.protocol import (APIError, Collected, OpenAIStream, ParsedRequest, bad_request, chat_response,
                                     completion_response, models_response, parse_chat, parse_completion, pick_choices)
 from ktlite.server.reasoning import think_format
@@ -309,7 +309,8 @@ class OpenAIServer:
                 self.metrics.aborted += 1
             await agen.aclose()
 
-    def _samples(self, ids: list[int], parsed: ParsedRequest, rid: str, arrival: float) -> list:
+    def _samples(self, ids: list[int], parsed: ParsedRequest, rid: str,
+                 arrival: float) -> list[AsyncIterator[StreamEvent]]:
         """The event streams of one prompt's samples (best_of of them; one with max_tokens 0, which
         samples nothing). Sample 0 prefills the prompt; the others start once its first event is out,
         when the prompt is in the prefix cache, so they take its KV from there."""
@@ -452,7 +453,7 @@ def _sample_params(params: SamplingParams, j: int) -> SamplingParams:
     return dataclasses.replace(params, seed=None if params.seed is None else params.seed + j, prompt_logprobs=False)
 
 
-async def _merged(streams: list):
+async def _merged(streams: list[AsyncIterator[StreamEvent]]) -> AsyncIterator[tuple[int, StreamEvent]]:
     """(index, event) from several event streams as they arrive; closing it closes them all."""
     queue: asyncio.Queue = asyncio.Queue()
 
