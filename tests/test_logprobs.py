@@ -20,6 +20,7 @@ from openai.types import Completion
 from openai.types.completion_choice import Logprobs
 from openai.types.chat import ChatCompletion
 
+from conftest import HANG_GUARD_S
 from ktlite import Engine
 from ktlite.runtime import logprobs as logprobs_module
 from ktlite.server import ServerOptions, ServerThread
@@ -97,6 +98,9 @@ def test_echo_prompt_logprobs_match_reference(client, engine, reference, monkeyp
     assert again.usage.prompt_tokens_details.cached_tokens == 0
     assert again.choices[0].logprobs.token_logprobs[1:] == pytest.approx(reply.choices[0].logprobs.token_logprobs[1:],
                                                                          abs=TOL)
+    pair = client.completions.create(model="tiny", prompt=prompts[1], echo=True, logprobs=2, max_tokens=0, n=2)
+    first, second = (c.logprobs.token_logprobs for c in pair.choices)  # one prefill answers both choices
+    assert first == second and first[1:] == pytest.approx(reply.choices[1].logprobs.token_logprobs[1:], abs=TOL)
     single = client.completions.create(model="tiny", prompt=[7], echo=True, logprobs=1, max_tokens=0)
     assert single.choices[0].logprobs.token_logprobs == [None] and single.choices[0].finish_reason == "length"
 
@@ -152,6 +156,12 @@ def test_streamed_echo_completion(client, reference):
     assert whole.choices[0].logprobs.tokens == tokens
     assert whole.choices[0].logprobs.token_logprobs[1:] == pytest.approx(values[1:], abs=TOL)
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+    scored = list(client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=1, max_tokens=0, n=2,
+                                            stream=True))
+    finished = {c.choices[0].index: c.choices[0].finish_reason for c in scored if c.choices[0].finish_reason}
+    echoed = [c.choices[0].index for c in scored if c.choices[0].logprobs and c.choices[0].logprobs.tokens]
+    assert finished == {0: "length", 1: "length"} and sorted(echoed) == [0, 1]
 
 
 def test_n_samples_share_the_prompt_kv(client, engine):
@@ -241,3 +251,20 @@ async def test_lm_eval_requests_answered(url, reference):
     assert scored == sum(1 for b in completions if b.get("echo")) > 0
     for reply in replies[len(completions):]:
         assert ChatCompletion.model_validate(reply).choices[0].message.content is not None
+
+
+async def test_client_gone_aborts_every_sample(url, engine):
+    body = {"model": "tiny", "prompt": prompt(10, 7), "n": 3, "max_tokens": 300, "ignore_eos": True,
+            "temperature": 1.0, "stream": True}
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
+        seen = set()
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                seen.update(c["index"] for c in json.loads(line[len(b"data: "):])["choices"])
+            if len(seen) == 3:
+                break
+    for _ in range(int(HANG_GUARD_S / 0.05)):
+        if engine.scheduler.num_running == engine.scheduler.num_waiting == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
