@@ -22,8 +22,9 @@ not (each chunk carries its own tokens'). Values are the log-softmax of the mode
 own distribution before temperature, penalties and grammar masks (vLLM's default too), so the
 sampled token's logprob does not depend on the sampling settings (ktlite/runtime/logprobs.py).
 Completions with `echo` and `logprobs` also return the prompt tokens' logprobs (the first is null);
-there `max_tokens` may be 0 (prefill only, finish_reason "length"), as lm-eval's loglikelihood
-requests send; elsewhere max_tokens must be >= 1. Shapes: see logprob_shapes.py.
+there `max_tokens` may be 0 (prefill only, finish_reason "length"); elsewhere max_tokens must be
+>= 1. lm-eval's loglikelihood requests (0.4.13) send echo, logprobs 1 and max_tokens 1, and drop the
+sampled token's entry. Shapes: see logprob_shapes.py.
 
 `n` (1..128) choices per prompt; completions with several prompts number them prompt_i * n + j.
 `best_of` (completions, >= n): that many samples per prompt, of which the n with the highest
