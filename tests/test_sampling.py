@@ -40,6 +40,7 @@ def draw(logits: torch.Tensor, params: SamplingParams, n: int, steps: int = 1) -
         ({"frequency_penalty": 2.1}, "frequency_penalty"),
         ({"presence_penalty": -3}, "presence_penalty"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"top_logprobs": 21}, "top_logprobs"),
         ({"max_tokens": True}, "max_tokens"),
         ({"max_tokens": 10, "min_tokens": 11}, "min_tokens"),
         ({"min_tokens": -1}, "min_tokens"),

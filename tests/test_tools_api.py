@@ -24,7 +24,7 @@ from ktlite.runtime.scheduler import StreamEvent
 from ktlite.runtime.tiny_model import BOS
 from ktlite.runtime.tokenizer import Tokenizer
 from ktlite.server import ServerOptions, ServerThread
-from ktlite.server.protocol import OpenAIStream, chat_response, parse_chat
+from ktlite.server.protocol import Collected, OpenAIStream, chat_response, parse_chat
 from ktlite.server.reasoning import split_reasoning
 
 ENGINE_FLAGS = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 4096, "chunked_prefill_size": 1024,
@@ -174,7 +174,7 @@ MODEL_TEXT = ("<think>\nThe hall is cold.\n</think>\n\nWarming it.\n<tool_call>\
 def test_parsed_reply_non_streamed_and_streamed(engine):
     body = {"messages": HISTORY, "tools": TOOLS, "max_tokens": 64}
     parsed = parse_chat(body, engine.tokenizer, engine.runtime.context_length, "tiny", **PARSERS)
-    whole = chat_response(parsed, MODEL_TEXT, "stop", 10, 20)
+    whole = chat_response(parsed, [Collected(MODEL_TEXT, [], "stop", 10, 20, 0)])
     choice = whole["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     message = choice["message"]
@@ -198,7 +198,7 @@ def test_parsed_reply_non_streamed_and_streamed(engine):
 
     no_split = parse_chat({**body, "separate_reasoning": False}, engine.tokenizer, engine.runtime.context_length,
                           "tiny", **PARSERS)
-    kept = chat_response(no_split, MODEL_TEXT, "stop", 10, 20)["choices"][0]["message"]
+    kept = chat_response(no_split, [Collected(MODEL_TEXT, [], "stop", 10, 20, 0)])["choices"][0]["message"]
     assert kept["content"].startswith("<think>\nThe hall is cold.") and "reasoning_content" not in kept
 
 

@@ -32,12 +32,18 @@ class ForwardBatch:
         slots: list[torch.Tensor],
         want_logits: list[bool],
         device: torch.device,
+        prompt_rows: list[range] | None = None,
     ) -> "ForwardBatch":
-        """From per-request new tokens, prefix lengths, pool rows and freshly allocated slots."""
+        """From per-request new tokens, prefix lengths, pool rows and freshly allocated slots.
+        want_logits[i]: the logits of request i's last new token; prompt_rows[i]: offsets into its
+        chunk whose logits come before that one (prompt logprobs)."""
         extend = [len(c) for c in token_chunks]
         positions = [p + i for p, n in zip(prefix_lens, extend) for i in range(n)]
-        ends = torch.tensor(extend).cumsum(0) - 1
-        logit_rows = ends[torch.tensor(want_logits, dtype=torch.bool)] if any(want_logits) else ends[:0]
+        logit_rows, start = [], 0
+        for i, n in enumerate(extend):  # request order: its prompt rows, then its last token's
+            logit_rows += [start + k for k in (prompt_rows[i] if prompt_rows else ())]
+            logit_rows += [start + n - 1] if want_logits[i] else []
+            start += n
 
         def tensor(values, dtype=torch.int64):
             return torch.tensor(values, dtype=dtype, device=device)
@@ -49,5 +55,5 @@ class ForwardBatch:
             req_pool_indices=tensor(rows),
             prefix_lens=tensor(prefix_lens),
             extend_lens=tensor(extend),
-            logit_rows=logit_rows.to(device),
+            logit_rows=tensor(logit_rows),
         )

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ktlite.errors import RequestError
+from ktlite.runtime.logprobs import MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:  # the grammar engine is imported on the first constrained request only (~2 s)
     from ktlite.runtime.grammar import TokenMasks
@@ -76,6 +77,12 @@ class SamplingParams:
     # block's close tag, tokenized) already occurred, those ids are forced and the answer follows.
     thinking_budget: int | None = None
     think_end_ids: list[int] = field(default_factory=list)
+    # Log-probabilities (ktlite/runtime/logprobs.py): of each output token, of each prompt token
+    # after the first (computed from position 0: such a request takes no cached prefix), with
+    # `top_logprobs` alternatives per token. max_tokens may be 0 with prompt_logprobs (prefill only).
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if self.json_schema is not None:
@@ -95,7 +102,9 @@ class SamplingParams:
             if not ok:
                 raise RequestError(f"{name} must be {expected}, got {getattr(self, name)!r}", param=name)
 
-        check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
+        least = 0 if self.prompt_logprobs is True else 1  # nothing to compute otherwise
+        check(is_int(self.max_tokens) and self.max_tokens >= least, "max_tokens",
+              "an integer >= 1 (0 only with prompt_logprobs)")
         check(is_int(self.min_tokens) and 0 <= self.min_tokens, "min_tokens", "an integer >= 0")
         check(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})")
         check(is_number(self.temperature) and 0 <= self.temperature <= 2, "temperature", "a number in [0, 2]")
@@ -122,6 +131,10 @@ class SamplingParams:
               and (self.thinking_budget is None or bool(self.think_end_ids)),
               "think_end_ids", "a non-empty list of non-negative integers with a thinking_budget")
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "a boolean")
+        for name in ("logprobs", "prompt_logprobs"):
+            check(isinstance(getattr(self, name), bool), name, "a boolean")
+        check(is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
+              f"an integer in [0, {MAX_TOP_LOGPROBS}]")
         check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "a boolean")
 
     @classmethod

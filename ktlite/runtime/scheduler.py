@@ -19,6 +19,12 @@ Policy:
 - A request with a `json_schema` carries a grammar state (ktlite/runtime/grammar.py): its next-token
   mask is filled on a worker thread while the forward runs, applied at sampling, and the state
   advances with each token kept (preemption keeps the output, so the state stays valid).
+- Logprobs (ktlite/runtime/logprobs.py): a request with `logprobs` gets each sampled token's logprob
+  (and `top_logprobs` alternatives) on its event. One with `prompt_logprobs` also wants the logits of
+  every prompt position, so it takes no cached prefix while they are missing, its prefill chunks ask
+  for a logits row per prompt position (at most `prompt_logit_rows` such rows a step, counting every
+  request's, but at least one per request), and its first event carries the prompt's values. With
+  max_tokens 0 it only prefills: it finishes ("length") when the prompt is computed, sampling nothing.
 
 Prefix cache (ktlite/runtime/radix_cache.py, unless --disable-radix-cache or the model keeps
 per-request state): an admitted request starts with `computed` = its longest cached prefix; each
@@ -44,6 +50,7 @@ import torch
 
 from ktlite.errors import RequestError
 from ktlite.runtime.kv_cache import KVPool
+from ktlite.runtime.logprobs import TokenLogprob, gather, prompt_logit_rows
 from ktlite.runtime.model_runner import ForwardBatch, ModelRunner
 from ktlite.runtime.radix_cache import Node, RadixCache
 from ktlite.runtime.sampling import SamplerState, SamplingParams, sample
@@ -70,6 +77,18 @@ class StreamEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids (params.logprobs)
+    # params.prompt_logprobs, on a request's first event: of prompt tokens 1.. (the first has none)
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class StepOutput:
+    """What a step's forward and sampling produced."""
+
+    ids: list[int]  # a token per sampling request
+    sampled: list[TokenLogprob | None]  # their logprobs (requests with params.logprobs)
+    prompt: list[list[TokenLogprob]]  # per plan entry: the prompt logprobs its chunk gave
 
 
 @dataclass
@@ -93,6 +112,8 @@ class Request:
     prefix: Node | None = None  # the prefix-cache node this request holds (its indexed tokens)
     skipped: int = 0  # lpm: scheduling passes that admitted a later request instead
     grammar: GrammarState | None = None  # params.json_schema: where the output is in its grammar
+    prompt_lp: list[TokenLogprob] = field(default_factory=list)  # params.prompt_logprobs: of prompt tokens 1..
+    prompt_lp_sent: bool = False
 
     @property
     def sequence_len(self) -> int:
@@ -104,6 +125,24 @@ class Request:
         if start >= p:
             return self.output_ids[start - p : end - p]
         return self.prompt_ids[start:end] + self.output_ids[: max(0, end - p)]
+
+    @property
+    def needs_prompt_rows(self) -> bool:
+        """Whether prompt logprobs are still missing (so its prompt's logits must be computed)."""
+        return self.params.prompt_logprobs and len(self.prompt_lp) < len(self.prompt_ids) - 1
+
+    def prompt_rows(self, n: int) -> range:
+        """Offsets into the chunk of its next n tokens whose logits give missing prompt logprobs:
+        position q's logits are those of prompt token q + 1."""
+        if not self.needs_prompt_rows:
+            return range(0)
+        start = max(self.computed, len(self.prompt_lp))
+        end = max(start, min(self.computed + n, len(self.prompt_ids) - 1))
+        return range(start - self.computed, end - self.computed)
+
+    def wants_sample(self, n: int) -> bool:
+        """Whether processing its next n tokens ends with a token to sample."""
+        return self.computed + n == self.sequence_len and self.params.max_tokens > 0
 
     @property
     def remaining(self) -> int:
@@ -220,8 +259,8 @@ class Scheduler:
             empty = 0
             batch, sample_reqs = self._build_batch(plan)
             self._prefetch()
-            logits_and_ids = await loop.run_in_executor(self._executor, self._forward_and_sample, batch, sample_reqs)
-            self._process(plan, sample_reqs, logits_and_ids)
+            out = await loop.run_in_executor(self._executor, self._forward_and_sample, batch, plan, sample_reqs)
+            self._process(plan, sample_reqs, out)
             self.steps += 1
             if self._after_step is not None:
                 self._after_step()
@@ -265,11 +304,13 @@ class Scheduler:
     def _schedule_prefill(self, prefilling: list[Request], decoding: list[Request]) -> list[tuple[Request, int]]:
         budget = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else 1 << 62
         reserved = len(decoding)  # slots this step takes and has not allocated yet (a decode takes one)
+        rows = prompt_logit_rows(self.runner.config.vocab_size)  # prompt-logprob logits rows left this step
         plan: list[tuple[Request, int]] = []
         for req in sorted(prefilling, key=lambda r: r.order):
             n = min(req.remaining, budget, self.pool.free_tokens - reserved)
             if n <= 0:
                 break
+            n, rows = self._cap_prompt_rows(req, n, rows)
             plan.append((req, n))
             budget, reserved = budget - n, reserved + n
         admitted = []
@@ -286,6 +327,7 @@ class Scheduler:
                 self._release(req)
                 req.computed = 0
                 break
+            n, rows = self._cap_prompt_rows(req, n, rows)
             if req.cached_tokens is None:
                 req.cached_tokens = min(req.computed, len(req.prompt_ids))
             self.waiting.remove(req)
@@ -302,6 +344,15 @@ class Scheduler:
                 return self._schedule_prefill([r for r in prefilling if r.row is not None], [])
             self._finish(prefilling[0], "length")  # cannot happen when the prompt fits the pool
         return plan + [(r, 1) for r in decoding] if plan else []
+
+    @staticmethod
+    def _cap_prompt_rows(req: Request, n: int, rows: int) -> tuple[int, int]:
+        """A chunk with prompt logprobs to compute wants a logits row per token: bound the step's such
+        rows by `rows` (but let every request run one token). -> (chunk length, rows left)."""
+        if not req.needs_prompt_rows:
+            return n, rows
+        n = min(n, max(1, rows))
+        return n, rows - n
 
     def _admission_order(self) -> list[Request]:
         """Waiting requests in the order to admit them: arrival (fcfs) or longest cached prefix first
@@ -327,7 +378,8 @@ class Scheduler:
         """Start req's row with its longest cached prefix (the prefix cache keeps one token for it to run)."""
         if self.cache is None:
             return
-        hit = self.cache.acquire(req.tokens(0, req.sequence_len), reserved + 1)
+        # prompt logprobs need every prompt position's logits: such a request computes from position 0
+        hit = self.cache.acquire(req.tokens(0, 1 if req.needs_prompt_rows else req.sequence_len), reserved + 1)
         req.prefix = hit.node
         self.pool.assign_prefix(req.row, hit.slots)
         req.computed = hit.length
@@ -360,37 +412,65 @@ class Scheduler:
         self.preemptions += 1
 
     def _build_batch(self, plan: list[tuple[Request, int]]) -> tuple[ForwardBatch, list[Request]]:
-        chunks, prefix, rows, slots, want = [], [], [], [], []
+        chunks, prefix, rows, slots = [], [], [], []
         for req, n in plan:
             chunks.append(req.tokens(req.computed, req.computed + n))
             prefix.append(req.computed)
             rows.append(req.row)
             slots.append(self.pool.alloc_tokens(req.row, n))
-            want.append(req.computed + n == req.sequence_len)
-        batch = ForwardBatch.build(chunks, prefix, rows, slots, want, self.runner.device)
+        want = [req.wants_sample(n) for req, n in plan]
+        prompt_rows = [req.prompt_rows(n) for req, n in plan]
+        batch = ForwardBatch.build(chunks, prefix, rows, slots, want, self.runner.device,
+                                   prompt_rows if any(prompt_rows) else None)
         return batch, [req for (req, _), w in zip(plan, want) if w]
 
-    def _forward_and_sample(self, batch: ForwardBatch, sample_reqs: list[Request]) -> list[int]:
+    def _forward_and_sample(self, batch: ForwardBatch, plan: list[tuple[Request, int]],
+                            sample_reqs: list[Request]) -> StepOutput:
         rows = [i for i, r in enumerate(sample_reqs) if r.grammar is not None]
         masks: Future[TokenMasks] | None = None
         if rows:  # fill the grammar masks while the device runs the forward
             masks = self._mask_executor.submit(self.grammars.masks, [sample_reqs[i].grammar for i in rows], rows,
                                                len(sample_reqs))
-        logits = self.runner.forward(batch)
+        logits = self.runner.forward(batch)  # [R, vocab]: per plan entry its prompt rows, then its sampling row
+        prompt, sample_at, at = [], [], 0
+        for req, n in plan:
+            offsets = req.prompt_rows(n)  # contiguous rows: a view, no copy of the logits
+            prompt.append(gather(logits[at:at + len(offsets)], [req.prompt_ids[req.computed + k + 1] for k in offsets],
+                                 [req.params.top_logprobs] * len(offsets)))
+            at += len(offsets)
+            if req.wants_sample(n):
+                sample_at.append(at)
+                at += 1
         if not sample_reqs:
-            return []
+            return StepOutput([], [], prompt)
+        if len(sample_at) < logits.shape[0]:
+            logits = logits[sample_at]
         ids = sample(logits, [r.params for r in sample_reqs], [r.sampler for r in sample_reqs],
-                     eos_token_ids=self.tokenizer.eos_token_ids, masks=masks.result() if masks else None)
-        return ids.tolist()
+                     eos_token_ids=self.tokenizer.eos_token_ids, masks=masks.result() if masks else None).tolist()
+        return StepOutput(ids, self._sampled_logprobs(logits, sample_reqs, ids), prompt)
+
+    @staticmethod
+    def _sampled_logprobs(logits: torch.Tensor, reqs: list[Request], ids: list[int]) -> list[TokenLogprob | None]:
+        """The sampled tokens' logprobs under the raw logits, for the requests that want them."""
+        rows = [i for i, r in enumerate(reqs) if r.params.logprobs]
+        out: list[TokenLogprob | None] = [None] * len(reqs)
+        if rows:
+            for i, lp in zip(rows, gather(logits[rows], [ids[i] for i in rows],
+                                          [reqs[i].params.top_logprobs for i in rows])):
+                out[i] = lp
+        return out
 
     # ---- results ----------------------------------------------------------------------------
-    def _process(self, plan: list[tuple[Request, int]], sample_reqs: list[Request], new_ids: list[int]) -> None:
-        for req, n in plan:
+    def _process(self, plan: list[tuple[Request, int]], sample_reqs: list[Request], out: StepOutput) -> None:
+        for (req, n), prompt_lp in zip(plan, out.prompt):
             req.computed += n
+            req.prompt_lp += prompt_lp
             if self.cache is not None and n > 1 and req.row is not None:  # a prefill chunk: index it now
                 req.prefix = self.cache.extend(req.prefix, req.tokens(0, req.computed),
                                                self.pool.row_slots(req.row)[: req.computed])
-        for req, token in zip(sample_reqs, new_ids):
+            if req.params.max_tokens == 0 and req.computed >= len(req.prompt_ids) and req.finish_reason is None:
+                self._finish(req, "length")  # prefill only: the prompt's logprobs are the reply
+        for req, token, lp in zip(sample_reqs, out.ids, out.sampled):
             if req.finish_reason is not None:
                 continue
             if req.first_token_time is None:
@@ -408,7 +488,7 @@ class Scheduler:
                 reason = "stop"
             elif reason is not None:
                 emit += self._drain(req)
-            self._emit(req, emit, [token], reason)
+            self._emit(req, emit, [token], reason, [lp] if lp is not None else [])
             if reason is not None:
                 self._finish(req, reason, notify=False)
 
@@ -425,9 +505,13 @@ class Scheduler:
         """EOS/stop ids end the text without adding to it (like OpenAI's finish_reason 'stop')."""
         return reason == "stop" and req.params.skip_special_tokens
 
-    def _emit(self, req: Request, text: str, ids: list[int], reason: str | None) -> None:
+    def _emit(self, req: Request, text: str, ids: list[int], reason: str | None,
+              logprobs: list[TokenLogprob] | None = None) -> None:
+        prompt = None
+        if req.params.prompt_logprobs and not req.prompt_lp_sent:
+            prompt, req.prompt_lp_sent = req.prompt_lp, True
         req.queue.put_nowait(StreamEvent(text, ids, reason, len(req.prompt_ids), len(req.output_ids),
-                                         req.cached_tokens or 0))
+                                         req.cached_tokens or 0, logprobs or [], prompt))
 
     def _finish(self, req: Request, reason: str, notify: bool = True) -> None:
         if req.row is not None:

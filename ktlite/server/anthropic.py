@@ -337,7 +337,8 @@ class MessageStream:
     def start(self) -> list[Frame]:
         return []  # message_start goes with the first event, which knows the cached prompt tokens
 
-    def event(self, event: StreamEvent) -> list[Frame]:
+    def event(self, event: StreamEvent, index: int = 0) -> list[Frame]:
+        """index: the choice, always 0 (a message is one reply; OpenAIStream's signature)."""
         self._frames = []
         if not self._started:
             self._started = True

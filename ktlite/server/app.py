@@ -13,9 +13,11 @@ compiled in a worker thread before it is queued, so a schema the engine cannot e
 and a slow first compile never stalls the event loop.
 
 A request that is admitted gets its own rid (the response id) and runs through
-`Engine.stream_ids`; if the client goes away (a failed write, or aiohttp cancelling the handler
-when the connection drops) the stream iterator is closed, which aborts the request and frees its
-KV at once.
+`Engine.stream_ids`, one engine request per sample (`n`, or `best_of` to choose from): the first
+prefills the prompt, which the prefix cache indexes, and the others start once its first event is
+out, so they take the prompt's KV from the cache instead of computing it again. If the client goes
+away (a failed write, or aiohttp cancelling the handler when the connection drops) the stream
+iterators are closed, which aborts the requests and frees their KV at once.
 
 Admission (`--max-queued-requests Q`): the server holds at most `--max-running-requests` + Q
 requests at once; the next one gets 503 with `Retry-After`, so a flood never piles up unbounded.
@@ -29,6 +31,8 @@ time for those responses to go out, then close the connections and shut the engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -36,7 +40,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,13 +48,14 @@ from typing import Any
 from aiohttp import web
 
 from ktlite.errors import RequestError
+from ktlite.runtime.sampling import SamplingParams
 from ktlite.runtime.scheduler import StreamEvent
 from ktlite.server import anthropic, responses
 from ktlite.server.chat_output import parse_output
 from ktlite.server.metrics import Metrics
 from ktlite.server.openapi import openapi
-from ktlite.server.protocol import (APIError, OpenAIStream, ParsedRequest, bad_request, chat_response,
-                                    completion_response, models_response, parse_chat, parse_completion)
+from ktlite.server.protocol import (APIError, Collected, OpenAIStream, ParsedRequest, bad_request, chat_response,
+                                    completion_response, models_response, parse_chat, parse_completion, pick_choices)
 from ktlite.server.reasoning import think_format
 from ktlite.server.sse import ClientGone, SSEWriter
 from ktlite.server.tool_parsers.stream import tool_format
@@ -72,18 +77,6 @@ class ServerOptions:
     retry_after_s: int = 1
     tool_call_parser: str | None = None  # --tool-call-parser: take tool calls out of chat replies
     reasoning_parser: str | None = None  # --reasoning-parser: split thinking into reasoning_content
-
-
-@dataclass
-class Collected:
-    """One prompt's whole reply."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
 
 
 def served_name(engine, options: ServerOptions | None = None) -> str:
@@ -271,14 +264,15 @@ class OpenAIServer:
                 raise bad_request(str(exc), param, code) from exc
         if parsed.params.json_schema is not None:
             await self._compile_grammar(parsed)
-        self._admit(len(parsed.prompts))
-        self.metrics.in_flight += len(parsed.prompts)
+        requests = len(parsed.prompts) * parsed.best_of
+        self._admit(requests)
+        self.metrics.in_flight += requests
         try:
             if parsed.stream:
                 return await self._stream(request, parsed, arrival)
             return await self._complete(request, parsed, arrival)
         finally:
-            self.metrics.in_flight -= len(parsed.prompts)
+            self.metrics.in_flight -= requests
 
     async def _compile_grammar(self, parsed: ParsedRequest) -> None:
         """Compile (or find cached) the request's grammar off the event loop; 400 if it cannot be enforced."""
@@ -300,9 +294,9 @@ class OpenAIServer:
                 f"{self.capacity - self.engine.config.max_running_requests}); retry later",
                 "server_error", None, "server_overloaded", {"Retry-After": str(self.options.retry_after_s)})
 
-    async def _events(self, request: web.Request, ids: list[int], parsed: ParsedRequest, rid: str, arrival: float):
-        """Engine events for one prompt, with metrics; closing this generator aborts the request."""
-        agen = self.engine.stream_ids(ids, parsed.params, rid=rid)
+    async def _events(self, ids: list[int], params: SamplingParams, rid: str, arrival: float):
+        """Engine events for one sample, with metrics; closing this generator aborts the request."""
+        agen = self.engine.stream_ids(ids, params, rid=rid)
         last = None
         finished = False
         self._active.add(rid)
@@ -327,26 +321,58 @@ class OpenAIServer:
                 self.metrics.aborted += 1
             await agen.aclose()
 
-    async def _complete(self, request: web.Request, parsed: ParsedRequest, arrival: float) -> web.Response:
-        async def one(i: int, ids: list[int]) -> Collected:
-            rid = parsed.request_id if len(parsed.prompts) == 1 else f"{parsed.request_id}-{i}"
-            texts, token_ids, event = [], [], None
-            gen = self._events(request, ids, parsed, rid, arrival)
+    def _samples(self, ids: list[int], parsed: ParsedRequest, rid: str,
+                 arrival: float) -> list[AsyncIterator[StreamEvent]]:
+        """The event streams of one prompt's samples (best_of of them; one with max_tokens 0, which
+        samples nothing). Sample 0 prefills the prompt; the others start once its first event is out,
+        when the prompt is in the prefix cache, so they take its KV from there."""
+        prefilled = asyncio.Event()
+
+        async def first():
             try:
-                async for event in gen:
+                async with contextlib.aclosing(self._events(ids, parsed.params, rid, arrival)) as events:
+                    async for event in events:
+                        prefilled.set()
+                        yield event
+            finally:
+                prefilled.set()
+
+        async def later(j: int):
+            await prefilled.wait()
+            async with contextlib.aclosing(self._events(ids, _sample_params(parsed.params, j), f"{rid}-{j}",
+                                                        arrival)) as events:
+                async for event in events:
+                    yield event
+
+        count = 1 if parsed.params.max_tokens == 0 else parsed.best_of
+        return [first()] + [later(j) for j in range(1, count)]
+
+    async def _complete(self, request: web.Request, parsed: ParsedRequest, arrival: float) -> web.Response:
+        async def collect(ids: list[int], events) -> Collected:
+            r = Collected("", [], "abort", 0, 0, 0, prompt_ids=ids)
+            texts = []
+            async with contextlib.aclosing(events):
+                async for event in events:
                     texts.append(event.text)
-                    token_ids.extend(event.token_ids)
+                    r.token_ids += event.token_ids
+                    r.logprobs += event.logprobs
+                    if event.prompt_logprobs is not None:
+                        r.prompt_logprobs = event.prompt_logprobs
+                    r.finish_reason, r.prompt_tokens = event.finish_reason, event.prompt_tokens
+                    r.completion_tokens, r.cached_tokens = event.completion_tokens, event.cached_tokens
                     transport = request.transport
                     if transport is None or transport.is_closing():
                         raise ClientGone()
-            finally:
-                await gen.aclose()
-            return Collected("".join(texts), token_ids, event.finish_reason, event.prompt_tokens,
-                             event.completion_tokens, event.cached_tokens)
+            r.text = "".join(texts)
+            return r
 
-        tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(parsed.prompts)]
+        samples = []
+        for i, ids in enumerate(parsed.prompts):
+            rid = parsed.request_id if len(parsed.prompts) == 1 else f"{parsed.request_id}-{i}"
+            samples.append([asyncio.ensure_future(collect(ids, s)) for s in self._samples(ids, parsed, rid, arrival)])
+        tasks = [t for ts in samples for t in ts]
         try:
-            results = await asyncio.gather(*tasks)
+            await asyncio.gather(*tasks)
         except ClientGone:
             logger.info("client went away: request %s aborted", parsed.request_id)
             await _cancel_all(tasks)
@@ -354,22 +380,21 @@ class OpenAIServer:
         except BaseException:  # cancelled (client gone) or failed: abort the other prompts too
             await _cancel_all(tasks)
             raise
-        if any(r.finish_reason == "abort" for r in results):
+        if any(t.result().finish_reason == "abort" for t in tasks):
             raise APIError(503, "the request was aborted (the server is shutting down)", "server_error", None, "aborted")
+        results = [c for ts in samples for c in pick_choices(parsed, [t.result() for t in ts])]
         r = results[0]
         if parsed.kind == "responses":
             final = StreamEvent("", [], r.finish_reason, r.prompt_tokens, r.completion_tokens, r.cached_tokens)
             return web.json_response(responses.response_object(parsed, r.text, final, self._count_tokens))
         if parsed.kind == "chat":
-            return web.json_response(chat_response(parsed, r.text, r.finish_reason, r.prompt_tokens,
-                                                   r.completion_tokens, r.cached_tokens))
+            return web.json_response(chat_response(parsed, results))
         if parsed.kind == "messages":
             return web.json_response(anthropic.message_response(
                 parsed, parse_output(parsed.output, r.text), r.finish_reason,
                 self._stop_sequence(parsed, r.token_ids, r.finish_reason), r.prompt_tokens, r.completion_tokens,
                 r.cached_tokens))
-        return web.json_response(completion_response(parsed, [
-            (r.text, r.finish_reason, r.prompt_tokens, r.completion_tokens, r.cached_tokens) for r in results]))
+        return web.json_response(completion_response(parsed, results))
 
     def _stop_sequence(self, parsed: ParsedRequest, token_ids: list[int], reason: str) -> str | None:
         """The stop string that ended a reply (Anthropic reports it), from its untruncated text."""
@@ -391,7 +416,9 @@ class OpenAIServer:
             frames = OpenAIStream(parsed)
         writer = SSEWriter(request)
         await writer.start()
-        gen = self._events(request, parsed.prompts[0], parsed, parsed.request_id, arrival)
+        samples = self._samples(parsed.prompts[0], parsed, parsed.request_id, arrival)
+        fanout = parsed.n // len(samples)  # max_tokens 0: the one prefill answers every choice
+        gen = _merged(samples)
 
         async def send(batch: list[tuple[str | None, dict[str, Any]]]) -> None:
             for name, data in batch:
@@ -402,15 +429,16 @@ class OpenAIServer:
 
         try:
             await send(frames.start())
-            final = None
-            async for event in gen:
-                await send(frames.event(event))
-                if event.finish_reason is not None:
-                    final = event
-            if final is None or final.finish_reason == "abort":
+            finals: list[StreamEvent | None] = [None] * parsed.n
+            async for j, event in gen:
+                for k in range(j, j + fanout):
+                    await send(frames.event(event, k))
+                    if event.finish_reason is not None:
+                        finals[k] = event
+            if any(f is None or f.finish_reason == "abort" for f in finals):
                 await send(frames.error("the request was aborted (the server is shutting down)", 503))
             else:
-                await send(frames.end(final))
+                await send(frames.end(*finals))
             await close()
         except ClientGone:
             logger.info("client went away mid-stream: request %s aborted", parsed.request_id)
@@ -438,6 +466,40 @@ class OpenAIServer:
                 self.engine.abort(rid)
             await asyncio.sleep(0.02)
         return self.metrics.in_flight
+
+
+def _sample_params(params: SamplingParams, j: int) -> SamplingParams:
+    """Sample j > 0 of a prompt: seed + j (distinct, reproducible draws); the prompt's logprobs come from sample 0."""
+    return dataclasses.replace(params, seed=None if params.seed is None else params.seed + j, prompt_logprobs=False)
+
+
+async def _merged(streams: list[AsyncIterator[StreamEvent]]) -> AsyncIterator[tuple[int, StreamEvent]]:
+    """(index, event) from several event streams as they arrive; closing it closes them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(j: int, stream) -> None:
+        try:
+            async for event in stream:
+                queue.put_nowait((j, event, None))
+            queue.put_nowait((j, None, None))
+        except Exception as exc:  # noqa: BLE001 - raised by the consumer
+            queue.put_nowait((j, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(j, s)) for j, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            j, event, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if event is None:
+                left -= 1
+            else:
+                yield j, event
+    finally:
+        await _cancel_all(tasks)
+        for s in streams:
+            await s.aclose()
 
 
 async def _cancel_all(tasks: list[asyncio.Future]) -> None:

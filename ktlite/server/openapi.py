@@ -43,7 +43,8 @@ _SAMPLING: dict[str, Any] = {
     "skip_special_tokens": {"type": ["boolean", "null"]},
     "stream": {"type": ["boolean", "null"]},
     "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
-    "n": {"type": ["integer", "null"], "enum": [1, None], "description": "Only 1 is supported."},
+    "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 128, "examples": [1, 2],
+          "description": "choices per prompt; they share the prompt's KV through the prefix cache"},
     "user": {"type": ["string", "null"]},
 }
 
@@ -117,6 +118,9 @@ CHAT_REQUEST = {
                                                 "thinking": {"type": "boolean"}}},
         "separate_reasoning": {"type": ["boolean", "null"],
                                "description": "false: thinking stays in content even with --reasoning-parser"},
+        "logprobs": {"type": ["boolean", "null"], "description": "each output token's logprob (raw model distribution)"},
+        "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20,
+                         "description": "alternatives per token; needs logprobs: true"},
         **_SAMPLING,
     },
 }
@@ -224,7 +228,11 @@ COMPLETION_REQUEST = {
             {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1,
                                         "maxItems": 64}, "minItems": 1, "maxItems": 4},
         ]},
-        "echo": {"type": ["boolean", "null"]},
+        "echo": {"type": ["boolean", "null"], "description": "with logprobs: the prompt tokens' logprobs too"},
+        "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 5,
+                     "description": "logprobs of each token with this many alternatives"},
+        "best_of": {"type": ["integer", "null"], "minimum": 1, "maximum": 128,
+                    "description": ">= n samples; the n with the highest cumulative logprob are returned"},
         **_SAMPLING,
     },
 }

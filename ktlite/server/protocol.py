@@ -16,24 +16,43 @@ constrain the output by grammar to one call (see chat_output.py). `response_form
 json_schema constrain it to compact JSON (see ktlite/runtime/grammar.py). `--reasoning-parser` splits
 thinking into `reasoning_content` unless `separate_reasoning` is false; a grammar-constrained output
 is all answer, so it is not split. `chat_template_kwargs` reach the template as variables.
+
+Logprobs: chat `logprobs: true` (+ `top_logprobs` 0..20), completions `logprobs: 0..5`, streamed or
+not (each chunk carries its own tokens'). Values are the log-softmax of the model's raw logits, its
+own distribution before temperature, penalties and grammar masks (vLLM's default too), so the
+sampled token's logprob does not depend on the sampling settings (ktlite/runtime/logprobs.py).
+Completions with `echo` and `logprobs` also return the prompt tokens' logprobs (the first is null);
+there `max_tokens` may be 0 (prefill only, finish_reason "length"); elsewhere max_tokens must be
+>= 1. lm-eval's loglikelihood requests (0.4.13) send echo, logprobs 1 and max_tokens 1, and drop the
+sampled token's entry. Shapes: see logprob_shapes.py.
+
+`n` (1..128) choices per prompt; completions with several prompts number them prompt_i * n + j.
+`best_of` (completions, >= n): that many samples per prompt, of which the n with the highest
+cumulative logprob are returned (not streamable when best_of > n, as on OpenAI). Sample j > 0 uses
+seed + j when a seed is given, so the choices differ and stay reproducible.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from ktlite.errors import RequestError
+from ktlite.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ktlite.runtime.sampling import SamplingParams, is_int, is_number
 from ktlite.server.chat_output import OutputPlan, OutputStream, Piece, forced_call_schema, parse_output
+from ktlite.server.logprob_shapes import LogprobShapes
 from ktlite.server.reasoning import prompt_opens_think
 
 Frame = tuple[str | None, dict[str, Any]]  # one server-sent event: (event name or None, data)
 
 DEFAULT_CHAT_MAX_TOKENS = 1 << 20  # i.e. the context's end, whatever the model
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_CHOICES = 128  # OpenAI's limit for n
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit for logprobs
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 # OpenAI name -> SamplingParams field, for the fields passed through unchanged.
@@ -72,6 +91,25 @@ class ParsedRequest:
     output: OutputPlan = field(default_factory=OutputPlan)  # chat: how the text becomes reasoning/content/calls
     request_id: str = ""
     created: int = 0
+    n: int = 1  # choices per prompt
+    best_of: int = 1  # samples per prompt the n choices are chosen from
+    top_logprobs: int | None = None  # logprobs in the reply, with this many alternatives; None: none
+    shapes: LogprobShapes | None = None  # how logprobs are written (set with top_logprobs)
+
+
+@dataclass
+class Collected:
+    """One choice's whole reply."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # with echo: of the prompt's tokens 1..
+    prompt_ids: list[int] = field(default_factory=list)
 
 
 def _get(body: dict[str, Any], name: str, check, expected: str, default: Any = None) -> Any:
@@ -127,13 +165,18 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def sampling_params(body: dict[str, Any], default_max_tokens: int, context_length: int, prompt_lens: list[int],
-              json_schema: dict[str, Any] | None = None) -> tuple[SamplingParams, str, bool]:
-    """-> (params, name of the max-tokens field the client used, whether it gave one)."""
+                    json_schema: dict[str, Any] | None = None,
+                    logprobs: dict[str, Any] | None = None) -> tuple[SamplingParams, str, bool]:
+    """-> (params, name of the max-tokens field the client used, whether it gave one). `logprobs`:
+    the SamplingParams logprob fields (`_logprob_fields`)."""
+    logprobs = logprobs or {}
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     given = body.get(name) is not None
     max_tokens = body.get(name)
-    if given and not (is_int(max_tokens) and max_tokens >= 1):
-        raise bad_request(f"{name} must be an integer >= 1, got {max_tokens!r}", name)
+    least = 0 if logprobs.get("prompt_logprobs") else 1  # 0: score the echoed prompt only
+    if given and not (is_int(max_tokens) and max_tokens >= least):
+        raise bad_request(f"{name} must be an integer >= {least}, got {max_tokens!r}"
+                          + (" (0 only on completions with echo and logprobs)" if least else ""), name)
     longest = max(prompt_lens)
     room = context_length - longest
     if given:
@@ -144,7 +187,7 @@ def sampling_params(body: dict[str, Any], default_max_tokens: int, context_lengt
                 name, "context_length_exceeded")
     else:
         max_tokens = max(1, min(default_max_tokens, room))
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "json_schema": json_schema}
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "json_schema": json_schema, **logprobs}
     for key in _PASS_THROUGH:
         if body.get(key) is not None:
             kwargs[key] = body[key]
@@ -168,16 +211,6 @@ def sampling_params(body: dict[str, Any], default_max_tokens: int, context_lengt
 def _common(body: Any) -> None:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    n = body.get("n")
-    if n is not None and (not is_int(n) or n < 1):
-        raise bad_request(f"n must be an integer >= 1, got {n!r}", "n")
-    if n is not None and n > 1:
-        raise bad_request("n > 1 is not supported by ktlite; send n separate requests (they batch together)", "n")
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != 1:
-        raise bad_request("best_of is not supported by ktlite", "best_of")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise bad_request("logprobs are not supported by ktlite yet", "logprobs")
     _get(body, "stream", lambda v: isinstance(v, bool), "a boolean")
     _get(body, "user", lambda v: isinstance(v, str), "a string")
     so = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object")
@@ -187,6 +220,25 @@ def _common(body: Any) -> None:
         _get(body, key, is_number, "a number")
     for key in ("top_k", "seed", "min_tokens"):
         _get(body, key, is_int, "an integer")
+
+
+def _choices(body: dict[str, Any], best_of_allowed: bool) -> tuple[int, int]:
+    """-> (n, best_of): choices per prompt and the samples they are chosen from."""
+    n = _get(body, "n", lambda v: is_int(v) and 1 <= v <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]", 1)
+    if not best_of_allowed:
+        return n, n
+    best_of = _get(body, "best_of", lambda v: is_int(v) and n <= v <= MAX_CHOICES,
+                   f"an integer in [n, {MAX_CHOICES}] (n is {n})", n)
+    if best_of > n and body.get("stream"):
+        raise bad_request("best_of > n cannot be streamed: the choices are known only at the end", "best_of")
+    return n, best_of
+
+
+def _logprob_fields(top: int | None, prompt: bool, best_of: bool) -> dict[str, Any]:
+    """SamplingParams' logprob fields: `top` alternatives per token in the reply (None: no logprobs);
+    prompt: the echoed prompt's too; best_of: sampled logprobs to rank the samples by."""
+    return {"logprobs": top is not None or best_of, "top_logprobs": top or 0,
+            "prompt_logprobs": prompt}
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
@@ -322,12 +374,20 @@ def chat_prompt(spec: ChatSpec, tokenizer, tool_parser: str | None = None, reaso
 def parse_chat(body: Any, tokenizer, context_length: int, model: str, tool_call_parser: str | None = None,
                reasoning_parser: str | None = None) -> ParsedRequest:
     _common(body)
+    n, _ = _choices(body, best_of_allowed=False)
+    wanted = _get(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
+    top = _get(body, "top_logprobs", lambda v: is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
+               f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    if top is not None and not wanted:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    top = (top or 0) if wanted else None
     prompt = chat_prompt(chat_spec(body), tokenizer, tool_call_parser, reasoning_parser)
     params, name, given = sampling_params(body, DEFAULT_CHAT_MAX_TOKENS, context_length, [len(prompt.ids)],
-                                    prompt.json_schema)
+                                          prompt.json_schema, _logprob_fields(top, False, False))
     return ParsedRequest("chat", model, [prompt.ids], params, bool(body.get("stream")), _include_usage(body), name,
                          given, output=prompt.output, request_id=f"chatcmpl-{uuid.uuid4().hex}",
-                         created=int(time.time()))
+                         created=int(time.time()), n=n, best_of=n, top_logprobs=top,
+                         shapes=LogprobShapes(tokenizer) if wanted else None)
 
 
 def parse_completion(body: Any, tokenizer, vocab_size: int, context_length: int, model: str) -> ParsedRequest:
@@ -364,10 +424,16 @@ def parse_completion(body: Any, tokenizer, vocab_size: int, context_length: int,
     if body.get("suffix"):
         raise bad_request("suffix is not supported by ktlite", "suffix")
     echo = _get(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
-    params, name, given = sampling_params(body, DEFAULT_COMPLETION_MAX_TOKENS, context_length, [max(len(i), 1) for i in ids_list])
+    n, best_of = _choices(body, best_of_allowed=True)
+    top = _get(body, "logprobs", lambda v: is_int(v) and 0 <= v <= MAX_COMPLETION_LOGPROBS,
+               f"an integer in [0, {MAX_COMPLETION_LOGPROBS}] or null")
+    fields = _logprob_fields(top, echo and top is not None, best_of > n)
+    params, name, given = sampling_params(body, DEFAULT_COMPLETION_MAX_TOKENS, context_length,
+                                          [max(len(i), 1) for i in ids_list], logprobs=fields)
     return ParsedRequest("completion", model, ids_list, params, stream, _include_usage(body), name, given,
                          echo_texts=echo_texts if echo else [], request_id=f"cmpl-{uuid.uuid4().hex}",
-                         created=int(time.time()))
+                         created=int(time.time()), n=n, best_of=best_of, top_logprobs=top,
+                         shapes=LogprobShapes(tokenizer) if top is not None else None)
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -384,40 +450,66 @@ def openai_finish_reason(reason: str | None, tool_calls: bool = False) -> str | 
     return "tool_calls" if tool_calls and reason == "stop" else reason
 
 
-def chat_response(req: ParsedRequest, text: str, reason: str, prompt_tokens: int, completion_tokens: int,
-                  cached_tokens: int = 0) -> dict:
-    out = parse_output(req.output, text)
-    message: dict[str, Any] = {"role": "assistant", "content": out.content}
-    if req.output.reasoning_parser:
-        message["reasoning_content"] = out.reasoning or None
-    if out.tool_calls:
-        message["content"] = out.content or None  # OpenAI: null beside tool calls when there is no text
-        message["tool_calls"] = [c.openai() for c in out.tool_calls]
-    return {
-        "id": req.request_id, "object": "chat.completion", "created": req.created, "model": req.model,
-        "choices": [{"index": 0, "message": message, "logprobs": None,
-                     "finish_reason": openai_finish_reason(reason, bool(out.tool_calls))}],
-        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
-    }
+def pick_choices(req: ParsedRequest, samples: list[Collected]) -> list[Collected]:
+    """One prompt's n choices from its samples: of best_of samples the n with the highest cumulative
+    logprob (best first); a prefill-only request's one sample n times. Every choice gets the prompt's
+    logprobs, which sample 0 computed."""
+    prompt = samples[0].prompt_logprobs
+    if len(samples) > req.n:
+        samples = sorted(samples, key=lambda r: sum(lp.logprob for lp in r.logprobs), reverse=True)[:req.n]
+    return [dataclasses.replace(r, prompt_logprobs=prompt) for r in samples * (req.n // len(samples))]
 
 
-def completion_response(req: ParsedRequest, results: list[tuple[str, str, int, int]]) -> dict:
-    """results: one (text, finish_reason, prompt_tokens, completion_tokens, cached_tokens) per prompt."""
-    choices, p_total, c_total, cached_total = [], 0, 0, 0
-    for i, (text, reason, p, c, cached) in enumerate(results):
-        if req.echo_texts:
-            text = req.echo_texts[i] + text
-        choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": openai_finish_reason(reason)})
-        p_total, c_total, cached_total = p_total + p, c_total + c, cached_total + cached
+def choices_usage(req: ParsedRequest, results: list[Collected]) -> dict[str, Any]:
+    """Usage over a request's choices: each prompt counted once (its first choice's), every output token."""
+    firsts = results[::req.n]
+    return usage(sum(r.prompt_tokens for r in firsts), sum(r.completion_tokens for r in results),
+                 sum(r.cached_tokens for r in firsts))
+
+
+def chat_response(req: ParsedRequest, results: list[Collected]) -> dict:
+    """results: one per choice, in index order."""
+    choices = []
+    for i, r in enumerate(results):
+        out = parse_output(req.output, r.text)
+        message: dict[str, Any] = {"role": "assistant", "content": out.content}
+        if req.output.reasoning_parser:
+            message["reasoning_content"] = out.reasoning or None
+        if out.tool_calls:
+            message["content"] = out.content or None  # OpenAI: null beside tool calls when there is no text
+            message["tool_calls"] = [c.openai() for c in out.tool_calls]
+        logprobs = req.shapes.chat(r.logprobs, req.top_logprobs) if req.shapes is not None else None
+        choices.append({"index": i, "message": message, "logprobs": logprobs,
+                        "finish_reason": openai_finish_reason(r.finish_reason, bool(out.tool_calls))})
+    return {"id": req.request_id, "object": "chat.completion", "created": req.created, "model": req.model,
+            "choices": choices, "usage": choices_usage(req, results)}
+
+
+def completion_response(req: ParsedRequest, results: list[Collected]) -> dict:
+    """results: one per choice, in index order (prompt_i * n + j)."""
+    choices = []
+    for i, r in enumerate(results):
+        echo = req.echo_texts[i // req.n] if req.echo_texts else ""
+        choices.append({"index": i, "text": echo + r.text, "logprobs": _completion_logprobs(req, r),
+                        "finish_reason": openai_finish_reason(r.finish_reason)})
     return {"id": req.request_id, "object": "text_completion", "created": req.created, "model": req.model,
-            "choices": choices, "usage": usage(p_total, c_total, cached_total)}
+            "choices": choices, "usage": choices_usage(req, results)}
+
+
+def _completion_logprobs(req: ParsedRequest, r: Collected) -> dict[str, Any] | None:
+    if req.shapes is None:
+        return None
+    if r.prompt_logprobs is None:
+        return req.shapes.completion(r.logprobs, req.top_logprobs)
+    return req.shapes.completion(r.prompt_logprobs + r.logprobs, req.top_logprobs, first=r.prompt_ids[0])
 
 
 def chunk(req: ParsedRequest, *, text: str | None = None, role: bool = False, finish_reason: str | None = None,
           usage_: dict[str, Any] | None = None, no_choices: bool = False, reasoning: str | None = None,
-          tool_calls: list[dict[str, Any]] | None = None) -> dict:
+          tool_calls: list[dict[str, Any]] | None = None, index: int = 0,
+          logprobs: dict[str, Any] | None = None) -> dict:
     """One streaming chunk. Chat chunks carry a `delta` (content, reasoning_content, tool_calls);
-    completion chunks carry `text`."""
+    completion chunks carry `text`; either may carry its tokens' `logprobs`."""
     if req.kind == "chat":
         obj = "chat.completion.chunk"
         delta: dict[str, Any] = {}
@@ -430,10 +522,12 @@ def chunk(req: ParsedRequest, *, text: str | None = None, role: bool = False, fi
             delta["reasoning_content"] = reasoning
         if tool_calls:
             delta["tool_calls"] = tool_calls
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": openai_finish_reason(finish_reason)}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": openai_finish_reason(finish_reason)}
     else:
         obj = "text_completion"
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": openai_finish_reason(finish_reason)}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs,
+                  "finish_reason": openai_finish_reason(finish_reason)}
     out: dict[str, Any] = {"id": req.request_id, "object": obj, "created": req.created, "model": req.model,
                            "choices": [] if no_choices else [choice]}
     if req.include_usage:
@@ -441,36 +535,66 @@ def chunk(req: ParsedRequest, *, text: str | None = None, role: bool = False, fi
     return out
 
 
+class _ChoiceState:
+    """One streamed choice: its output pipeline (chat), and logprobs of tokens not yet in a chunk."""
+
+    def __init__(self, req: ParsedRequest):
+        self.output = OutputStream(req.output) if req.kind == "chat" else None
+        self.pending: list[TokenLogprob] = []
+        self.echo_pending = bool(req.echo_texts)  # completions: the echo chunk goes out with the first event
+        self.offset = 0  # completions: text_offset so far
+
+
 class OpenAIStream:
-    """The chunks of one streamed OpenAI request, as frames: `start`, `event` per engine event, then
-    `end` (or `error`), followed by `data: [DONE]`. Chat text goes through the request's output
-    pipeline, so reasoning and tool calls arrive as `reasoning_content` and `tool_calls` deltas."""
+    """The chunks of one streamed OpenAI request, as frames: `start`, `event` per engine event of
+    choice `index`, then `end` with each choice's final event (or `error`), followed by
+    `data: [DONE]`. Chat text goes through the request's output pipeline, so reasoning and tool calls
+    arrive as `reasoning_content` and `tool_calls` deltas. Logprobs ride on the chunk that carries
+    their tokens' text (or the next one, where the pipeline holds text back)."""
 
     done = True
 
     def __init__(self, req: ParsedRequest):
         self.req = req
-        self.output = OutputStream(req.output) if req.kind == "chat" else None
+        self.choices = [_ChoiceState(req) for _ in range(req.n)]
+        # echo: the prompt's logprobs, from the first choice's first event (the other choices reuse them)
+        self.prompt_logprobs: list[TokenLogprob] | None = None
 
     def start(self) -> list[Frame]:
         if self.req.kind == "chat":
-            return [(None, chunk(self.req, role=True))]
-        return [(None, chunk(self.req, text=self.req.echo_texts[0]))] if self.req.echo_texts else []
+            return [(None, chunk(self.req, role=True, index=j)) for j in range(self.req.n)]
+        return []
 
-    def event(self, event) -> list[Frame]:
+    def event(self, event, index: int = 0) -> list[Frame]:
+        state = self.choices[index]
+        frames = []
+        if state.echo_pending:
+            state.echo_pending = False
+            echo = self._echo_logprobs(event)
+            state.offset = sum(map(len, echo["tokens"])) if echo else 0
+            frames.append((None, chunk(self.req, text=self.req.echo_texts[0], index=index, logprobs=echo)))
+        if self.req.shapes is not None:
+            state.pending += event.logprobs
         if not event.text:
-            return []
-        if self.output is None:
-            return [(None, chunk(self.req, text=event.text))]
-        return self._piece(self.output.feed(event.text))
+            return frames
+        if state.output is None:
+            return frames + [(None, chunk(self.req, text=event.text, index=index, logprobs=self._take(state)))]
+        return frames + self._piece(state.output.feed(event.text), index)
 
-    def end(self, final) -> list[Frame]:
-        frames = self._piece(self.output.finish()) if self.output is not None else []
-        calls = self.output is not None and bool(self.output.calls)
-        frames.append((None, chunk(self.req, finish_reason=openai_finish_reason(final.finish_reason, calls))))
+    def end(self, *finals) -> list[Frame]:
+        """finals: each choice's last event, in index order."""
+        frames = []
+        for j, (state, final) in enumerate(zip(self.choices, finals)):
+            if state.output is not None:
+                frames += self._piece(state.output.finish(), j)
+            calls = state.output is not None and bool(state.output.calls)
+            frames.append((None, chunk(self.req, finish_reason=openai_finish_reason(final.finish_reason, calls),
+                                       index=j, logprobs=self._take(state))))
         if self.req.include_usage:
+            firsts = finals[::self.req.n]
             frames.append((None, chunk(self.req, no_choices=True, usage_=usage(
-                final.prompt_tokens, final.completion_tokens, final.cached_tokens))))
+                sum(f.prompt_tokens for f in firsts), sum(f.completion_tokens for f in finals),
+                sum(f.cached_tokens for f in firsts)))))
         return frames
 
     @staticmethod
@@ -478,11 +602,29 @@ class OpenAIStream:
         code = "aborted" if status == 503 else "internal_error"
         return [(None, {"error": {"message": message, "type": "server_error", "param": None, "code": code}})]
 
-    def _piece(self, piece: Piece) -> list[Frame]:
+    def _echo_logprobs(self, event) -> dict[str, Any] | None:
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
+        if self.req.shapes is None or self.prompt_logprobs is None:
+            return None
+        return self.req.shapes.completion(self.prompt_logprobs, self.req.top_logprobs, first=self.req.prompts[0][0])
+
+    def _take(self, state: _ChoiceState) -> dict[str, Any] | None:
+        """The pending logprobs as this chunk's logprobs object (None when logprobs are off)."""
+        if self.req.shapes is None:
+            return None
+        lps, state.pending = state.pending, []
+        if state.output is not None:
+            return self.req.shapes.chat(lps, self.req.top_logprobs)
+        out = self.req.shapes.completion(lps, self.req.top_logprobs, offset=state.offset)
+        state.offset += sum(map(len, out["tokens"]))
+        return out
+
+    def _piece(self, piece: Piece, index: int) -> list[Frame]:
         if not (piece.content or piece.reasoning or piece.tool_calls):
             return []
         return [(None, chunk(self.req, text=piece.content or None, reasoning=piece.reasoning or None,
-                             tool_calls=piece.tool_calls))]
+                             tool_calls=piece.tool_calls, index=index, logprobs=self._take(self.choices[index])))]
 
 
 def models_response(names: list[str], created: int) -> dict:

@@ -337,7 +337,8 @@ class ResponseStream:
         self._emit("response.in_progress", response=skeleton)
         return self._frames
 
-    def event(self, event: StreamEvent) -> list[Frame]:
+    def event(self, event: StreamEvent, index: int = 0) -> list[Frame]:
+        """`index`: the choice (always 0: a response has one output)."""
         return self._frames_of(self.output.feed(event.text)) if event.text else []
 
     def end(self, final: StreamEvent) -> list[Frame]:
