@@ -11,7 +11,7 @@ of bench/e2e.py --llamacpp-gguf, and prints one JSON line.
     python bench/_llamacpp_peer.py convert --converter LLAMA_CPP/convert_hf_to_gguf.py CHECKPOINT OUT.bf16.gguf
     # bf16 GGUF -> Q4_0 / Q8_0 (llama.cpp's own type mix for that file type; side venv)
     python bench/_llamacpp_peer.py quantize OUT.bf16.gguf OUT.Q4_0.gguf --type Q4_0
-    python bench/_llamacpp_peer.py bench OUT.Q4_0.gguf --threads 2 --prompt-len 64 --prefill-len 512 --gen 24
+    python bench/_llamacpp_peer.py bench OUT.Q4_0.gguf --threads 2 --prompt-len 64 --prefill-len 512,4096 --gen 24 --flash-attn
 
 On a CPU where llama.cpp built its AMX buffer, `bench` keeps the weights out of it (_without_amx_buffer: on
 DeepSeek-V2's MLA it aborts) and says where they went in its JSON ("weights_in").
@@ -147,14 +147,16 @@ def _without_amx_buffer(llama_cpp, file_type: str) -> str:
             + ("" if repack else "; Q8_0 in CPU_REPACK segfaults") + ")")
 
 
-def bench(path: Path, threads: int, prompt_len: int, prefill_len: int, gen: int, flash_attn: bool) -> dict:
-    """Prefill tok/s of `prefill_len` tokens into an empty KV cache, and batch-1 greedy decode tok/s of
+def bench(path: Path, threads: int, prompt_len: int, prefill_lens: list[int], gen: int, flash_attn: bool) -> dict:
+    """Prefill tok/s of each of `prefill_lens` tokens into an empty KV cache, and batch-1 greedy decode tok/s of
     `gen` tokens after a `prompt_len` prompt (the prompt not counted), each after a warm-up pass."""
     import llama_cpp
     import numpy as np
 
     buffers = _without_amx_buffer(llama_cpp, gguf_summary(path)["file_type"])
-    llm = llama_cpp.Llama(str(path), n_ctx=max(prefill_len, prompt_len + gen) + 16, n_batch=max(prefill_len, 512),
+    longest = max(prefill_lens)
+    # n_batch: tokens per llama_decode call (its default 2048 for long prompts; the whole prompt when shorter)
+    llm = llama_cpp.Llama(str(path), n_ctx=max(longest, prompt_len + gen) + 16, n_batch=min(max(longest, 512), 2048),
                           n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn, verbose=False)
     vocab = llm.n_vocab()
     rng = random.Random(7)
@@ -177,11 +179,13 @@ def bench(path: Path, threads: int, prompt_len: int, prefill_len: int, gen: int,
             llm.eval(out[-1:])
         return time.perf_counter() - t, out
 
-    prefill(ids(prefill_len))
-    prefill_s = prefill(ids(prefill_len))
+    rates = {}
+    for n in prefill_lens:
+        prefill(ids(n))
+        rates[n] = n / prefill(ids(n))
     decode(ids(prompt_len))
     decode_s, tokens = decode(ids(prompt_len))
-    return {"gguf": str(path), **gguf_summary(path), "prefill_tok_s": prefill_len / prefill_s,
+    return {"gguf": str(path), **gguf_summary(path), "prefill_tok_s": rates,
             "decode_tok_s": gen / decode_s, "weights_in": buffers, "threads": threads, "flash_attn": flash_attn,
             "greedy_tokens": tokens, "llama_cpp": llama_cpp.__version__}
 
@@ -202,7 +206,7 @@ def main() -> None:
     b.add_argument("gguf", type=Path)
     b.add_argument("--threads", type=int, required=True)
     b.add_argument("--prompt-len", type=int, default=64)
-    b.add_argument("--prefill-len", type=int, default=512)
+    b.add_argument("--prefill-len", default="512", help="prompt lengths of the prefill rows, comma-separated")
     b.add_argument("--gen", type=int, default=24)
     b.add_argument("--flash-attn", action="store_true")
     args = ap.parse_args()
@@ -211,7 +215,8 @@ def main() -> None:
     elif args.cmd == "quantize":
         quantize(args.src, args.out, args.type)
     else:
-        print(json.dumps(bench(args.gguf, args.threads, args.prompt_len, args.prefill_len, args.gen, args.flash_attn)))
+        lens = [int(n) for n in args.prefill_len.split(",")]
+        print(json.dumps(bench(args.gguf, args.threads, args.prompt_len, lens, args.gen, args.flash_attn)))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ Printed next to each figure, measured in the same run:
   llama.cpp's prefill and batch-1 decode, run by --llamacpp-python (a side venv with llama-cpp-python)
   with ktlite's thread count, and the bits per weight each side reads per decode token.
 
-    python bench/e2e.py [--arch deepseek-v2-lite|qwen3-30b-a3b] [--layers 8] [--batches 1,4,16]
+    python bench/e2e.py [--arch deepseek-v2-lite|qwen3-30b-a3b] [--layers 8] [--batches 1,4,16] [--prefill-len 512,4096]
                         [--cpu-dense-method auto|INT8|INT4|none] [--cpu-activations auto|int8|fp32] [--write]
                         [--llamacpp-gguf X.Q4_0.gguf,X.Q8_0.gguf --llamacpp-python SIDE_VENV/bin/python]
 """
@@ -201,6 +201,12 @@ def prefill_rate(engine: Engine, prompt_len: int) -> float:
     return prompt_len / (time.perf_counter() - t)
 
 
+def _slowdown(rates: dict[int, float], n: int) -> str:
+    """How a longer prompt's prefill rate compares with the shortest one's (the first measured)."""
+    first = next(iter(rates))
+    return f"{rates[n] / rates[first]:.2f} of the {first}-token rate" if n != first else ""
+
+
 def transformers_decode_rate(path: Path, prompt_len: int, gen: int) -> float:
     import transformers
 
@@ -221,7 +227,8 @@ def llamacpp_rates(python: str, gguf: str, threads: int, args: argparse.Namespac
     """bench/_llamacpp_peer.py's JSON for one GGUF, in its own process: llama-cpp-python lives in a side venv,
     and its threads must not compete with the Engine's (which has exited by then)."""
     cmd = [python, str(ROOT / "bench" / "_llamacpp_peer.py"), "bench", gguf, "--threads", str(threads),
-           "--prompt-len", str(args.prompt_len), "--prefill-len", str(args.prefill_len), "--gen", str(args.gen)]
+           "--prompt-len", str(args.prompt_len), "--prefill-len", args.prefill_len, "--gen", str(args.gen),
+           "--flash-attn"]  # as llama.cpp's users run long prompts
     return json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout.splitlines()[-1])
 
 
@@ -231,7 +238,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--prefill-len", default="512", help="prompt lengths of the prefill rows, comma-separated "
+                    "(e.g. 512,4096,16384)")
     ap.add_argument("--gen", type=int, default=24)
     ap.add_argument("--kt-method", default="INT4")
     ap.add_argument("--cpu-dense-method", default="auto", help="the device side's linear layers on a CPU device")
@@ -249,22 +257,26 @@ def main() -> None:
     bw = memory_bandwidth(threads)
     rows = []
     # dtype auto: bf16 on a GPU, fp32 on the CPU (whose bf16 GEMMs are slow without AVX512-BF16/AMX)
-    flags = {"kt_method": args.kt_method, "dtype": "auto", "max_total_tokens": 16384, "chunked_prefill_size": 512,
-             "context_length": 4096, "cpu_dense_method": args.cpu_dense_method, "cpu_activations": args.cpu_activations}
+    prefill_lens = [int(n) for n in args.prefill_len.split(",")]
+    longest = max(prefill_lens)
+    flags = {"kt_method": args.kt_method, "dtype": "auto", "max_total_tokens": max(16384, longest + 1024),
+             "chunked_prefill_size": 512, "context_length": max(4096, longest + 64),
+             "cpu_dense_method": args.cpu_dense_method, "cpu_activations": args.cpu_activations}
     config = EngineConfig.from_kwargs(str(path), **flags)
     dense = config.cpu_dense_quantization or f"in {str(config.torch_dtype).removeprefix('torch.')} torch"
     with Engine(str(path), **flags) as engine:
         per_token = bytes_per_decode_token(engine)
         bound = bw * 1e9 / per_token
-        prefill = prefill_rate(engine, args.prefill_len)
-        rows.append(("prefill", f"{args.prefill_len} tokens", f"{prefill:.1f} tok/s", ""))
+        prefill = {n: prefill_rate(engine, n) for n in prefill_lens}
+        for n, rate in prefill.items():
+            rows.append(("prefill", f"{n} tokens", f"{rate:.1f} tok/s", _slowdown(prefill, n)))
         for b in [int(x) for x in args.batches.split(",")]:
             asyncio.run(decode_rate(engine, b, args.prompt_len, 4))  # warm-up pass, as the llama.cpp peer's
             rate, ttft = asyncio.run(decode_rate(engine, b, args.prompt_len, args.gen))
             note = f"{rate / bound:.2f} of the bound ({bound:.1f} tok/s)" if b == 1 else f"{rate / b:.1f} tok/s per request"
             rows.append((f"decode batch {b}", f"prompt {args.prompt_len}, {args.gen} new", f"{rate:.1f} tok/s", note))
         python, python_share, layers_python = outside_kernels(engine, args.prompt_len, args.gen)
-    ours = float(rows[1][2].split()[0])  # batch-1 decode tok/s
+    ours = float(rows[len(prefill_lens)][2].split()[0])  # batch-1 decode tok/s
     step = 1 / ours
     tiny = write_checkpoint(Path(args.dir) / f"{args.arch}-{args.layers}layers-tiny", args.arch, args.layers,
                             TINY_WIDTHS[args.arch])
@@ -282,8 +294,10 @@ def main() -> None:
     peers = [llamacpp_rates(args.llamacpp_python, g, threads, args) for a in args.llamacpp_gguf for g in a.split(",")]
     for p in peers:  # bits per weight over what one decode token reads: the same weights on both sides
         kind = p["file_type"]
-        rows.append((f"llama.cpp {kind} prefill", f"{args.prefill_len} tokens", f"{p['prefill_tok_s']:.1f} tok/s",
-                     f"ktlite is {prefill / p['prefill_tok_s']:.2f}x"))
+        theirs = {int(n): rate for n, rate in p["prefill_tok_s"].items()}  # JSON keys are strings
+        for n in prefill_lens:
+            note = "; ".join(filter(None, (f"ktlite is {prefill[n] / theirs[n]:.2f}x", _slowdown(theirs, n))))
+            rows.append((f"llama.cpp {kind} prefill", f"{n} tokens", f"{theirs[n]:.1f} tok/s", note))
         bits = 8 * p["bytes_per_token"] / p["weights_per_token"]
         rows.append((f"llama.cpp {kind} decode batch 1", f"prompt {args.prompt_len}, {args.gen} new, {bits:.2f} bits/weight",
                      f"{p['decode_tok_s']:.1f} tok/s", f"ktlite is {ours / p['decode_tok_s']:.2f}x at "
@@ -304,7 +318,8 @@ def main() -> None:
             f"Measured in the same run: memory bandwidth {bw:.1f} GB/s (numpy read, {threads} threads); one decode token reads "
             f"{per_token / 1e6:.0f} MB, so the bandwidth bound for batch-1 decode is {bw * 1e9 / per_token:.1f} tok/s.\n")
     if peers:
-        head += (f"llama.cpp: llama-cpp-python {peers[0]['llama_cpp']}, {threads} threads, on GGUFs converted from this "
+        head += (f"llama.cpp: llama-cpp-python {peers[0]['llama_cpp']}, {threads} threads, flash attention on, on GGUFs "
+                 f"converted from this "
                  f"checkpoint (bench/_llamacpp_peer.py), weights in {peers[0]['weights_in']}; bits/weight = bytes one "
                  f"decode token reads x 8 / the weights it "
                  f"reads (routed experts at top-k, no embedding), for both sides.\n")
