@@ -94,6 +94,7 @@ _ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--enable-mixed-chunk",), "enable_mixed_chunk", dict(is_flag=True, default=None, help="Let decodes ride in prefill batches.")),
     (("--disable-radix-cache",), "disable_radix_cache", dict(is_flag=True, default=None, help="Turn off the prefix cache (every request prefills its whole prompt).")),
     (("--schedule-policy",), "schedule_policy", dict(type=click.Choice(["fcfs", "lpm"]), help="Admission order: fcfs (arrival), lpm (longest cached prefix first, none starved) [fcfs].")),
+    (("--max-mamba-cache-size",), "max_mamba_cache_size", dict(type=int, help="Models with recurrent layers (Qwen3-Next): snapshots of their state the prefix cache keeps, one per reusable prefix; 0 turns their prefix cache off [min(8, --max-running-requests)].")),
     (("--hicache-size",), "hicache_size", dict(type=float, help="GiB of CPU RAM for KV evicted from the GPU pool, copied back instead of recomputed [0: off].")),
     (("--kt-method", "--kt-amx-method"), "kt_method", dict(type=str, help="CPU expert format, KTransformers names: FP8, BF16, RAWINT4 (compressed-tensors INT4), LLAMAFILE (GGUF) keep the checkpoint's weights; INT4/INT8 (AMXINT4, MOE_INT8, ...) quantize group-wise [INT4].")),
     (("--kt-group-size",), "kt_group_size", dict(type=int, help="Quantization group size of CPU experts [64 for INT4, 128 for INT8].")),

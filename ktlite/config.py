@@ -20,6 +20,8 @@ from ktlite.kernels.cpu.quant import int8_activations, normalize_activations
 AUTO_KNOBS = frozenset({"tensor_parallel_size", "kt_num_gpu_experts", "max_total_tokens", "chunked_prefill_size",
                         "kt_cpuinfer", "kt_threadpool_count"})
 CPU_DENSE_METHODS = ("auto", "INT8", "INT4", "none")  # --cpu-dense-method values (any case)
+# an agent session needs one or two (its prompt's end, its last reply's end); more serve sessions side by side
+DEFAULT_STATE_SNAPSHOTS = 8
 
 
 @dataclass
@@ -54,6 +56,7 @@ class EngineConfig:
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"  # "lpm": the waiting request with the longest cached prefix first
     hicache_size: float = 0.0  # GiB of CPU RAM holding KV evicted from the device pool (0: no host tier)
+    max_mamba_cache_size: int | None = None  # recurrent-state snapshots of the prefix cache (state_snapshots)
     # hybrid experts (KTransformers names)
     kt_method: str = "INT4"
     kt_group_size: int | None = None  # None: the method's default (quant.DEFAULT_GROUP_SIZES)
@@ -116,9 +119,22 @@ class EngineConfig:
             raise ConfigError(f"--schedule-policy must be fcfs or lpm, got {self.schedule_policy!r}")
         if self.hicache_size < 0:
             raise ConfigError(f"--hicache-size must be >= 0 (GiB), got {self.hicache_size}")
+        if self.max_mamba_cache_size is not None and self.max_mamba_cache_size < 0:
+            raise ConfigError(f"--max-mamba-cache-size must be >= 0, got {self.max_mamba_cache_size}")
         if self.disable_radix_cache and (self.hicache_size or self.schedule_policy == "lpm"):
             raise ConfigError("--hicache-size and --schedule-policy lpm work on the prefix cache: "
                               "drop --disable-radix-cache or them")
+
+    def state_snapshots(self, recurrent: bool) -> int:
+        """Recurrent-state snapshots the prefix cache keeps for a model with per-request recurrent state:
+        --max-mamba-cache-size, default min(DEFAULT_STATE_SNAPSHOTS, --max-running-requests); 0 (which turns
+        such a model's prefix cache off) without recurrent layers, with --disable-radix-cache, and under
+        tensor parallelism (the other ranks do not replay the snapshot copies)."""
+        if not recurrent or self.disable_radix_cache or self.tensor_parallel_size > 1:
+            return 0
+        if self.max_mamba_cache_size is not None:
+            return self.max_mamba_cache_size
+        return min(DEFAULT_STATE_SNAPSHOTS, self.max_running_requests)
 
     @property
     def torch_device(self) -> torch.device:

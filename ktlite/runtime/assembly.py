@@ -48,8 +48,16 @@ class Runtime:
 
     @property
     def supports_prefix_cache(self) -> bool:
-        """False for families with per-request recurrent state, which a token prefix cannot restore."""
-        return self.runner.model.supports_prefix_cache
+        """False for families with per-request recurrent state (which a token prefix cannot restore) unless the
+        state pool keeps snapshots of it (runtime/state_cache.py)."""
+        return self.runner.model.supports_prefix_cache or self.snapshot_pool is not None
+
+    @property
+    def snapshot_pool(self) -> StatePool | None:
+        """The state pool when it keeps recurrent-state snapshots for the prefix cache (never under tensor
+        parallelism, whose driver holds no pool here)."""
+        states = getattr(self.runner, "state_pool", None)
+        return states if states is not None and states.snapshot_rows else None
 
     def placement(self) -> dict[int, list[int]]:
         return {l: sorted(m.gpu_experts) for l, m in self.moe_layers.items()}
@@ -146,7 +154,7 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
                       device, alloc=alloc)
         # recurrent layers' per-request state, at the request's KV-pool row
         states = StatePool(cfg.request_state_specs(tp.size if tp is not None else 1), config.max_running_requests,
-                           device, alloc=alloc)
+                           device, alloc=alloc, snapshots=config.state_snapshots(bool(cfg.request_state_specs())))
         runner = ModelRunner(model, pool, moe_layers, config.kt_max_deferred_experts_per_token, tp=tp,
                              state_pool=states)
         if config.kt_max_deferred_experts_per_token:

@@ -24,6 +24,7 @@ from ktlite.runtime.knobs import choose_knobs
 from ktlite.runtime.models import load_config
 from ktlite.runtime.radix_cache import RadixCache, prefix_cache_enabled
 from ktlite.runtime.sampling import SamplingParams
+from ktlite.runtime.state_cache import StateSnapshots
 from ktlite.runtime.scheduler import Scheduler, SchedulerConfig, StreamEvent
 from ktlite.runtime.tokenizer import Tokenizer
 from ktlite.runtime.verify import verify_plan
@@ -96,10 +97,11 @@ class Engine:
     def _prefix_cache(self) -> RadixCache | None:
         if not prefix_cache_enabled(self.config, self.runtime):
             if not self.config.disable_radix_cache:
-                logger.info("prefix cache off: this model keeps per-request state that a token prefix cannot restore")
+                logger.info("prefix cache off: this model keeps per-request recurrent state and no snapshot of it "
+                            "can be kept (--max-mamba-cache-size 0, or tensor parallelism)")
             return None
-        pool = self.runtime.runner.kv_pool
-        return RadixCache(pool, make_host_cache(pool, self.config))
+        pool, states = self.runtime.runner.kv_pool, self.runtime.snapshot_pool
+        return RadixCache(pool, make_host_cache(pool, self.config), StateSnapshots(states) if states else None)
 
     # ---- prompts ------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | None, input_ids: Sequence[int] | None) -> list[int]:

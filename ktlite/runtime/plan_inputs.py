@@ -71,6 +71,8 @@ class PlanInputs:
     gpu_expert_format: see GPU_EXPERT_FORMATS (set by --kt-method, not a flag of its own).
     dense_quantization: INT8 / INT4 when a CPU device quantizes its linear layers (--cpu-dense-method,
       runtime/cpu_dense.py), None when they keep the weight dtype.
+    state_snapshots: recurrent-state snapshots the prefix cache keeps beyond the running requests' states
+      (--max-mamba-cache-size, EngineConfig.state_snapshots).
     """
 
     gpu_memory: int | str | None = None
@@ -87,6 +89,7 @@ class PlanInputs:
     kv_cache_dtype: str = "auto"
     gpu_expert_format: str = "dense"
     dense_quantization: str | None = None
+    state_snapshots: int = 0
 
     def __post_init__(self) -> None:
         if self.gpu_memory is not None:
@@ -103,6 +106,7 @@ class PlanInputs:
                  self.kt_gpu_experts_ratio, "must be in [0, 1]")
         _require(self.kt_gpu_prefill_token_threshold is None or self.kt_gpu_prefill_token_threshold >= 1,
                  "--kt-gpu-prefill-token-threshold", self.kt_gpu_prefill_token_threshold, "must be >= 1")
+        _require(self.state_snapshots >= 0, "--max-mamba-cache-size", self.state_snapshots, "must be >= 0")
         _require(self.tensor_parallel_size >= 1, "--tensor-parallel-size", self.tensor_parallel_size, "must be >= 1")
         _require(self.dtype in WEIGHT_DTYPES, "--dtype", self.dtype, f"must be one of {', '.join(WEIGHT_DTYPES)}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "--kv-cache-dtype", self.kv_cache_dtype,
@@ -196,4 +200,5 @@ def plan_inputs(config: EngineConfig, cfg: ModelConfig) -> PlanInputs:
         kv_cache_dtype=_DTYPE_NAMES[config.torch_kv_dtype],
         gpu_expert_format="int4_g32" if gpu_experts_int4(config) else "dense",
         dense_quantization=config.cpu_dense_quantization,
+        state_snapshots=config.state_snapshots(bool(cfg.request_state_specs())),
     )

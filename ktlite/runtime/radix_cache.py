@@ -23,6 +23,13 @@ instead of recomputing it. Device residency stays prefix-closed (a node on the d
 on the device), so a request's cached prefix is a device part followed by a host part. When host
 memory is full, the least recently used host copies go: of nodes still on the device, or host-only
 leaves (which leave the tree).
+
+Recurrent state (models whose linear-attention layers keep a per-request state, e.g. Qwen3-Next): a
+prefix is usable only where a snapshot of that state was taken (runtime/state_cache.py). `save_state`
+attaches one to the node ending at a request's prompt, and `release` to the node ending at a finished
+request's computed tokens; a match is cut back to the deepest node holding one, whose snapshot the
+request copies into its row (`Hit.state`). Snapshots go with their node's device slots; when none is
+free, the least recently used node's snapshot is dropped (its KV stays: deeper nodes may need it).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from dataclasses import dataclass, field
 
 from ktlite.runtime.host_cache import HostCache
 from ktlite.runtime.kv_cache import KVPool
+from ktlite.runtime.state_cache import StateSnapshots
 
 
 @dataclass(eq=False)
@@ -47,6 +55,7 @@ class Node:
     last_use: int = 0
     load_ticket: int | None = None  # host->device copy into `slots` that readers must wait for
     save_ticket: int | None = None  # device->host copy reading `slots` that must end before they are reused
+    state: int | None = None  # snapshot row of the recurrent state after this node's last token
 
 
 @dataclass
@@ -54,6 +63,7 @@ class Hit:
     node: Node  # locked for the caller; hand it back to extend/release
     slots: list[int]  # device slots of the cached prefix, positions 0..length-1
     length: int
+    state: int | None = None  # snapshot row to copy into the request's state row (recurrent models)
 
 
 @dataclass
@@ -66,9 +76,9 @@ class CacheStats:
 
 
 def prefix_cache_enabled(config, runtime) -> bool:
-    """Whether an engine (EngineConfig, Runtime) runs the prefix cache: not --disable-radix-cache, and
-    a model whose cache is per token only (a family with per-request recurrent state, such as linear
-    attention, sets runtime.supports_prefix_cache False: a token prefix cannot restore that state)."""
+    """Whether an engine (EngineConfig, Runtime) runs the prefix cache: not --disable-radix-cache, and a
+    model whose cache is per token only, or whose per-request recurrent state (linear attention) the state
+    pool can snapshot (runtime.supports_prefix_cache)."""
     return not config.disable_radix_cache and runtime.supports_prefix_cache
 
 
@@ -81,8 +91,9 @@ def _common(key: list[int], tokens: list[int], start: int) -> int:
 
 
 class RadixCache:
-    def __init__(self, pool: KVPool, host: HostCache | None = None):
-        self.pool, self.host = pool, host
+    def __init__(self, pool: KVPool, host: HostCache | None = None, snapshots: StateSnapshots | None = None):
+        self.pool, self.host, self.snapshots = pool, host, snapshots
+        self._stateful: set[Node] = set()  # nodes holding a snapshot
         self.root = Node([], None, slots=[], lock=1)  # never evicted
         self._reclaimable = 0  # device tokens of unlocked nodes
         self.device_tokens = 0  # device tokens in the tree
@@ -94,29 +105,30 @@ class RadixCache:
     # ---- what requests call ---------------------------------------------------------------------
     def match_len(self, sequence: list[int]) -> int:
         """Cached prefix length of a sequence (host-held part included), without changing anything."""
-        tokens, node, i = sequence[:-1], self.root, 0
+        tokens, node, i, usable = sequence[:-1], self.root, 0, 0
         while i < len(tokens) and (child := node.children.get(tokens[i])) is not None:
             k = _common(child.key, tokens, i)
             i += k
             if k < len(child.key):
                 break
             node = child
-        return i
+            usable = i if self.snapshots is None or node.state is not None else usable
+        return i if self.snapshots is None else usable
 
     def acquire(self, sequence: list[int], reserve: int) -> Hit:
         """Lock the longest cached prefix of sequence[:-1] for a request. Its host-held part is copied
         into device slots when the pool can spare them beyond `reserve` (slots promised elsewhere);
         otherwise the prefix ends where the device part does."""
-        node, length = self._match(sequence[:-1])
+        node, length = self._usable(*self._match(sequence[:-1]))
         self._lock(node)
         path = self._path(node)
         todo = [x for x in path if x.slots is None]
         need = sum(len(x.key) for x in todo)
         if need and self.pool.free_tokens - reserve < need:
-            keep = todo[0].parent
+            keep, length = self._usable(todo[0].parent, length - need)
             self._lock(keep)
             self._unlock(node)
-            node, length, path, todo = keep, length - need, self._path(keep), []
+            node, path, todo = keep, self._path(keep), []
         for x in todo:
             self._load(x, self.pool.take_slots(len(x.key)))
         for x in path:
@@ -126,7 +138,18 @@ class RadixCache:
         self._touch(path)
         self.stats.query_tokens += len(sequence)
         self.stats.hit_tokens += length
-        return Hit(node, [s for x in path for s in x.slots], length)
+        return Hit(node, [s for x in path for s in x.slots], length, node.state)
+
+    def save_state(self, node: Node, row: int) -> None:
+        """Snapshot request row `row`'s recurrent state at `node` (which ends at the row's computed tokens)."""
+        if self.snapshots is None or node is self.root or node.state is not None:
+            return  # a node's tokens decide its state: one snapshot serves every request reaching it
+        slot = self.snapshots.save(row)
+        if slot is None:
+            self._drop_state(min(self._stateful, key=lambda x: x.last_use))
+            slot = self.snapshots.save(row)
+        node.state = slot
+        self._stateful.add(node)
 
     def extend(self, node: Node, tokens: list[int], slots: list[int]) -> Node:
         """Index a running request's computed tokens (all of its sequence so far, at `slots`); it
@@ -136,10 +159,13 @@ class RadixCache:
         self._unlock(node)
         return last
 
-    def release(self, node: Node, tokens: list[int], slots: list[int]) -> list[int]:
-        """A request is done with its row: index its computed tokens and unlock. -> its slots the tree
-        did not take (the tree held those tokens under other slots); the caller frees them."""
-        _, unused = self._insert(tokens, slots)
+    def release(self, node: Node, tokens: list[int], slots: list[int], state_row: int | None = None) -> list[int]:
+        """A request is done with its row: index its computed tokens (with the recurrent state of
+        `state_row`, which holds their state) and unlock. -> its slots the tree did not take (the tree
+        held those tokens under other slots); the caller frees them."""
+        last, unused = self._insert(tokens, slots)
+        if state_row is not None:
+            self.save_state(last, state_row)
         self._unlock(node)
         return unused
 
@@ -187,6 +213,19 @@ class RadixCache:
             x = stack.pop()
             stack.extend(x.children.values())
             yield x
+
+    def _usable(self, node: Node, length: int) -> tuple[Node, int]:
+        """(node, length) cut back to the deepest node holding a snapshot, for a model with recurrent state."""
+        while self.snapshots is not None and node is not self.root and node.state is None:
+            length -= len(node.key)
+            node = node.parent
+        return node, length
+
+    def _drop_state(self, x: Node) -> None:
+        if x.state is not None:
+            self.snapshots.drop(x.state)
+            x.state = None
+            self._stateful.discard(x)
 
     def _path(self, node: Node) -> list[Node]:
         """Nodes from the root's child down to node."""
@@ -279,6 +318,7 @@ class RadixCache:
             self.host.wait(x.save_ticket)
             x.load_ticket = x.save_ticket = None
         self.pool.free_slots(x.slots)
+        self._drop_state(x)  # the state is of no use without the KV before it
         x.slots = None
         self._reclaimable -= n
         self.device_tokens -= n

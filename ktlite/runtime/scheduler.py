@@ -26,10 +26,11 @@ Policy:
   request's, but at least one per request), and its first event carries the prompt's values. With
   max_tokens 0 it only prefills: it finishes ("length") when the prompt is computed, sampling nothing.
 
-Prefix cache (ktlite/runtime/radix_cache.py, unless --disable-radix-cache or the model keeps
-per-request state): an admitted request starts with `computed` = its longest cached prefix; each
-prefill chunk's tokens are indexed as soon as they are computed, and a request that ends (finished,
-preempted or aborted) leaves all its computed tokens in the cache. Cached slots no request uses count
+Prefix cache (ktlite/runtime/radix_cache.py, unless --disable-radix-cache): an admitted request starts
+with `computed` = its longest cached prefix; each prefill chunk's tokens are indexed as soon as they are
+computed, and a request that ends (finished, preempted or aborted) leaves all its computed tokens in the
+cache. On a model with per-request recurrent state, the state is snapshotted where the prompt ends and
+where the request ends, and a prefix is reused only up to a snapshot (copied into the request's row). Cached slots no request uses count
 as free and are evicted before anyone is preempted. `--schedule-policy lpm` admits the waiting
 request with the longest cached prefix first; one passed over LPM_MAX_SKIPS times goes first.
 """
@@ -383,6 +384,8 @@ class Scheduler:
         req.prefix = hit.node
         self.pool.assign_prefix(req.row, hit.slots)
         req.computed = hit.length
+        if hit.state is not None:  # a recurrent model: the state after the prefix, into the request's row
+            self.cache.snapshots.load(hit.state, req.row)
 
     def _release(self, req: Request) -> None:
         """Give back req's row and slots; with the prefix cache its computed tokens stay indexed."""
@@ -391,7 +394,9 @@ class Scheduler:
         else:
             slots = self.pool.release_request(req.row)
             done = min(req.computed, len(slots))  # slots past `computed` belong to a step that never finished
-            unused = self.cache.release(req.prefix, req.tokens(0, done), slots[:done])
+            # the row's recurrent state is that of its computed tokens (the model zeroes it for a new request)
+            unused = self.cache.release(req.prefix, req.tokens(0, done), slots[:done],
+                                        req.row if done == req.computed else None)
             self.pool.free_slots(unused + slots[done:])
             req.prefix = None
         req.row = None
@@ -468,6 +473,8 @@ class Scheduler:
             if self.cache is not None and n > 1 and req.row is not None:  # a prefill chunk: index it now
                 req.prefix = self.cache.extend(req.prefix, req.tokens(0, req.computed),
                                                self.pool.row_slots(req.row)[: req.computed])
+                if req.computed == len(req.prompt_ids):  # the next turn of a conversation starts here
+                    self.cache.save_state(req.prefix, req.row)
             if req.params.max_tokens == 0 and req.computed >= len(req.prompt_ids) and req.finish_reason is None:
                 self._finish(req, "length")  # prefill only: the prompt's logprobs are the reply
         for req, token, lp in zip(sample_reqs, out.ids, out.sampled):
