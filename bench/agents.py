@@ -16,6 +16,7 @@ the streams they receive. A CLI that is not installed is reported as such (never
     npm install -g @anthropic-ai/claude-code @openai/codex
 
     python bench/agents.py --tiny                          # in-process tiny random model (qwen3_moe)
+    python bench/agents.py --tiny --tiny-arch qwen3_next   # recurrent layers: turns resume from state snapshots
     python bench/agents.py --tiny --claude-code --codex --write
     python bench/agents.py --url http://127.0.0.1:30000 --served-model NAME --prefix-tokens 18000
 """
@@ -356,18 +357,18 @@ TINY_CONTEXT = 131072  # as the issue's trial: a tiny Qwen3-MoE with max_positio
 TINY_PARSERS = {"tool_call_parser": "qwen3_coder", "reasoning_parser": "qwen3"}
 
 
-def tiny_model() -> str:
-    """The tiny random qwen3_moe with a chat template that renders tools (tests/chat_templates.py's MAPPING)."""
+def tiny_model(arch: str) -> str:
+    """A tiny random model of `arch` with a chat template that renders tools (tests/chat_templates.py's MAPPING)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from chat_templates import MAPPING, with_template
 
     from ktlite.runtime.tiny_model import write_tiny_model
 
     root = Path("/tmp/ktlite-tiny-agents")
-    base = root / "qwen3_moe"
+    base = root / arch
     if not (base / "config.json").is_file():
-        write_tiny_model(base, "qwen3_moe", seed=1)
-    return str(with_template(base, root / "with-tools", MAPPING, context=TINY_CONTEXT))
+        write_tiny_model(base, arch, seed=1)
+    return str(with_template(base, root / f"{arch}-with-tools", MAPPING, context=TINY_CONTEXT))
 
 
 # ---- main ------------------------------------------------------------------------------------------------------------
@@ -409,7 +410,10 @@ async def bench(url: str, args: argparse.Namespace) -> tuple[list[TurnRow], list
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="A running server (http://127.0.0.1:PORT).")
-    ap.add_argument("--tiny", action="store_true", help="In-process engine + server on the tiny random qwen3_moe.")
+    ap.add_argument("--tiny", action="store_true", help="In-process engine + server on a tiny random model.")
+    ap.add_argument("--tiny-arch", default="qwen3_moe",
+                    help="--tiny's family: qwen3_moe (attention only), qwen3_next (recurrent layers: the prefix cache "
+                         "restores state snapshots), or another of ktlite tiny-model's --arch values.")
     ap.add_argument("--served-model", default=None, help="The 'model' field to send (--tiny: tiny).")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--apis", default="anthropic,openai", help="Scripted sessions: anthropic, openai or both.")
@@ -438,11 +442,11 @@ def main(argv: list[str] | None = None) -> int:
 
         args.served_model = args.served_model or "tiny"
         t0 = time.perf_counter()
-        with Engine(tiny_model(), **TINY_FLAGS) as engine:
+        with Engine(tiny_model(args.tiny_arch), **TINY_FLAGS) as engine:
             print(f"engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
             with ServerThread(engine, ServerOptions(port=0, **TINY_PARSERS)) as srv:
                 rows, notes = asyncio.run(bench(srv.url, args))
-        setup = (f"In-process tiny random qwen3_moe (context {TINY_CONTEXT}), engine flags {json.dumps(TINY_FLAGS)}, "
+        setup = (f"In-process tiny random {args.tiny_arch} (context {TINY_CONTEXT}), engine flags {json.dumps(TINY_FLAGS)}, "
                  f"--tool-call-parser {TINY_PARSERS['tool_call_parser']} --reasoning-parser "
                  f"{TINY_PARSERS['reasoning_parser']}")
     target_lines, ok = check_targets(rows)
