@@ -151,10 +151,12 @@ REGISTERED: tuple[Impl, ...] = (  # one group per kind: add a kind's "cpu" line 
     # GQA decode
     Impl("gqa_decode", "torch", _REF + "gqa_decode_torch"),
     Impl("gqa_decode", "triton", _T + "gqa_decode_attn:gqa_decode_triton"),
+    Impl("gqa_decode", "cpu", "ktlite.kernels.cpu.gqa_attention:gqa_decode", "ktlite.kernels.cpu.gqa_attention:accepts"),
 
     # GQA extend
     Impl("gqa_extend", "torch", _REF + "gqa_extend_torch"),
     Impl("gqa_extend", "triton", _T + "gqa_extend_attn:gqa_extend_triton"),
+    Impl("gqa_extend", "cpu", "ktlite.kernels.cpu.gqa_attention:gqa_extend", "ktlite.kernels.cpu.gqa_attention:accepts"),
 
     # gated delta rule
     Impl("gated_delta_rule", "torch", _REF + "gated_delta_rule_batch_torch"),
