@@ -36,7 +36,7 @@ from ktlite.kernels.triton.kv_fp8 import is_packed
 
 ensure_threadsafe_layer()  # before the first parallel region of the process
 
-ROWS_PER_ITEM = 64  # group x query block: rows sharing each decoded K/V tile
+ROWS_PER_ITEM = 128  # group x query block: rows sharing each decoded K/V tile
 TILE_FLOATS = 8192  # key_tile x head_dim of a decoded tile (32 KiB: an L1/L2 resident K tile)
 _Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _POOL_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
@@ -46,63 +46,101 @@ _NO_SCALES = np.zeros((1, 1), np.float32)
 _F = np.float32
 LOG2E, LN2, NEG = _F(1.4426950408889634), _F(0.6931471805599453), _F(-1e30)
 _ONE, _HALF, _MIN_EXP = _F(1.0), _F(0.5), _F(-126.0)
-_C2, _C3, _C4, _C5, _C6 = (_F(1 / 2), _F(1 / 6), _F(1 / 24), _F(1 / 120), _F(1 / 720))
+_C2, _C3, _C4, _C5 = (_F(1 / 2), _F(1 / 6), _F(1 / 24), _F(1 / 120))
 
 
 @njit(cache=True, fastmath=True)
-def exp2_row(x, n, bits):  # pragma: no cover - compiled
-    """x[:n] <- 2 ** x[:n] (inputs <= 0; below -126 gives ~1e-38, not 0): 2^k from the exponent bits, 2^f for
-    f in [-1/2, 1/2] by e^(f ln 2)'s Taylor series to degree 6 (relative error < 2e-7). bits: int32 scratch."""
+def exp2_tile(x, n, top, bits, scale):  # pragma: no cover - compiled
+    """x[:n] <- 2 ** (x[:n] - top), returning their sum (x <= top; an exponent below -126 gives ~1e-38, not 0):
+    2^k from the exponent bits, 2^f for f in [-1/2, 1/2] by e^(f ln 2)'s Taylor series to degree 5 (relative error
+    < 3e-6). bits: int32 scratch, scale: its float32 view (made once by the caller: a view per call costs as much as
+    a short row)."""
     for j in range(n):
-        t = max(x[j], _MIN_EXP)
+        t = max(x[j] - top, _MIN_EXP)
         k = np.floor(t + _HALF)
         f = (t - k) * LN2
-        x[j] = _ONE + f * (_ONE + f * (_C2 + f * (_C3 + f * (_C4 + f * (_C5 + f * _C6)))))
+        x[j] = _ONE + f * (_ONE + f * (_C2 + f * (_C3 + f * (_C4 + f * _C5))))
         bits[j] = (np.int32(k) + np.int32(127)) << np.int32(23)
-    scale = bits.view(np.float32)
+    total = np.float32(0.0)
     for j in range(n):
         x[j] *= scale[j]
+        total += x[j]
+    return total
 
 
-def decode_row(buf, scales, lut, slot, head, out, out_bits):
-    """out (fp32 [width]) <- kv head `head` of pool slot `slot`, decoded from the buffer's layout."""
+def gather_tile(buf, scales, lut, slots, k0, nk, head, tile, tile_bits):
+    """tile [width, key_tile] fp32 <- kv head `head` of positions k0..k0+nk of a request (slots: its req_to_token
+    row), decoded from the buffer's layout and transposed (position j in column j); tile_bits: tile's uint32 view.
+    Plain 2-D/3-D indexing: a row view per position costs refcounting as much as its copy."""
 
 
-@overload(decode_row, jit_options={"fastmath": True})
-def _decode_row(buf, scales, lut, slot, head, out, out_bits):
+@overload(gather_tile, jit_options={"fastmath": True})
+def _gather_tile(buf, scales, lut, slots, k0, nk, head, tile, tile_bits):
     if buf.dtype == types.uint8:  # packed FP8 head rows: e4m3 code x the row's scale
-        def fp8(buf, scales, lut, slot, head, out, out_bits):
-            src, scale = buf[slot, head], scales[slot, head]
-            for d in range(out.shape[0]):
-                out[d] = lut[src[d]] * scale
+        def fp8(buf, scales, lut, slots, k0, nk, head, tile, tile_bits):
+            for j in range(nk):
+                slot = slots[k0 + j]
+                scale = scales[slot, head]
+                for d in range(tile.shape[0]):
+                    tile[d, j] = lut[buf[slot, head, d]] * scale
         return fp8
     if buf.dtype == types.uint16:  # bf16 bits: the high half of an fp32
-        def bf16(buf, scales, lut, slot, head, out, out_bits):
-            src = buf[slot, head]
-            for d in range(out.shape[0]):
-                out_bits[d] = np.uint32(src[d]) << np.uint32(16)
+        def bf16(buf, scales, lut, slots, k0, nk, head, tile, tile_bits):
+            for j in range(nk):
+                slot = slots[k0 + j]
+                for d in range(tile.shape[0]):
+                    tile_bits[d, j] = np.uint32(buf[slot, head, d]) << np.uint32(16)
         return bf16
 
-    def fp32(buf, scales, lut, slot, head, out, out_bits):
-        src = buf[slot, head]
-        for d in range(out.shape[0]):
-            out[d] = src[d]
+    def fp32(buf, scales, lut, slots, k0, nk, head, tile, tile_bits):
+        for j in range(nk):
+            slot = slots[k0 + j]
+            for d in range(tile.shape[0]):
+                tile[d, j] = buf[slot, head, d]
     return fp32
 
 
 @njit(cache=True, fastmath=True)
-def gather_tile(buf, scales, lut, slots, k0, nk, head, tile, transposed, row, row_bits):  # pragma: no cover
-    """tile <- positions k0..k0+nk of a request (slots = its req_to_token row), kv head `head`, as fp32:
-    tile[d, j] if transposed else tile[j, d]. row/row_bits: one row's fp32 scratch and its uint32 view."""
-    width = row.shape[0]
-    for j in range(nk):
-        decode_row(buf, scales, lut, slots[k0 + j], head, row, row_bits)
-        if transposed:
-            for d in range(width):
-                tile[d, j] = row[d]
-        else:
-            for d in range(width):
-                tile[j, d] = row[d]
+def scores(qrow, kt, n, out):  # pragma: no cover - compiled
+    """out[:n] <- qrow . kt[:, :n] (kt [D, key_tile] transposed keys): contiguous multiply-adds over the keys,
+    eight channels per pass so each pass loads and stores `out` once for eight FMAs. (Row views, not kt[d, j]:
+    2-D indexing left these loops scalar.)"""
+    dim = qrow.shape[0]
+    for j in range(n):
+        out[j] = 0.0
+    for d in range(0, dim - dim % 8, 8):
+        q0, q1, q2, q3, q4, q5, q6, q7 = qrow[d: d + 8]
+        k0, k1, k2, k3, k4, k5, k6, k7 = kt[d], kt[d + 1], kt[d + 2], kt[d + 3], kt[d + 4], kt[d + 5], kt[d + 6], kt[d + 7]
+        for j in range(n):
+            out[j] += (q0 * k0[j] + q1 * k1[j] + q2 * k2[j] + q3 * k3[j]) + (
+                q4 * k4[j] + q5 * k5[j] + q6 * k6[j] + q7 * k7[j])
+    for d in range(dim - dim % 8, dim):
+        qd, kd = qrow[d], kt[d]
+        for j in range(n):
+            out[j] += qd * kd[j]
+
+
+@njit(cache=True, fastmath=True)
+def weighted_values(p, vt, n, alpha, orow):  # pragma: no cover - compiled
+    """orow <- orow * alpha + p[:n] . vt[:, :n] (vt [Dv, key_tile] transposed values): per channel a reduction over
+    the keys (vectorized, nothing stored in the loop), four channels per pass sharing each load of p."""
+    dv = orow.shape[0]
+    for e in range(0, dv - dv % 4, 4):
+        v0, v1, v2, v3 = vt[e], vt[e + 1], vt[e + 2], vt[e + 3]
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for j in range(n):
+            pj = p[j]
+            a0 += pj * v0[j]
+            a1 += pj * v1[j]
+            a2 += pj * v2[j]
+            a3 += pj * v3[j]
+        orow[e], orow[e + 1] = orow[e] * alpha + a0, orow[e + 1] * alpha + a1
+        orow[e + 2], orow[e + 3] = orow[e + 2] * alpha + a2, orow[e + 3] * alpha + a3
+    for e in range(dv - dv % 4, dv):
+        ve, acc = vt[e], np.float32(0.0)
+        for j in range(n):
+            acc += p[j] * ve[j]
+        orow[e] = orow[e] * alpha + acc
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
@@ -130,48 +168,31 @@ def gqa_attention(q, k, k_scales, v, v_scales, lut, req_to_token, rows, prefix, 
         m = np.full(n_rows, NEG, np.float32)
         s_sum = np.zeros(n_rows, np.float32)
         kt = np.empty((dim, key_tile), np.float32)
-        vt = np.empty((key_tile, dv), np.float32)
+        vt = np.empty((dv, key_tile), np.float32)
         p = np.empty(key_tile, np.float32)
         bits = np.empty(key_tile, np.int32)
-        row = np.empty(max(dim, dv), np.float32)
-        row_bits = row.view(np.uint32)
+        bits_f = bits.view(np.float32)
+        kt_bits, vt_bits = kt.view(np.uint32), vt.view(np.uint32)
         seen = prefix[b] + q0 + nq  # positions the block's last query sees
         span = (seen + runs - 1) // runs
         lo, hi = run * span, min(seen, (run + 1) * span)
         slots = req_to_token[rows[b]]
         for k0 in range(lo, hi, key_tile):
             nk = min(key_tile, hi - k0)
-            gather_tile(k, k_scales, lut, slots, k0, nk, h, kt, True, row[:dim], row_bits[:dim])
-            gather_tile(v, v_scales, lut, slots, k0, nk, h, vt, False, row[:dv], row_bits[:dv])
+            gather_tile(k, k_scales, lut, slots, k0, nk, h, kt, kt_bits)
+            gather_tile(v, v_scales, lut, slots, k0, nk, h, vt, vt_bits)
             for r in range(n_rows):
                 nv = min(nk, prefix[b] + q0 + r // group + 1 - k0)  # this row's causal limit inside the tile
                 if nv <= 0:
                     continue
-                for j in range(nv):
-                    p[j] = 0.0
-                for d in range(dim):
-                    qd, kd = qt[r, d], kt[d]
-                    for j in range(nv):
-                        p[j] += qd * kd[j]
+                scores(qt[r], kt, nv, p)
                 top = m[r]
                 for j in range(nv):
                     top = max(top, p[j])
-                for j in range(nv):
-                    p[j] -= top
-                exp2_row(p, nv, bits)
                 alpha = np.exp2(m[r] - top)
-                total = np.float32(0.0)
-                for j in range(nv):
-                    total += p[j]
-                s_sum[r] = s_sum[r] * alpha + total
+                s_sum[r] = s_sum[r] * alpha + exp2_tile(p, nv, top, bits, bits_f)
                 m[r] = top
-                orow = o[r]
-                for e in range(dv):
-                    orow[e] *= alpha
-                for j in range(nv):
-                    pj, vj = p[j], vt[j]
-                    for e in range(dv):
-                        orow[e] += pj * vj[e]
+                weighted_values(p, vt, nv, alpha, o[r])
         for r in range(n_rows):
             t, hq = first + r // group, h * group + r % group
             if runs == 1:  # every row saw at least its own position: s_sum > 0
