@@ -36,7 +36,7 @@ from ktlite.kernels.triton.kv_fp8 import is_packed
 
 ensure_threadsafe_layer()  # before the first parallel region of the process
 
-ROWS_PER_ITEM = 128  # group x query block: rows sharing each decoded K/V tile
+ROWS_PER_ITEM = 256  # group x query block: rows sharing each decoded K/V tile
 TILE_FLOATS = 8192  # key_tile x head_dim of a decoded tile (32 KiB: an L1/L2 resident K tile)
 _Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _POOL_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
