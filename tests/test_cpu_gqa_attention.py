@@ -4,7 +4,8 @@ Pools as the runtime has them: each request's K/V rows in shuffled slots, reques
 Batches are ragged (no prefix, a 1-token chunk, a prefix spanning several key tiles, an empty request), query
 heads per kv head 1/2/4/8, head dims 16/64/128 and a V head narrower than K. Pools: fp32, bf16 (read as uint16
 bits) and packed FP8 head rows (kv_fp8.head_rows, with an outlier channel of 500 to 1,000 in V) — every layout the
-kernel reads; the kernel's code is the same on every x86 CPU (fp32 FMAs), so no path is skipped here.
+kernel reads. Its two paths, transposed tiles and rows read in place (decode and short extends at head dims >= 64),
+are both run (test ids say which); each is fp32 FMAs on every x86 CPU, so no path is skipped on this machine.
 
 Bound (the module docstring's): |kernel - twin| <= 2e-5 + 2e-5 |twin| for fp32 outputs; bf16 queries add one bf16
 ulp (rtol 2^-7), the rounding of the output to q's dtype.
@@ -72,13 +73,25 @@ def test_extend_matches_twin(shape: tuple, pool_dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("runs", [1, 3])  # one run per item; key runs merged (flash-decoding)
 @pytest.mark.parametrize("pool_dtype", POOLS.values(), ids=POOLS.keys())
-def test_decode_matches_twin(pool_dtype: torch.dtype, runs: int) -> None:
+@pytest.mark.parametrize("dim", [16, 64], ids=["d16_tiles", "d64_rows_in_place"])
+def test_decode_matches_twin(dim: int, pool_dtype: torch.dtype, runs: int) -> None:
     seq_lens = [1, 37, 300, 513]
-    args = pool(seq_lens, 2, 64, 64, pool_dtype)
-    q = queries(len(seq_lens), 8, 64)
+    args = pool(seq_lens, 2, dim, dim, pool_dtype)
+    q = queries(len(seq_lens), 8, dim)
     twin = gqa_decode_torch(q, *args, torch.tensor(seq_lens), SCALE)
     assert_bound(cpu_gqa.gqa_decode(q, *args, torch.tensor(seq_lens), SCALE, runs=runs), twin)
     assert_bound(attention.gqa_decode(q, *args, torch.tensor(seq_lens), SCALE), twin)
+
+
+@pytest.mark.parametrize("pool_dtype", POOLS.values(), ids=POOLS.keys())
+def test_short_extends_read_rows_in_place(pool_dtype: torch.dtype) -> None:
+    """At most FEW_ROWS rows per kv head and request (here 8 tokens x group 2) take the in-place row path."""
+    prefix, extend = [0, 40, 300], [1, 3, 8]
+    args = pool([p + e for p, e in zip(prefix, extend)], 2, 64, 48, pool_dtype)
+    q = queries(sum(extend), 4, 64)
+    lens = torch.tensor(prefix), torch.tensor(extend)
+    assert max(extend) * 2 <= cpu_gqa.FEW_ROWS
+    assert_bound(cpu_gqa.gqa_extend(q, *args, *lens, SCALE), gqa_extend_torch(q, *args, *lens, SCALE))
 
 
 def test_extend_key_runs_and_chunk_boundaries() -> None:

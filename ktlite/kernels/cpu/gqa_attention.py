@@ -10,6 +10,9 @@ scores in log2 units, exp2 by a polynomial LLVM vectorizes: numba has no vector 
 causal limit (prefix + its index + 1), computed per row: no mask. Items run in parallel (prange); where there are
 fewer (query block x kv head) items than threads (decode at small batch, a short extend after a long prefix) each
 item's keys are split into runs merged afterwards (flash-decoding, as attention.py does for MLA).
+Decode and short extends (at most FEW_ROWS rows per kv head and request) at head dims >= DIRECT_DIM have too few rows
+to pay for transposing tiles: there an item takes every kv head of its queries and reads each position's K and V rows
+(all heads, contiguous in the pool) in place, a dot product per key and an axpy per value (attend_rows).
 
 Pool layouts read in place: fp32 and bf16 K/V buffers [slots, Hkv, D] (bf16 as its uint16 bits, widened in the
 kernel), and packed FP8 head rows [slots, Hkv, D + 4] uint8 (kv_fp8.head_rows: e4m3 codes through a 256-entry
@@ -17,9 +20,8 @@ table, times the row's fp32 scale, the same product the twin forms). Queries fp3
 the result is in q's dtype. One code path on every CPU: fp32 FMAs at the vector width numba's target gives
 (kernels/cpu/target.py); bf16 pools are widened to fp32 in the gather, there are no AVX512-BF16 / AMX dot products.
 
-Cost (2-core AVX2 EPYC, indicative): ~3 ns per (query head, key) at head dim 16, ~20 ns at 128, about a quarter
-of it the transposing gather of the K/V tiles; an item with few rows (decode: `group` rows) amortizes that gather
-over few rows, which is what bounds decode at large head dims.
+Cost (2-core AVX2 EPYC, shared, indicative): extend ~3 ns per (query head, key) at head dim 16, ~20 ns at 128;
+decode at batch 1 ~1 ms for 18k positions (Hkv 2, group 2, head dim 16), ~5 ms for 4k (Hkv 8, group 4, head dim 128).
 
 Bound (tests/test_cpu_gqa_attention.py): against the twin, |out - twin| <= 2e-5 + 2e-5 |twin| on fp32 outputs
 (fp32 accumulation in another order, the exp2 polynomial's < 3e-6 relative error); with bf16/fp16 queries the
@@ -41,6 +43,8 @@ from ktlite.kernels.triton.kv_fp8 import is_packed
 ensure_threadsafe_layer()  # before the first parallel region of the process
 
 ROWS_PER_ITEM = 256  # group x query block: rows sharing each decoded K/V tile
+FEW_ROWS = 16  # calls of at most this many rows per kv head and request read K/V rows in place (attend_rows) ...
+DIRECT_DIM = 64  # ... at head dims from this one (below, a dot product per key costs more than the tile's transpose)
 TILE_FLOATS = 8192  # key_tile x head_dim of a decoded tile (32 KiB: an L1/L2 resident K tile)
 _Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _POOL_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
@@ -72,36 +76,41 @@ def exp2_tile(x, n, top, bits, scale):  # pragma: no cover - compiled
     return total
 
 
-def gather_tile(buf, scales, lut, slots, k0, nk, head, tile, tile_bits):
-    """tile [width, key_tile] fp32 <- kv head `head` of positions k0..k0+nk of a request (slots: its req_to_token
-    row), decoded from the buffer's layout and transposed (position j in column j); tile_bits: tile's uint32 view.
-    Plain 2-D/3-D indexing: a row view per position costs refcounting as much as its copy."""
+def decode_row(buf, scales, lut, slot, head, row, row_bits):
+    """row (fp32 [width]) <- kv head `head` of pool slot `slot`, decoded from the buffer's layout; row_bits: row's
+    uint32 view."""
 
 
-@overload(gather_tile, jit_options={"fastmath": True})
-def _gather_tile(buf, scales, lut, slots, k0, nk, head, tile, tile_bits):
+@overload(decode_row, jit_options={"fastmath": True})
+def _decode_row(buf, scales, lut, slot, head, row, row_bits):
     if buf.dtype == types.uint8:  # packed FP8 head rows: e4m3 code x the row's scale
-        def fp8(buf, scales, lut, slots, k0, nk, head, tile, tile_bits):
-            for j in range(nk):
-                slot = slots[k0 + j]
-                scale = scales[slot, head]
-                for d in range(tile.shape[0]):
-                    tile[d, j] = lut[buf[slot, head, d]] * scale
+        def fp8(buf, scales, lut, slot, head, row, row_bits):
+            src, scale = buf[slot, head], scales[slot, head]
+            for d in range(row.shape[0]):
+                row[d] = lut[src[d]] * scale
         return fp8
     if buf.dtype == types.uint16:  # bf16 bits: the high half of an fp32
-        def bf16(buf, scales, lut, slots, k0, nk, head, tile, tile_bits):
-            for j in range(nk):
-                slot = slots[k0 + j]
-                for d in range(tile.shape[0]):
-                    tile_bits[d, j] = np.uint32(buf[slot, head, d]) << np.uint32(16)
+        def bf16(buf, scales, lut, slot, head, row, row_bits):
+            src = buf[slot, head]
+            for d in range(row.shape[0]):
+                row_bits[d] = np.uint32(src[d]) << np.uint32(16)
         return bf16
 
-    def fp32(buf, scales, lut, slots, k0, nk, head, tile, tile_bits):
-        for j in range(nk):
-            slot = slots[k0 + j]
-            for d in range(tile.shape[0]):
-                tile[d, j] = buf[slot, head, d]
+    def fp32(buf, scales, lut, slot, head, row, row_bits):
+        src = buf[slot, head]
+        for d in range(row.shape[0]):
+            row[d] = src[d]
     return fp32
+
+
+@njit(cache=True, fastmath=True)
+def gather_tile(buf, scales, lut, slots, k0, nk, head, tile, row, row_bits):  # pragma: no cover - compiled
+    """tile [width, key_tile] fp32 <- kv head `head` of positions k0..k0+nk of a request (slots: its req_to_token
+    row), transposed (position j in column j); row/row_bits: one row's scratch and its uint32 view."""
+    for j in range(nk):
+        decode_row(buf, scales, lut, slots[k0 + j], head, row, row_bits)
+        for d in range(row.shape[0]):
+            tile[d, j] = row[d]
 
 
 @njit(cache=True, fastmath=True)
@@ -147,27 +156,75 @@ def weighted_values(p, vt, n, alpha, orow):  # pragma: no cover - compiled
         orow[e] = orow[e] * alpha + acc
 
 
+@njit(cache=True, fastmath=True)
+def attend_rows(qt, k, k_scales, v, v_scales, lut, slots, k0, nk, limit0, group, o, m, s_sum, st, bits, bits_f, row,
+                row_bits):  # pragma: no cover - compiled
+    """One key tile for an item of every kv head and few queries (decode): each position's K and V rows, all heads
+    (contiguous in the pool), decoded once into `row` and used in place (a dot product per key, an axpy per value),
+    where gathering transposed tiles head by head would cost more than the rows' arithmetic. Row r is query
+    r // Hq, query head r % Hq (kv head (r % Hq) // group) and sees positions < limit0 + r // Hq; st [rows,
+    key_tile] holds the scores."""
+    n_rows, dim, dv, kv_heads = qt.shape[0], qt.shape[1], o.shape[1], k.shape[1]
+    heads = kv_heads * group
+    krow, kbits, vrow, vbits = row[:dim], row_bits[:dim], row[:dv], row_bits[:dv]
+    seen = min(nk, limit0 + (n_rows - 1) // heads - k0)  # positions of this tile the item's last query sees
+    for j in range(seen):
+        for h in range(kv_heads):
+            decode_row(k, k_scales, lut, slots[k0 + j], h, krow, kbits)
+            for r in range(h * group, n_rows, heads):  # query by query, this kv head's group
+                for g in range(r, r + group):
+                    qr, acc = qt[g], np.float32(0.0)
+                    for d in range(dim):
+                        acc += qr[d] * krow[d]
+                    st[g, j] = acc
+    for r in range(n_rows):
+        nv = max(0, min(nk, limit0 + r // heads - k0))
+        sr, top = st[r], m[r]
+        for j in range(nv):
+            top = max(top, sr[j])
+        alpha = np.exp2(m[r] - top)
+        s_sum[r] = s_sum[r] * alpha + exp2_tile(sr, nv, top, bits, bits_f)
+        m[r] = top
+        for j in range(nv, seen):
+            sr[j] = 0.0  # past this row's causal limit
+        orow = o[r]
+        for e in range(dv):
+            orow[e] *= alpha
+    for j in range(seen):
+        for h in range(kv_heads):
+            decode_row(v, v_scales, lut, slots[k0 + j], h, vrow, vbits)
+            for r in range(h * group, n_rows, heads):
+                for g in range(r, r + group):
+                    pj, orow = st[g, j], o[g]
+                    for e in range(dv):
+                        orow[e] += pj * vrow[e]
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def gqa_attention(q, k, k_scales, v, v_scales, lut, req_to_token, rows, prefix, lens, starts, blk_req, blk_q0,
-                  block, key_tile, runs, sm_scale, out, part_o, part_ml):  # pragma: no cover - compiled
+                  block, key_tile, runs, direct, sm_scale, out, part_o, part_ml):  # pragma: no cover - compiled
     """out [N, Hq, Dv] fp32 <- causal GQA of q [N, Hq, D] (fp32) over the pool (layouts in the module docstring).
     Request b's queries are rows starts[b].. of q, at positions prefix[b]..prefix[b] + lens[b] - 1 of its
     req_to_token row rows[b]; query blocks (blk_req, blk_q0) of up to `block` queries; `runs` key runs per item,
-    whose partial sums go through part_o [runs, N, Hq, Dv] and part_ml [runs, N, Hq, 2] (max, exp-sum) when > 1."""
+    whose partial sums go through part_o [runs, N, Hq, Dv] and part_ml [runs, N, Hq, 2] (max, exp-sum) when > 1.
+    An item takes one kv head and its tiles (gather_tile), or with `direct` every kv head, reading each position's
+    K/V rows of all heads (contiguous in the pool) in place (attend_rows)."""
     heads, dim = q.shape[1], q.shape[2]
     kv_heads, dv = k.shape[1], out.shape[2]
     group = heads // kv_heads
+    item_kv = kv_heads if direct else 1  # kv heads per item
+    item_heads = item_kv * group  # query heads per item
     scale2 = np.float32(sm_scale) * LOG2E  # scores in log2 units: exp2 below
-    per_block = kv_heads * runs
+    per_block = kv_heads // item_kv * runs
     for item in prange(blk_req.shape[0] * per_block):
-        blk, h, run = item // per_block, (item % per_block) // runs, item % runs
+        blk, h, run = item // per_block, (item % per_block) // runs * item_kv, item % runs
         b, q0 = blk_req[blk], blk_q0[blk]
         nq = min(block, lens[b] - q0)
-        n_rows, first = nq * group, starts[b] + q0
-        qt = np.empty((n_rows, dim), np.float32)  # row r = query r // group, query head h * group + r % group
+        n_rows, first = nq * item_heads, starts[b] + q0
+        qt = np.empty((n_rows, dim), np.float32)  # row r = query r // item_heads, query head h * group + r % item_heads
         for r in range(n_rows):
             for d in range(dim):
-                qt[r, d] = q[first + r // group, h * group + r % group, d] * scale2
+                qt[r, d] = q[first + r // item_heads, h * group + r % item_heads, d] * scale2
         o = np.zeros((n_rows, dv), np.float32)
         m = np.full(n_rows, NEG, np.float32)
         s_sum = np.zeros(n_rows, np.float32)
@@ -176,15 +233,21 @@ def gqa_attention(q, k, k_scales, v, v_scales, lut, req_to_token, rows, prefix, 
         p = np.empty(key_tile, np.float32)
         bits = np.empty(key_tile, np.int32)
         bits_f = bits.view(np.float32)
-        kt_bits, vt_bits = kt.view(np.uint32), vt.view(np.uint32)
+        row = np.empty(max(dim, dv), np.float32)
+        row_bits = row.view(np.uint32)
+        st = np.empty((n_rows if direct else 0, key_tile), np.float32)
         seen = prefix[b] + q0 + nq  # positions the block's last query sees
         span = (seen + runs - 1) // runs
         lo, hi = run * span, min(seen, (run + 1) * span)
         slots = req_to_token[rows[b]]
         for k0 in range(lo, hi, key_tile):
             nk = min(key_tile, hi - k0)
-            gather_tile(k, k_scales, lut, slots, k0, nk, h, kt, kt_bits)
-            gather_tile(v, v_scales, lut, slots, k0, nk, h, vt, vt_bits)
+            if direct:
+                attend_rows(qt, k, k_scales, v, v_scales, lut, slots, k0, nk, prefix[b] + q0 + 1, group, o, m, s_sum,
+                            st, bits, bits_f, row, row_bits)
+                continue
+            gather_tile(k, k_scales, lut, slots, k0, nk, h, kt, row[:dim], row_bits[:dim])
+            gather_tile(v, v_scales, lut, slots, k0, nk, h, vt, row[:dv], row_bits[:dv])
             for r in range(n_rows):
                 nv = min(nk, prefix[b] + q0 + r // group + 1 - k0)  # this row's causal limit inside the tile
                 if nv <= 0:
@@ -198,7 +261,7 @@ def gqa_attention(q, k, k_scales, v, v_scales, lut, req_to_token, rows, prefix, 
                 m[r] = top
                 weighted_values(p, vt, nv, alpha, o[r])
         for r in range(n_rows):
-            t, hq = first + r // group, h * group + r % group
+            t, hq = first + r // item_heads, h * group + r % item_heads
             if runs == 1:  # every row saw at least its own position: s_sum > 0
                 inv = np.float32(1.0) / s_sum[r]
                 for e in range(dv):
@@ -276,17 +339,20 @@ def gqa_extend(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, 
     prefix, lens = prefix_lens.to(torch.int64).numpy(), extend_lens.to(torch.int64).numpy()
     group = q.shape[1] // k.shape[1]
     block = max(1, ROWS_PER_ITEM // group)
+    # decode and short extends at head dims where a dot product per key beats transposing tiles: rows in place
+    direct = int(lens.max()) * group <= FEW_ROWS and dim >= DIRECT_DIM
     blk_req, blk_q0 = query_blocks(prefix, lens, block)
     if runs is None:
-        longest = int((prefix + np.minimum(lens, block)).max()) if lens.size else 1
-        runs = device_blocks.decode_splits(blk_req.shape[0] * k.shape[1], longest, numba.config.NUMBA_NUM_THREADS)
+        longest = int((prefix + np.minimum(lens, block)).max())
+        items = blk_req.shape[0] * (1 if direct else k.shape[1])
+        runs = device_blocks.decode_splits(items, longest, numba.config.NUMBA_NUM_THREADS)
     many = runs > 1
     part_o = np.empty((runs if many else 0, *out.shape), np.float32)
     part_ml = np.empty((runs if many else 0, q.shape[0], q.shape[1], 2), np.float32)
     starts = np.cumsum(lens) - lens
     gqa_attention(q.float().contiguous().numpy(), k, k_scales, v, v_scales, _E4M3, req_to_token.numpy(),
                   req_pool_indices.to(torch.int64).numpy(), prefix, lens, starts, blk_req, blk_q0, block,
-                  max(64, min(256, TILE_FLOATS // max(dim, dv))), runs, sm_scale, out, part_o, part_ml)
+                  max(64, min(256, TILE_FLOATS // max(dim, dv))), runs, direct, sm_scale, out, part_o, part_ml)
     if many:
         merge_runs(part_o, part_ml, out)
     return torch.from_numpy(out).to(q.dtype)
