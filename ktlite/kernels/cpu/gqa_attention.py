@@ -1,0 +1,366 @@
+"""GQA decode and extend attention compiled for a CPU device, flash-style (the twins reference.gqa_extend_torch and
+gqa_decode_torch are the spec; registered as their "cpu" implementation in ktlite/kernels/attention.py).
+
+The twin builds a [tokens x context] score matrix per request, masks it and softmaxes it: at an 18k-token prompt
+that is gigabytes per layer. Here a work item is (query block, kv head, key run): the block's queries of all the
+kv head's query heads (group x block rows, so each K/V tile is read once for the whole group) walk the keys in
+tiles of `key_tile` positions, gathered from the pool through req_to_token and decoded to fp32 (K transposed, so the
+scores are contiguous multiply-adds), and keep per row a running max, exp-sum and weighted V sum (online softmax,
+scores in log2 units, exp2 by a polynomial LLVM vectorizes: numba has no vector exp here). A row stops at its own
+causal limit (prefix + its index + 1), computed per row: no mask. Items run in parallel (prange); where there are
+fewer (query block x kv head) items than threads (decode at small batch, a short extend after a long prefix) each
+item's keys are split into runs merged afterwards (flash-decoding, as attention.py does for MLA).
+Decode and short extends (at most FEW_ROWS rows per kv head and request) at head dims >= DIRECT_DIM have too few rows
+to pay for transposing tiles: there an item takes every kv head of its queries and reads each position's K and V rows
+(all heads, contiguous in the pool) in place, a dot product per key and an axpy per value (attend_rows).
+
+Pool layouts read in place: fp32 and bf16 K/V buffers [slots, Hkv, D] (bf16 as its uint16 bits, widened in the
+kernel), and packed FP8 head rows [slots, Hkv, D + 4] uint8 (kv_fp8.head_rows: e4m3 codes through a 256-entry
+table, times the row's fp32 scale, the same product the twin forms). Queries fp32, bf16 or fp16 (read as fp32);
+the result is in q's dtype. One code path on every CPU: fp32 FMAs at the vector width numba's target gives
+(kernels/cpu/target.py); bf16 pools are widened to fp32 in the gather, there are no AVX512-BF16 / AMX dot products.
+
+Cost (2-core AVX2 EPYC, shared, indicative): extend ~3 ns per (query head, key) at head dim 16, ~20 ns at 128;
+decode at batch 1 ~1 ms for 18k positions (Hkv 2, group 2, head dim 16), ~5 ms for 4k (Hkv 8, group 4, head dim 128).
+
+Bound (tests/test_cpu_gqa_attention.py): against the twin, |out - twin| <= 2e-5 + 2e-5 |twin| on fp32 outputs
+(fp32 accumulation in another order, the exp2 polynomial's < 3e-6 relative error); with bf16/fp16 queries the
+outputs are rounded to q's dtype, so one ulp of that dtype comes on top.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange, types
+from numba.extending import overload
+
+from ktlite.kernels.cpu import device_blocks
+from ktlite.kernels.cpu.threads import ensure_threadsafe_layer
+from ktlite.kernels.triton.kv_fp8 import is_packed
+
+ensure_threadsafe_layer()  # before the first parallel region of the process
+
+ROWS_PER_ITEM = 256  # group x query block: rows sharing each decoded K/V tile
+FEW_ROWS = 16  # calls of at most this many rows per kv head and request read K/V rows in place (attend_rows) ...
+DIRECT_DIM = 64  # ... at head dims from this one (below, a dot product per key costs more than the tile's transpose)
+TILE_FLOATS = 8192  # key_tile x head_dim of a decoded tile (32 KiB: an L1/L2 resident K tile)
+_Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
+_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+_NO_SCALES = np.zeros((1, 1), np.float32)
+
+_F = np.float32
+LOG2E, LN2, NEG = _F(1.4426950408889634), _F(0.6931471805599453), _F(-1e30)
+_ONE, _HALF, _MIN_EXP = _F(1.0), _F(0.5), _F(-126.0)
+_C2, _C3, _C4, _C5 = (_F(1 / 2), _F(1 / 6), _F(1 / 24), _F(1 / 120))
+
+
+@njit(cache=True, fastmath=True)
+def exp2_tile(x, n, top, bits, scale):  # pragma: no cover - compiled
+    """x[:n] <- 2 ** (x[:n] - top), returning their sum (x <= top; an exponent below -126 gives ~1e-38, not 0):
+    2^k from the exponent bits, 2^f for f in [-1/2, 1/2] by e^(f ln 2)'s Taylor series to degree 5 (relative error
+    < 3e-6). bits: int32 scratch, scale: its float32 view (made once by the caller: a view per call costs as much as
+    a short row)."""
+    for j in range(n):
+        t = max(x[j] - top, _MIN_EXP)
+        k = np.floor(t + _HALF)
+        f = (t - k) * LN2
+        x[j] = _ONE + f * (_ONE + f * (_C2 + f * (_C3 + f * (_C4 + f * _C5))))
+        bits[j] = (np.int32(k) + np.int32(127)) << np.int32(23)
+    total = np.float32(0.0)
+    for j in range(n):
+        x[j] *= scale[j]
+        total += x[j]
+    return total
+
+
+def decode_row(buf, scales, lut, slot, head, row, row_bits):
+    """row (fp32 [width]) <- kv head `head` of pool slot `slot`, decoded from the buffer's layout; row_bits: row's
+    uint32 view."""
+
+
+@overload(decode_row, jit_options={"fastmath": True})
+def _decode_row(buf, scales, lut, slot, head, row, row_bits):
+    if buf.dtype == types.uint8:  # packed FP8 head rows: e4m3 code x the row's scale
+        def fp8(buf, scales, lut, slot, head, row, row_bits):
+            src, scale = buf[slot, head], scales[slot, head]
+            for d in range(row.shape[0]):
+                row[d] = lut[src[d]] * scale
+        return fp8
+    if buf.dtype == types.uint16:  # bf16 bits: the high half of an fp32
+        def bf16(buf, scales, lut, slot, head, row, row_bits):
+            src = buf[slot, head]
+            for d in range(row.shape[0]):
+                row_bits[d] = np.uint32(src[d]) << np.uint32(16)
+        return bf16
+
+    def fp32(buf, scales, lut, slot, head, row, row_bits):
+        src = buf[slot, head]
+        for d in range(row.shape[0]):
+            row[d] = src[d]
+    return fp32
+
+
+@njit(cache=True, fastmath=True)
+def gather_tile(buf, scales, lut, slots, k0, nk, head, tile, row, row_bits):  # pragma: no cover - compiled
+    """tile [width, key_tile] fp32 <- kv head `head` of positions k0..k0+nk of a request (slots: its req_to_token
+    row), transposed (position j in column j); row/row_bits: one row's scratch and its uint32 view."""
+    for j in range(nk):
+        decode_row(buf, scales, lut, slots[k0 + j], head, row, row_bits)
+        for d in range(row.shape[0]):
+            tile[d, j] = row[d]
+
+
+@njit(cache=True, fastmath=True)
+def scores(qrow, kt, n, out):  # pragma: no cover - compiled
+    """out[:n] <- qrow . kt[:, :n] (kt [D, key_tile] transposed keys): contiguous multiply-adds over the keys,
+    eight channels per pass so each pass loads and stores `out` once for eight FMAs. (Row views, not kt[d, j]:
+    2-D indexing left these loops scalar.)"""
+    dim = qrow.shape[0]
+    for j in range(n):
+        out[j] = 0.0
+    for d in range(0, dim - dim % 8, 8):
+        q0, q1, q2, q3, q4, q5, q6, q7 = qrow[d: d + 8]
+        k0, k1, k2, k3, k4, k5, k6, k7 = kt[d], kt[d + 1], kt[d + 2], kt[d + 3], kt[d + 4], kt[d + 5], kt[d + 6], kt[d + 7]
+        for j in range(n):
+            out[j] += (q0 * k0[j] + q1 * k1[j] + q2 * k2[j] + q3 * k3[j]) + (
+                q4 * k4[j] + q5 * k5[j] + q6 * k6[j] + q7 * k7[j])
+    for d in range(dim - dim % 8, dim):
+        qd, kd = qrow[d], kt[d]
+        for j in range(n):
+            out[j] += qd * kd[j]
+
+
+@njit(cache=True, fastmath=True)
+def weighted_values(p, vt, n, alpha, orow):  # pragma: no cover - compiled
+    """orow <- orow * alpha + p[:n] . vt[:, :n] (vt [Dv, key_tile] transposed values): per channel a reduction over
+    the keys (vectorized, nothing stored in the loop), four channels per pass sharing each load of p."""
+    dv = orow.shape[0]
+    for e in range(0, dv - dv % 4, 4):
+        v0, v1, v2, v3 = vt[e], vt[e + 1], vt[e + 2], vt[e + 3]
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for j in range(n):
+            pj = p[j]
+            a0 += pj * v0[j]
+            a1 += pj * v1[j]
+            a2 += pj * v2[j]
+            a3 += pj * v3[j]
+        orow[e], orow[e + 1] = orow[e] * alpha + a0, orow[e + 1] * alpha + a1
+        orow[e + 2], orow[e + 3] = orow[e + 2] * alpha + a2, orow[e + 3] * alpha + a3
+    for e in range(dv - dv % 4, dv):
+        ve, acc = vt[e], np.float32(0.0)
+        for j in range(n):
+            acc += p[j] * ve[j]
+        orow[e] = orow[e] * alpha + acc
+
+
+@njit(cache=True, fastmath=True)
+def attend_rows(qt, k, k_scales, v, v_scales, lut, slots, k0, nk, limit0, group, o, m, s_sum, st, bits, bits_f, row,
+                row_bits):  # pragma: no cover - compiled
+    """One key tile for an item of every kv head and few queries (decode): each position's K and V rows, all heads
+    (contiguous in the pool), decoded once into `row` and used in place (a dot product per key, an axpy per value),
+    where gathering transposed tiles head by head would cost more than the rows' arithmetic. Row r is query
+    r // Hq, query head r % Hq (kv head (r % Hq) // group) and sees positions < limit0 + r // Hq; st [rows,
+    key_tile] holds the scores."""
+    n_rows, dim, dv, kv_heads = qt.shape[0], qt.shape[1], o.shape[1], k.shape[1]
+    heads = kv_heads * group
+    krow, kbits, vrow, vbits = row[:dim], row_bits[:dim], row[:dv], row_bits[:dv]
+    seen = min(nk, limit0 + (n_rows - 1) // heads - k0)  # positions of this tile the item's last query sees
+    for j in range(seen):
+        for h in range(kv_heads):
+            decode_row(k, k_scales, lut, slots[k0 + j], h, krow, kbits)
+            for r in range(h * group, n_rows, heads):  # query by query, this kv head's group
+                for g in range(r, r + group):
+                    qr, acc = qt[g], np.float32(0.0)
+                    for d in range(dim):
+                        acc += qr[d] * krow[d]
+                    st[g, j] = acc
+    for r in range(n_rows):
+        nv = max(0, min(nk, limit0 + r // heads - k0))
+        sr, top = st[r], m[r]
+        for j in range(nv):
+            top = max(top, sr[j])
+        alpha = np.exp2(m[r] - top)
+        s_sum[r] = s_sum[r] * alpha + exp2_tile(sr, nv, top, bits, bits_f)
+        m[r] = top
+        for j in range(nv, seen):
+            sr[j] = 0.0  # past this row's causal limit
+        orow = o[r]
+        for e in range(dv):
+            orow[e] *= alpha
+    for j in range(seen):
+        for h in range(kv_heads):
+            decode_row(v, v_scales, lut, slots[k0 + j], h, vrow, vbits)
+            for r in range(h * group, n_rows, heads):
+                for g in range(r, r + group):
+                    pj, orow = st[g, j], o[g]
+                    for e in range(dv):
+                        orow[e] += pj * vrow[e]
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def gqa_attention(q, k, k_scales, v, v_scales, lut, req_to_token, rows, prefix, lens, starts, blk_req, blk_q0,
+                  block, key_tile, runs, direct, sm_scale, out, part_o, part_ml):  # pragma: no cover - compiled
+    """out [N, Hq, Dv] fp32 <- causal GQA of q [N, Hq, D] (fp32) over the pool (layouts in the module docstring).
+    Request b's queries are rows starts[b].. of q, at positions prefix[b]..prefix[b] + lens[b] - 1 of its
+    req_to_token row rows[b]; query blocks (blk_req, blk_q0) of up to `block` queries; `runs` key runs per item,
+    whose partial sums go through part_o [runs, N, Hq, Dv] and part_ml [runs, N, Hq, 2] (max, exp-sum) when > 1.
+    An item takes one kv head and its tiles (gather_tile), or with `direct` every kv head, reading each position's
+    K/V rows of all heads (contiguous in the pool) in place (attend_rows)."""
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads, dv = k.shape[1], out.shape[2]
+    group = heads // kv_heads
+    item_kv = kv_heads if direct else 1  # kv heads per item
+    item_heads = item_kv * group  # query heads per item
+    scale2 = np.float32(sm_scale) * LOG2E  # scores in log2 units: exp2 below
+    per_block = kv_heads // item_kv * runs
+    for item in prange(blk_req.shape[0] * per_block):
+        blk, h, run = item // per_block, (item % per_block) // runs * item_kv, item % runs
+        b, q0 = blk_req[blk], blk_q0[blk]
+        nq = min(block, lens[b] - q0)
+        n_rows, first = nq * item_heads, starts[b] + q0
+        qt = np.empty((n_rows, dim), np.float32)  # row r = query r // item_heads, query head h * group + r % item_heads
+        for r in range(n_rows):
+            for d in range(dim):
+                qt[r, d] = q[first + r // item_heads, h * group + r % item_heads, d] * scale2
+        o = np.zeros((n_rows, dv), np.float32)
+        m = np.full(n_rows, NEG, np.float32)
+        s_sum = np.zeros(n_rows, np.float32)
+        kt = np.empty((dim, key_tile), np.float32)
+        vt = np.empty((dv, key_tile), np.float32)
+        p = np.empty(key_tile, np.float32)
+        bits = np.empty(key_tile, np.int32)
+        bits_f = bits.view(np.float32)
+        row = np.empty(max(dim, dv), np.float32)
+        row_bits = row.view(np.uint32)
+        st = np.empty((n_rows if direct else 0, key_tile), np.float32)
+        seen = prefix[b] + q0 + nq  # positions the block's last query sees
+        span = (seen + runs - 1) // runs
+        lo, hi = run * span, min(seen, (run + 1) * span)
+        slots = req_to_token[rows[b]]
+        for k0 in range(lo, hi, key_tile):
+            nk = min(key_tile, hi - k0)
+            if direct:
+                attend_rows(qt, k, k_scales, v, v_scales, lut, slots, k0, nk, prefix[b] + q0 + 1, group, o, m, s_sum,
+                            st, bits, bits_f, row, row_bits)
+                continue
+            gather_tile(k, k_scales, lut, slots, k0, nk, h, kt, row[:dim], row_bits[:dim])
+            gather_tile(v, v_scales, lut, slots, k0, nk, h, vt, row[:dv], row_bits[:dv])
+            for r in range(n_rows):
+                nv = min(nk, prefix[b] + q0 + r // group + 1 - k0)  # this row's causal limit inside the tile
+                if nv <= 0:
+                    continue
+                scores(qt[r], kt, nv, p)
+                top = m[r]
+                for j in range(nv):
+                    top = max(top, p[j])
+                alpha = np.exp2(m[r] - top)
+                s_sum[r] = s_sum[r] * alpha + exp2_tile(p, nv, top, bits, bits_f)
+                m[r] = top
+                weighted_values(p, vt, nv, alpha, o[r])
+        for r in range(n_rows):
+            t, hq = first + r // item_heads, h * group + r % item_heads
+            if runs == 1:  # every row saw at least its own position: s_sum > 0
+                inv = np.float32(1.0) / s_sum[r]
+                for e in range(dv):
+                    out[t, hq, e] = o[r, e] * inv
+            else:
+                part_ml[run, t, hq, 0], part_ml[run, t, hq, 1] = m[r], s_sum[r]
+                for e in range(dv):
+                    part_o[run, t, hq, e] = o[r, e]
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def merge_runs(part_o, part_ml, out):  # pragma: no cover - compiled
+    """out[t, h] <- the runs' partial sums rescaled to their common max, over their total exp-sum."""
+    runs, n_tok, heads, dv = part_o.shape
+    for item in prange(n_tok * heads):
+        t, h = item // heads, item % heads
+        top = NEG
+        for r in range(runs):
+            if part_ml[r, t, h, 1] > 0.0:
+                top = max(top, part_ml[r, t, h, 0])
+        total = np.float32(0.0)
+        for e in range(dv):
+            out[t, h, e] = 0.0
+        for r in range(runs):
+            if part_ml[r, t, h, 1] == 0.0:  # a run past this row's causal limit
+                continue
+            w = np.exp2(part_ml[r, t, h, 0] - top)
+            total += w * part_ml[r, t, h, 1]
+            for e in range(dv):
+                out[t, h, e] += w * part_o[r, t, h, e]
+        for e in range(dv):
+            out[t, h, e] /= total
+
+
+def accepts(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, *_: object) -> bool:
+    """Whether gqa_extend / gqa_decode take these inputs (else the twin does): CPU, fp32/bf16/fp16 queries, K and V
+    both fp32, both bf16 or both packed FP8 rows, unit stride along the head dim."""
+    return (q.device.type == "cpu" and q.dtype in _Q_DTYPES and k_buffer.dtype == v_buffer.dtype
+            and k_buffer.dtype in _POOL_DTYPES and k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1)
+
+
+def _pool(buffer: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
+    """(values as the kernel reads them, fp32 scales [slots, Hkv] of packed rows, head width) of a K or V buffer."""
+    if is_packed(buffer):
+        width = buffer.shape[-1] - 4
+        return buffer.numpy(), buffer.view(torch.float32)[..., width // 4].numpy(), width
+    if buffer.dtype == torch.bfloat16:
+        return buffer.view(torch.int16).numpy().view(np.uint16), _NO_SCALES, buffer.shape[-1]
+    return buffer.numpy(), _NO_SCALES, buffer.shape[-1]
+
+
+def query_blocks(prefix: np.ndarray, lens: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """(request, first query) of each block of up to `block` queries, in snake order of cost (largest, smallest,
+    next largest, ...): the causal blocks' work grows with position, and contiguous shares of this order even out
+    under static and dynamic scheduling alike."""
+    per_req = -(-lens // block)
+    req = np.repeat(np.arange(lens.shape[0]), per_req)
+    q0 = (np.arange(req.shape[0]) - np.repeat(np.cumsum(per_req) - per_req, per_req)) * block
+    order = np.argsort(-(prefix[req] + q0), kind="stable")
+    snake = np.empty_like(order)
+    snake[0::2], snake[1::2] = order[: (order.shape[0] + 1) // 2], order[(order.shape[0] + 1) // 2:][::-1]
+    return req[snake], q0[snake]
+
+
+def gqa_extend(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
+               req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor, sm_scale: float,
+               runs: int | None = None) -> torch.Tensor:
+    """reference.gqa_extend_torch's signature and result ([N, Hq, Dv] in q's dtype); `runs` overrides the key
+    runs per item (tests)."""
+    k, k_scales, dim = _pool(k_buffer)
+    v, v_scales, dv = _pool(v_buffer)
+    out = np.zeros((q.shape[0], q.shape[1], dv), np.float32)
+    if q.shape[0] == 0:
+        return torch.from_numpy(out).to(q.dtype)
+    prefix, lens = prefix_lens.to(torch.int64).numpy(), extend_lens.to(torch.int64).numpy()
+    group = q.shape[1] // k.shape[1]
+    block = max(1, ROWS_PER_ITEM // group)
+    # decode and short extends at head dims where a dot product per key beats transposing tiles: rows in place
+    direct = int(lens.max()) * group <= FEW_ROWS and dim >= DIRECT_DIM
+    blk_req, blk_q0 = query_blocks(prefix, lens, block)
+    if runs is None:
+        longest = int((prefix + np.minimum(lens, block)).max())
+        items = blk_req.shape[0] * (1 if direct else k.shape[1])
+        runs = device_blocks.decode_splits(items, longest, numba.config.NUMBA_NUM_THREADS)
+    many = runs > 1
+    part_o = np.empty((runs if many else 0, *out.shape), np.float32)
+    part_ml = np.empty((runs if many else 0, q.shape[0], q.shape[1], 2), np.float32)
+    starts = np.cumsum(lens) - lens
+    gqa_attention(q.float().contiguous().numpy(), k, k_scales, v, v_scales, _E4M3, req_to_token.numpy(),
+                  req_pool_indices.to(torch.int64).numpy(), prefix, lens, starts, blk_req, blk_q0, block,
+                  max(64, min(256, TILE_FLOATS // max(dim, dv))), runs, direct, sm_scale, out, part_o, part_ml)
+    if many:
+        merge_runs(part_o, part_ml, out)
+    return torch.from_numpy(out).to(q.dtype)
+
+
+def gqa_decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
+               req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+               runs: int | None = None) -> torch.Tensor:
+    """reference.gqa_decode_torch's signature and result: the extend kernel with one query per request."""
+    return gqa_extend(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens - 1, torch.ones_like(seq_lens),
+                      sm_scale, runs)
