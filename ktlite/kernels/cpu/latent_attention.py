@@ -1,0 +1,306 @@
+"""Absorbed-MLA attention over the latent pool, compiled for a CPU device: decode, extend and sparse (DSA).
+
+The torch twins (reference.mla_decode_torch / mla_extend_torch / sparse_mla_torch) are the spec. All three
+kinds run the same flash-style core, `_attend`: a group of query rows (tokens x heads of one request, all
+scaled by sm_scale) streams the slots it may see in blocks of BLOCK positions; each block's latents are decoded
+once into an fp32 tile (and its transpose) for every row of the group, scores and probabilities live only for
+that block (an online softmax keeps each row's max, exp-sum and unnormalised output), and a row's causal limit
+cuts its block short: no [tokens x context] score matrix, no masks.
+
+The pool is read in place, one row at a time, by `latent_row`: plain fp32 rows, bf16 rows (uint16 bits, shifted
+into fp32) or the packed FP8 rows of kv_fp8.latent_rows, passed as its three views (e4m3 bytes, an fp32 scale per
+group of values, the rope'd key's bf16 bits) and the group size: the one place these kernels decode a latent.
+
+The arithmetic is `_vm_acc` (acc += a @ M over a block, 64 accumulator lanes held in registers across the
+block's rows: one load per FMA), for the scores (q row against the transposed tile) and for P @ V (the
+probabilities against the tile's first kv_lora columns).
+
+Softmax state starts at a finite _NONE instead of -inf: the kernels are built with fast-math flags that allow
+reassociation and contraction, not the no-infinities flag that would let LLVM drop -inf comparisons.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from ktlite.kernels.cpu.simd import VF, c64, load_at, splat, vfma, vload, vstore
+from ktlite.kernels.cpu.threads import ensure_threadsafe_layer
+
+ensure_threadsafe_layer()  # before the first parallel region of the process
+
+BLOCK = 64  # latent positions per block: the tile (64 x 576 fp32, 147 KB) and its transpose stay in L2
+ROWS = 64  # query rows (tokens x heads) per work item of extend / sparse: each decoded block serves them all
+_NONE = np.float32(-1e30)  # "no score yet" (see the module docstring)
+_FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
+
+
+def _e4m3_values() -> np.ndarray:
+    """fp32 value of each float8_e4m3fn bit pattern (sign, 4 exponent bits biased by 7, 3 mantissa bits; 0x7f
+    and 0xff NaN), as torch's .float() gives them."""
+    bits = np.arange(256)
+    exp, mant = (bits >> 3) & 15, (bits & 7).astype(np.float64)
+    mag = np.where(exp == 0, mant / 8 * 2.0**-6, (1 + mant / 8) * 2.0 ** (exp - 7))
+    mag = np.where((bits & 127) == 127, np.nan, mag)
+    return np.where(bits & 128, -mag, mag).astype(np.float32)
+
+
+E4M3_VALUES = _e4m3_values()
+
+
+def latent_row(pool, slot, out):  # pragma: no cover - replaced by the overload in jit code
+    raise NotImplementedError("latent_row is only callable from numba-compiled code")
+
+
+@overload(latent_row, inline="always")
+def _latent_row_impl(pool, slot, out):
+    """out[:kv_lora + rope] = the fp32 latent of pool slot `slot`; pool: fp32 [slots, W], bf16 bits uint16
+    [slots, W], or the packed rows' views and their group size (e4m3 uint8 [slots, kv_lora], fp32 scales
+    [slots, groups], bf16 bits uint16 [slots, rope], values per scale)."""
+    if isinstance(pool, types.Array) and pool.dtype == types.float32:
+        def plain(pool, slot, out):
+            src = pool[slot]
+            for d in range(src.shape[0]):
+                out[d] = src[d]
+        return plain
+    if isinstance(pool, types.Array) and pool.dtype == types.uint16:
+        def bf16(pool, slot, out):
+            src, bits = pool[slot], out.view(np.uint32)
+            for d in range(src.shape[0]):
+                bits[d] = np.uint32(src[d]) << np.uint32(16)
+        return bf16
+    if isinstance(pool, types.BaseTuple) and len(pool) == 4:
+        def packed(pool, slot, out):
+            values, scales, tail, group = pool[0][slot], pool[1][slot], pool[2][slot], pool[3]
+            dim, bits = values.shape[0], out.view(np.uint32)
+            for g in range(scales.shape[0]):
+                scale = scales[g]
+                for d in range(g * group, min(dim, (g + 1) * group)):
+                    out[d] = E4M3_VALUES[values[d]] * scale
+            for d in range(tail.shape[0]):
+                bits[dim + d] = np.uint32(tail[d]) << np.uint32(16)
+        return packed
+    return None
+
+
+@intrinsic
+def _vm_acc(typingctx, a, m, acc, n, width):
+    """acc[:width] += sum_{j < n} a[j] * m[j, :width] (a, acc 1-D fp32, m 2-D C-contiguous fp32 with at least
+    width columns). 64 output lanes at a time stay in registers while j runs: one load of m per FMA."""
+    ok = (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == types.float32
+          and isinstance(m, types.Array) and m.ndim == 2 and m.layout == "C" and m.dtype == types.float32
+          and isinstance(acc, types.Array) and acc.ndim == 1 and acc.layout == "C" and acc.dtype == types.float32)
+    if not ok:
+        return None
+    sig = types.void(a, m, acc, types.int64, types.int64)
+
+    def codegen(context, builder, sig, args):
+        ap, mp, op = (context.make_array(t)(context, builder, v).data for t, v in zip(sig.args[:3], args[:3]))
+        stride = builder.extract_value(context.make_array(sig.args[1])(context, builder, args[1]).shape, 1)
+        n, width = args[3], args[4]
+
+        def lanes(c0, vectors):  # acc[c0 : c0 + 16 * vectors] over every j
+            accs = [cgutils.alloca_once_value(builder, vload(builder, op, builder.add(c0, c64(16 * k)), VF))
+                    for k in range(vectors)]
+            with cgutils.for_range(builder, n) as loop:
+                coef = splat(builder, load_at(builder, ap, loop.index))
+                row = builder.add(builder.mul(loop.index, stride), c0)
+                for k, slot in enumerate(accs):
+                    m_k = vload(builder, mp, builder.add(row, c64(16 * k)), VF)
+                    builder.store(vfma(builder, m_k, coef, builder.load(slot)), slot)
+            for k, slot in enumerate(accs):
+                vstore(builder, builder.load(slot), op, builder.add(c0, c64(16 * k)))
+
+        with cgutils.for_range(builder, builder.lshr(width, c64(6))) as loop:
+            lanes(builder.shl(loop.index, c64(6)), 4)
+        wide = builder.and_(width, c64(~63))
+        with cgutils.for_range(builder, builder.lshr(builder.sub(width, wide), c64(4))) as loop:
+            lanes(builder.add(wide, builder.shl(loop.index, c64(4))), 1)
+        tail = builder.and_(width, c64(~15))
+        with cgutils.for_range(builder, builder.sub(width, tail)) as outer:
+            d = builder.add(tail, outer.index)
+            total = cgutils.alloca_once_value(builder, load_at(builder, op, d))
+            with cgutils.for_range(builder, n) as loop:
+                m_jd = load_at(builder, mp, builder.add(builder.mul(loop.index, stride), d))
+                builder.store(builder.fma(load_at(builder, ap, loop.index), m_jd, builder.load(total)), total)
+            builder.store(builder.load(total), builder.gep(op, [d], inbounds=True))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(nogil=True, cache=True, fastmath=_FAST)
+def _attend(qb, limits, pool, slots, count, kv_lora, m, l, o):  # pragma: no cover - compiled
+    """Flash attention of query rows qb [R, W] (already times sm_scale) over the latents of slots[:count]: row r
+    sees positions < limits[r]. Leaves each row's running max m [R], exp-sum l [R] and unnormalised output
+    o [R, kv_lora] (l = 0 for a row that saw nothing)."""
+    rows, width = qb.shape
+    tile = np.empty((BLOCK, width), np.float32)
+    kt = np.zeros((width, BLOCK), np.float32)  # the tile transposed: the scores read it row by row
+    s = np.empty(BLOCK, np.float32)
+    m[:] = _NONE
+    l[:] = 0.0
+    o[:] = 0.0
+    for j0 in range(0, count, BLOCK):
+        nb = min(BLOCK, count - j0)
+        for j in range(nb):
+            latent_row(pool, slots[j0 + j], tile[j])
+        for j in range(nb):
+            for d in range(width):
+                kt[d, j] = tile[j, d]
+        for r in range(rows):
+            n = min(nb, limits[r] - j0)
+            if n <= 0:
+                continue
+            s[:] = 0.0
+            _vm_acc(qb[r], kt, s, width, (n + 15) & ~15)
+            top = m[r]
+            for j in range(n):
+                top = max(top, s[j])
+            total = np.float32(0.0)
+            for j in range(n):
+                s[j] = np.exp(s[j] - top)
+                total += s[j]
+            shrink = np.exp(m[r] - top)
+            l[r] = l[r] * shrink + total
+            m[r] = top
+            if shrink != 1.0:
+                for d in range(kv_lora):
+                    o[r, d] *= shrink
+            _vm_acc(s, tile, o[r], n, kv_lora)
+
+
+@njit(nogil=True, cache=True)
+def _scaled_rows(q, heads, sm_scale, qb):  # pragma: no cover - compiled
+    """qb[i * len(heads) + k] = q[i, heads[k]] * sm_scale for q [T, H, W] (a work item's query rows)."""
+    for i in range(q.shape[0]):
+        for k in range(heads.shape[0]):
+            for d in range(q.shape[2]):
+                qb[i * heads.shape[0] + k, d] = q[i, heads[k], d] * sm_scale
+
+
+@njit(nogil=True, cache=True)
+def _normalised(o, l, out):  # pragma: no cover - compiled
+    """out[r] = o[r] / l[r] (zeros where l[r] = 0: a row that saw no position), out viewed as [R, kv_lora]."""
+    for r in range(o.shape[0]):
+        inv = np.float32(1.0) / l[r] if l[r] > 0.0 else np.float32(0.0)
+        for d in range(o.shape[1]):
+            out[r, d] = o[r, d] * inv
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _run_items(items, q, pool, req_to_token, rows, prefix_lens, starts, sm_scale, kv_lora, group, threads, out):
+    """mla_extend_latents' work items, item i = (request b, first token t0, tokens, first head): dealt to the
+    threads round-robin (with causal attention a request's later tokens see more positions, so contiguous
+    ranges of items would load the threads unevenly; each item's result depends on nothing but its inputs)."""
+    heads = q.shape[1]
+    for w in prange(threads):
+        for i in range(w, items.shape[0], threads):
+            b, t0, count, h0 = items[i, 0], items[i, 1], items[i, 2], items[i, 3]
+            h1 = min(heads, h0 + group)
+            hs = np.arange(h0, h1)
+            first = starts[b] + t0
+            nrows = count * (h1 - h0)
+            qb = np.empty((nrows, q.shape[2]), np.float32)
+            _scaled_rows(q[first:first + count], hs, sm_scale, qb)
+            limits = np.empty(nrows, np.int64)
+            for r in range(nrows):
+                limits[r] = prefix_lens[b] + t0 + r // (h1 - h0) + 1
+            seen = prefix_lens[b] + t0 + count
+            m, l = np.empty(nrows, np.float32), np.empty(nrows, np.float32)
+            o = np.empty((nrows, kv_lora), np.float32)
+            _attend(qb, limits, pool, req_to_token[rows[b], :seen], seen, kv_lora, m, l, o)
+            res = np.empty((nrows, kv_lora), np.float32)
+            _normalised(o, l, res)
+            for r in range(nrows):
+                out[first + r // (h1 - h0), h0 + r % (h1 - h0)] = res[r]
+
+
+@njit(nogil=True, cache=True)
+def mla_extend_latents(q, pool, req_to_token, rows, prefix_lens, extend_lens, sm_scale, kv_lora, threads,
+                       out):  # pragma: no cover - compiled
+    """Absorbed-MLA causal extend (reference.mla_extend_torch): out [N, H, kv_lora] fp32 from q [N, H, W] fp32
+    (requests' tokens concatenated in order); token i of request b sees positions 0..prefix_lens[b] + i of its
+    req_to_token row rows[b]. A work item is up to ROWS query rows: ROWS // heads tokens x all heads, or one token
+    x a group of ROWS heads; `threads`: how many threads share them (the result does not depend on it)."""
+    heads = q.shape[1]
+    group = min(heads, ROWS)
+    per_item = max(1, ROWS // group)
+    groups = (heads + group - 1) // group
+    starts = np.zeros(extend_lens.shape[0], np.int64)
+    total = 0
+    for b in range(extend_lens.shape[0]):
+        starts[b] = starts[b - 1] + extend_lens[b - 1] if b else 0
+        total += (extend_lens[b] + per_item - 1) // per_item * groups
+    items = np.empty((total, 4), np.int64)
+    i = 0
+    for b in range(extend_lens.shape[0]):
+        for t0 in range(0, extend_lens[b], per_item):
+            for g in range(groups):
+                items[i, 0], items[i, 1] = b, t0
+                items[i, 2], items[i, 3] = min(per_item, extend_lens[b] - t0), g * group
+                i += 1
+    _run_items(items, q, pool, req_to_token, rows, prefix_lens, starts, sm_scale, kv_lora, group, threads, out)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def mla_decode_latents(q, pool, req_to_token, rows, lens, sm_scale, kv_lora, runs, out):  # pragma: no cover - compiled
+    """Absorbed-MLA decode (reference.mla_decode_torch): out [B, H, kv_lora] from q [B, H, W] fp32 over the first
+    lens[b] positions of req_to_token row rows[b]. Each request's positions are split into `runs` runs (flash-
+    decoding: batch-1 decode still uses every thread), each attended by all heads at once; a second pass merges
+    the runs' (max, exp-sum, output)."""
+    batch, heads, width = q.shape
+    run_max = np.full((batch, runs, heads), _NONE, np.float32)
+    run_sum = np.zeros((batch, runs, heads), np.float32)
+    run_out = np.zeros((batch, runs, heads, kv_lora), np.float32)
+    every = np.arange(heads)
+    for item in prange(batch * runs):
+        b, r = item // runs, item % runs
+        length = (lens[b] + runs - 1) // runs
+        lo, hi = r * length, min(lens[b], (r + 1) * length)
+        if lo >= hi:
+            continue
+        qb = np.empty((heads, width), np.float32)
+        _scaled_rows(q[b:b + 1], every, sm_scale, qb)
+        limits = np.full(heads, hi - lo, np.int64)
+        _attend(qb, limits, pool, req_to_token[rows[b], lo:hi], hi - lo, kv_lora, run_max[b, r], run_sum[b, r],
+                run_out[b, r])
+    for item in prange(batch * heads):  # merge the runs: rescale each to the overall max
+        b, h = item // heads, item % heads
+        top = run_max[b, :, h].max()
+        total = np.float32(0.0)
+        out[b, h] = 0.0
+        for r in range(runs):
+            if run_sum[b, r, h] == 0.0:
+                continue
+            scale = np.exp(run_max[b, r, h] - top)
+            total += scale * run_sum[b, r, h]
+            for d in range(kv_lora):
+                out[b, h, d] += scale * run_out[b, r, h, d]
+        if total > 0.0:
+            for d in range(kv_lora):
+                out[b, h, d] /= total
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def sparse_mla_latents(q, pool, topk_slots, sm_scale, kv_lora, out):  # pragma: no cover - compiled
+    """Absorbed MLA over each query's own selected slots (reference.sparse_mla_torch, DSA): out [N, H, kv_lora]
+    from q [N, H, W] fp32 and topk_slots [N, K] (-1 = none, skipped; a query with none gets zeros). A work item is
+    one query x a group of up to ROWS heads: every selected latent is decoded once for the group."""
+    tokens, heads, width = q.shape
+    group = min(heads, ROWS)
+    groups = (heads + group - 1) // group
+    for item in prange(tokens * groups):
+        t, h0 = item // groups, item % groups * group
+        h1 = min(heads, h0 + group)
+        chosen = topk_slots[t]
+        slots = chosen[chosen >= 0]
+        qb = np.empty((h1 - h0, width), np.float32)
+        _scaled_rows(q[t:t + 1], np.arange(h0, h1), sm_scale, qb)
+        limits = np.full(h1 - h0, slots.shape[0], np.int64)
+        m, l = np.empty(h1 - h0, np.float32), np.empty(h1 - h0, np.float32)
+        o = np.empty((h1 - h0, kv_lora), np.float32)
+        _attend(qb, limits, pool, slots, slots.shape[0], kv_lora, m, l, o)
+        _normalised(o, l, out[t, h0:h1])

@@ -1,0 +1,112 @@
+"""The compiled CPU MLA kernels (kernels/cpu/attention.py, latent_attention.py) against the torch twins
+(reference.mla_extend_torch / mla_decode_torch / sparse_mla_torch), on fp32, bf16 and packed FP8 pools.
+
+Both sides compute in fp32 from the same stored values (the twins unpack FP8 rows exactly as the kernels
+decode them), so they differ only in summation order and in the query being scaled before the dot rather
+than the score after: fp32 outputs (|out| < ~3) agree within atol 2e-5; bf16 queries are compared after both
+round to bf16 (one bf16 ulp at |out| < 4: atol 1.6e-2).
+
+Shapes reach every path of the kernels: latent blocks of 64 positions (lengths 1, 63, 64, 65, 300), query
+items of 64 rows (4 heads: 16 tokens per item; 80 heads: a full and a partial head group per token),
+kv_lora 32 (16-lane chunks of the vector product) and 72 (a scalar tail; a partial FP8 scale group).
+"""
+
+import math
+
+import pytest
+import torch
+
+from ktlite.kernels.cpu import attention as cpu_attention
+from ktlite.kernels.triton.kv_fp8 import latent_rows
+from ktlite.kernels.triton.reference import mla_decode_torch, mla_extend_torch, sparse_mla_torch
+
+POOLS = ["fp32", "bf16", "fp8"]
+DIMS = [(32, 16), (72, 8)]  # (kv_lora, rope)
+FP32_TOL = 2e-5
+
+
+def make_pool(kind: str, lens: list[int], kv_lora: int, rope: int, seed: int = 0):
+    """(kv_buffer, req_to_token, req_pool_indices): requests in shuffled rows over shuffled slots."""
+    g = torch.Generator().manual_seed(seed)
+    num_slots = sum(lens) + 9
+    values = torch.randn(num_slots, kv_lora + rope, generator=g)
+    if kind == "fp8":
+        kv = latent_rows(kv_lora, rope).pack(values)
+    else:
+        kv = values.to(torch.bfloat16 if kind == "bf16" else torch.float32)
+    slots = torch.randperm(num_slots, generator=g)
+    req_to_token = torch.zeros(len(lens) + 2, max(lens) + 3, dtype=torch.int32)
+    rows = torch.randperm(len(lens) + 2, generator=g)[: len(lens)]
+    start = 0
+    for row, n in zip(rows.tolist(), lens):
+        req_to_token[row, :n] = slots[start : start + n].to(torch.int32)
+        start += n
+    return kv, req_to_token, rows
+
+
+def queries(n: int, heads: int, width: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(n, heads, width, generator=torch.Generator().manual_seed(seed)) * 0.5
+
+
+SCALE = 1 / math.sqrt(24)
+
+
+@pytest.mark.parametrize("kind", POOLS)
+@pytest.mark.parametrize("kv_lora,rope", DIMS)
+@pytest.mark.parametrize("heads", [4, 80])
+def test_extend_matches_twin(kind: str, kv_lora: int, rope: int, heads: int) -> None:
+    """Ragged requests with radix-cache prefixes: a fresh prompt, a 1-token chunk, chunks crossing block
+    boundaries, a 130-token chunk after a 70-token prefix, an empty chunk."""
+    prefix, extend = [0, 5, 63, 70, 4], [1, 17, 2, 130, 0]
+    if heads == 80:  # many heads: fewer tokens keep the test small
+        prefix, extend = [0, 63, 3], [3, 2, 0]
+    kv, req_to_token, rows = make_pool(kind, [p + e + 1 for p, e in zip(prefix, extend)], kv_lora, rope)
+    q = queries(sum(extend), heads, kv_lora + rope)
+    args = (q, kv, req_to_token, rows, torch.tensor(prefix), torch.tensor(extend), SCALE, kv_lora)
+    torch.testing.assert_close(cpu_attention.mla_extend(*args), mla_extend_torch(*args), atol=FP32_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", POOLS)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_matches_twin(kind: str, splits: int) -> None:
+    """Lengths 1 (later runs empty), 63, 64, 65 (block edges) and 300, one run or three merged."""
+    lens = [1, 63, 64, 65, 300]
+    kv, req_to_token, rows = make_pool(kind, lens, 32, 16)
+    q = queries(len(lens), 16, 48)
+    args = (q, kv, req_to_token, rows, torch.tensor(lens), SCALE, 32)
+    torch.testing.assert_close(cpu_attention.mla_decode(*args, splits=splits), mla_decode_torch(*args),
+                               atol=FP32_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", POOLS)
+def test_sparse_matches_twin(kind: str) -> None:
+    """Each query's own slots in any order, -1 padding anywhere, a query with none (zeros), more slots than
+    one latent block."""
+    kv, _, _ = make_pool(kind, [200], 32, 16)
+    g = torch.Generator().manual_seed(2)
+    topk = torch.stack([torch.randperm(200, generator=g)[:70] for _ in range(5)])
+    topk[1, 10:] = -1
+    topk[2, ::3] = -1
+    topk[3] = -1
+    q = queries(5, 16, 48)
+    args = (q, kv, topk, SCALE, 32)
+    got = cpu_attention.sparse_mla(*args)
+    torch.testing.assert_close(got, sparse_mla_torch(*args), atol=FP32_TOL, rtol=0)
+    assert not got[3].any()
+
+
+def test_bf16_queries_round_like_the_twin() -> None:
+    """bf16 queries over a bf16 pool (a bf16 model's call): fp32 inside, the result in bf16."""
+    kv, req_to_token, rows = make_pool("bf16", [40, 9], 32, 16)
+    q = queries(12, 4, 48).bfloat16()
+    args = (q, kv, req_to_token, rows, torch.tensor([30, 0]), torch.tensor([10, 2]), SCALE, 32)
+    got = cpu_attention.mla_extend(*args)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), mla_extend_torch(*args).float(), atol=1.6e-2, rtol=0)
+
+
+def test_handles() -> None:
+    """fp32, bf16 and packed FP8 pools on the CPU; an fp16 pool stays with the twin."""
+    q = torch.zeros(1, 2, 48)
+    assert all(cpu_attention.handles(q, make_pool(k, [3], 32, 16)[0]) for k in POOLS)
+    assert not cpu_attention.handles(q, torch.zeros(4, 48, dtype=torch.float16))
