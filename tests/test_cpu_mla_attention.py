@@ -105,8 +105,8 @@ def test_bf16_queries_round_like_the_twin() -> None:
     torch.testing.assert_close(got.float(), mla_extend_torch(*args).float(), atol=1.6e-2, rtol=0)
 
 
-def test_handles() -> None:
+def test_accepts() -> None:
     """fp32, bf16 and packed FP8 pools on the CPU; an fp16 pool stays with the twin."""
     q = torch.zeros(1, 2, 48)
-    assert all(cpu_attention.handles(q, make_pool(k, [3], 32, 16)[0]) for k in POOLS)
-    assert not cpu_attention.handles(q, torch.zeros(4, 48, dtype=torch.float16))
+    assert all(cpu_attention.accepts(q, make_pool(k, [3], 32, 16)[0]) for k in POOLS)
+    assert not cpu_attention.accepts(q, torch.zeros(4, 48, dtype=torch.float16))

@@ -5,7 +5,8 @@ On a CPU-only run the twins spend their time in fp32 sgemms over the whole [toke
 mask multiply and a softmax per request (78 % of a 512-token prefill), or, at decode's few tokens, in ~10 small
 torch ops per layer. Here each is one compiled call (latent_attention.py: flash-style, parallel over work items,
 the pool read in place). Inputs: q in any float dtype (computed in fp32, returned in q's dtype) and a latent pool
-of fp32, bf16 or packed FP8 rows (kv_fp8.latent_rows) on the CPU; `handles` says which calls these take.
+of fp32, bf16 or packed FP8 rows (kv_fp8.latent_rows) on the CPU; `accepts` says which calls these take. Registered
+as the "cpu" mla_decode, mla_extend and sparse_mla in ktlite/kernels/attention.py.
 
 Decode splits each request's positions into runs so that batch-1 decode still uses every thread
 (device_blocks.decode_splits, the rule the compiled MLA block uses too).
@@ -23,8 +24,9 @@ from ktlite.kernels.triton.kv_fp8 import is_packed, latent_rows
 _POOL_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
 
 
-def handles(q: torch.Tensor, kv_buffer: torch.Tensor) -> bool:
-    """Whether these kernels take a call with query q over pool kv_buffer (else the torch twin does)."""
+def accepts(q: torch.Tensor, kv_buffer: torch.Tensor, *_: object) -> bool:
+    """Whether these kernels take a call with query q over pool kv_buffer (else the torch twin does); the attention
+    registry calls it with the kind's arguments."""
     return q.device.type == "cpu" and q.is_floating_point() and kv_buffer.dtype in _POOL_DTYPES
 
 
