@@ -110,3 +110,32 @@ def test_accepts() -> None:
     q = torch.zeros(1, 2, 48)
     assert all(cpu_attention.accepts(q, make_pool(k, [3], 32, 16)[0]) for k in POOLS)
     assert not cpu_attention.accepts(q, torch.zeros(4, 48, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16", "fp8_e4m3"])
+def test_tiny_v3_engine_same_as_twins(tiny_v3, kv_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny DeepSeek-V3 on a CPU device (fp32 activations; "auto" = an fp32 pool) with the compiled kernels
+    against KTLITE_FORCE_TORCH_KERNELS=1 (the twins, and the modules instead of the compiled decode block), in
+    one engine: the same greedy tokens through chunked prefill (chunks of 16 after a prefix) and decode, and
+    prefill logits within 1e-4 over an fp32 pool. Over a bf16 or FP8 pool a 1e-6 difference in a layer's
+    output can move a later layer's stored latent across a rounding boundary (one bf16 ulp is 2^-8 of it:
+    measured 3e-3 in the logits): 1e-2 there."""
+    from test_tensor_parallel import logits_of
+
+    from ktlite import Engine
+
+    flags = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 256, "chunked_prefill_size": 16,
+             "gpu_memory": "1GiB", "max_running_requests": 4, "disable_radix_cache": True,
+             "kv_cache_dtype": kv_dtype}
+    g = torch.Generator().manual_seed(5)
+    ids = [torch.randint(4, 100, (n,), generator=g).tolist() for n in (40, 23)]
+    greedy = {"temperature": 0.0, "max_tokens": 5, "ignore_eos": True}
+    with Engine(str(tiny_v3), **flags) as eng:
+        runs = []
+        for forced in ("0", "1"):
+            monkeypatch.setenv("KTLITE_FORCE_TORCH_KERNELS", forced)
+            tokens = [r.token_ids for r in eng.generate(input_ids=ids, sampling_params=greedy)]
+            runs.append((tokens, logits_of(eng, ids)))
+    (tokens, logits), (want_tokens, want_logits) = runs
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, atol=1e-4 if kv_dtype == "auto" else 1e-2, rtol=0)

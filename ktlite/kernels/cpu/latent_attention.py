@@ -85,50 +85,86 @@ def _latent_row_impl(pool, slot, out):
     return None
 
 
+def _f32_vec(ty) -> bool:
+    return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and ty.dtype == types.float32
+
+
 @intrinsic
 def _vm_acc(typingctx, a, m, acc, n, width):
-    """acc[:width] += sum_{j < n} a[j] * m[j, :width] (a, acc 1-D fp32, m 2-D C-contiguous fp32 with at least
-    width columns). 64 output lanes at a time stay in registers while j runs: one load of m per FMA."""
-    ok = (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == types.float32
-          and isinstance(m, types.Array) and m.ndim == 2 and m.layout == "C" and m.dtype == types.float32
-          and isinstance(acc, types.Array) and acc.ndim == 1 and acc.layout == "C" and acc.dtype == types.float32)
+    """acc[i][:width] += sum_{j < n} a[i][j] * m[j, :width] for each i of the tuples a and acc (K 1-D fp32 arrays
+    each; m 2-D C-contiguous fp32 with at least width columns). 64 output lanes at a time (64 / K per row) stay in
+    registers while j runs, and each vector of m loaded serves all K rows: with K = 2 a block's tile is streamed
+    from L2 half as often as row by row (one load per FMA was bound by L2 bandwidth)."""
+    ok = (isinstance(a, types.UniTuple) and isinstance(acc, types.UniTuple) and a.count == acc.count
+          and a.count in (1, 2, 4) and _f32_vec(a.dtype) and _f32_vec(acc.dtype)
+          and isinstance(m, types.Array) and m.ndim == 2 and m.layout == "C" and m.dtype == types.float32)
     if not ok:
         return None
     sig = types.void(a, m, acc, types.int64, types.int64)
+    k_rows = a.count
 
     def codegen(context, builder, sig, args):
-        ap, mp, op = (context.make_array(t)(context, builder, v).data for t, v in zip(sig.args[:3], args[:3]))
-        stride = builder.extract_value(context.make_array(sig.args[1])(context, builder, args[1]).shape, 1)
+        def data(tup_ty, tup, i):
+            return context.make_array(tup_ty.dtype)(context, builder, builder.extract_value(tup, i)).data
+
+        aps = [data(sig.args[0], args[0], i) for i in range(k_rows)]
+        ops = [data(sig.args[2], args[2], i) for i in range(k_rows)]
+        marr = context.make_array(sig.args[1])(context, builder, args[1])
+        mp, stride = marr.data, builder.extract_value(marr.shape, 1)
         n, width = args[3], args[4]
 
-        def lanes(c0, vectors):  # acc[c0 : c0 + 16 * vectors] over every j
-            accs = [cgutils.alloca_once_value(builder, vload(builder, op, builder.add(c0, c64(16 * k)), VF))
-                    for k in range(vectors)]
+        def lanes(c0, vectors):  # acc[i][c0 : c0 + 16 * vectors] for every i, over every j
+            offs = [builder.add(c0, c64(16 * v)) for v in range(vectors)]
+            accs = [[cgutils.alloca_once_value(builder, vload(builder, op, off, VF)) for off in offs] for op in ops]
             with cgutils.for_range(builder, n) as loop:
-                coef = splat(builder, load_at(builder, ap, loop.index))
-                row = builder.add(builder.mul(loop.index, stride), c0)
-                for k, slot in enumerate(accs):
-                    m_k = vload(builder, mp, builder.add(row, c64(16 * k)), VF)
-                    builder.store(vfma(builder, m_k, coef, builder.load(slot)), slot)
-            for k, slot in enumerate(accs):
-                vstore(builder, builder.load(slot), op, builder.add(c0, c64(16 * k)))
+                coefs = [splat(builder, load_at(builder, ap, loop.index)) for ap in aps]
+                row = builder.mul(loop.index, stride)
+                for v, off in enumerate(offs):
+                    m_v = vload(builder, mp, builder.add(row, off), VF)
+                    for coef, slots in zip(coefs, accs):
+                        builder.store(vfma(builder, m_v, coef, builder.load(slots[v])), slots[v])
+            for op, slots in zip(ops, accs):
+                for off, slot in zip(offs, slots):
+                    vstore(builder, builder.load(slot), op, off)
 
-        with cgutils.for_range(builder, builder.lshr(width, c64(6))) as loop:
-            lanes(builder.shl(loop.index, c64(6)), 4)
-        wide = builder.and_(width, c64(~63))
+        per = 4 // k_rows  # vectors per row in the wide pass
+        step = 16 * per
+        with cgutils.for_range(builder, builder.udiv(width, c64(step))) as loop:
+            lanes(builder.mul(loop.index, c64(step)), per)
+        wide = builder.mul(builder.udiv(width, c64(step)), c64(step))
         with cgutils.for_range(builder, builder.lshr(builder.sub(width, wide), c64(4))) as loop:
             lanes(builder.add(wide, builder.shl(loop.index, c64(4))), 1)
         tail = builder.and_(width, c64(~15))
         with cgutils.for_range(builder, builder.sub(width, tail)) as outer:
             d = builder.add(tail, outer.index)
-            total = cgutils.alloca_once_value(builder, load_at(builder, op, d))
-            with cgutils.for_range(builder, n) as loop:
-                m_jd = load_at(builder, mp, builder.add(builder.mul(loop.index, stride), d))
-                builder.store(builder.fma(load_at(builder, ap, loop.index), m_jd, builder.load(total)), total)
-            builder.store(builder.load(total), builder.gep(op, [d], inbounds=True))
+            for ap, op in zip(aps, ops):
+                total = cgutils.alloca_once_value(builder, load_at(builder, op, d))
+                with cgutils.for_range(builder, n) as loop:
+                    m_jd = load_at(builder, mp, builder.add(builder.mul(loop.index, stride), d))
+                    builder.store(builder.fma(load_at(builder, ap, loop.index), m_jd, builder.load(total)), total)
+                builder.store(builder.load(total), builder.gep(op, [d], inbounds=True))
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@njit(nogil=True, cache=True, fastmath=_FAST)
+def _online_softmax(s, n, r, m, l, o):  # pragma: no cover - compiled
+    """Fold row r's scores s[:n] of one block into its running max m[r] and exp-sum l[r], rescale its output o[r]
+    to the new max, and turn s[:n] into the block's probabilities."""
+    top = m[r]
+    for j in range(n):
+        top = max(top, s[j])
+    total = np.float32(0.0)
+    for j in range(n):
+        s[j] = np.exp(s[j] - top)
+        total += s[j]
+    shrink = np.exp(m[r] - top)
+    l[r] = l[r] * shrink + total
+    m[r] = top
+    if shrink != 1.0:
+        for d in range(o.shape[1]):
+            o[r, d] *= shrink
 
 
 @njit(nogil=True, cache=True, fastmath=_FAST)
@@ -139,7 +175,8 @@ def _attend(qb, limits, pool, slots, count, kv_lora, m, l, o):  # pragma: no cov
     rows, width = qb.shape
     tile = np.empty((BLOCK, width), np.float32)
     kt = np.zeros((width, BLOCK), np.float32)  # the tile transposed: the scores read it row by row
-    s = np.empty(BLOCK, np.float32)
+    s = np.empty((2, BLOCK), np.float32)
+    spare = np.empty((1, kv_lora), np.float32)  # the partner of an odd last row
     m[:] = _NONE
     l[:] = 0.0
     o[:] = 0.0
@@ -150,26 +187,22 @@ def _attend(qb, limits, pool, slots, count, kv_lora, m, l, o):  # pragma: no cov
         for j in range(nb):
             for d in range(width):
                 kt[d, j] = tile[j, d]
-        for r in range(rows):
-            n = min(nb, limits[r] - j0)
-            if n <= 0:
+        for r in range(0, rows, 2):  # rows in pairs: _vm_acc streams the tile once per pair
+            pair = r + 1 < rows
+            r1 = r + 1 if pair else r
+            n0 = max(0, min(nb, limits[r] - j0))
+            n1 = max(0, min(nb, limits[r1] - j0)) if pair else 0
+            n = max(n0, n1)
+            if n == 0:
                 continue
             s[:] = 0.0
-            _vm_acc(qb[r], kt, s, width, (n + 15) & ~15)
-            top = m[r]
-            for j in range(n):
-                top = max(top, s[j])
-            total = np.float32(0.0)
-            for j in range(n):
-                s[j] = np.exp(s[j] - top)
-                total += s[j]
-            shrink = np.exp(m[r] - top)
-            l[r] = l[r] * shrink + total
-            m[r] = top
-            if shrink != 1.0:
-                for d in range(kv_lora):
-                    o[r, d] *= shrink
-            _vm_acc(s, tile, o[r], n, kv_lora)
+            _vm_acc((qb[r], qb[r1]), kt, (s[0], s[1]), width, (n + 15) & ~15)
+            _online_softmax(s[0], n0, r, m, l, o)
+            s[0, n0:] = 0.0  # a row's probabilities past its causal limit (its partner's may reach further)
+            if pair:
+                _online_softmax(s[1], n1, r1, m, l, o)
+            s[1, n1:] = 0.0
+            _vm_acc((s[0], s[1]), tile, (o[r], o[r1] if pair else spare[0]), n, kv_lora)
 
 
 @njit(nogil=True, cache=True)
