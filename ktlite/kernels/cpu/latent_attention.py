@@ -167,42 +167,62 @@ def _online_softmax(s, n, r, m, l, o):  # pragma: no cover - compiled
             o[r, d] *= shrink
 
 
+@njit(nogil=True, cache=True)
+def _decode_block(pool, slots, tile, kt):  # pragma: no cover - compiled
+    """The latents of slots (at most BLOCK) into tile [BLOCK, W] fp32 and its transpose kt [W, BLOCK]."""
+    width = tile.shape[1]
+    for j in range(slots.shape[0]):
+        latent_row(pool, slots[j], tile[j])
+    for d0 in range(0, width, 16):  # 16 rows of kt at a time: they stay in L1 while the tile rows pass
+        for j in range(slots.shape[0]):
+            for d in range(d0, min(width, d0 + 16)):
+                kt[d, j] = tile[j, d]
+
+
 @njit(nogil=True, cache=True, fastmath=_FAST)
-def _attend(qb, limits, pool, slots, count, kv_lora, m, l, o):  # pragma: no cover - compiled
-    """Flash attention of query rows qb [R, W] (already times sm_scale) over the latents of slots[:count]: row r
-    sees positions < limits[r]. Leaves each row's running max m [R], exp-sum l [R] and unnormalised output
-    o [R, kv_lora] (l = 0 for a row that saw nothing)."""
+def _attend_block(qb, limits, j0, nb, tile, kt, m, l, o):  # pragma: no cover - compiled
+    """Fold one decoded block (positions j0..j0 + nb: tile, kt as _decode_block's) into the flash state of query
+    rows qb [R, W] (already times sm_scale; row r sees positions < limits[r]): running max m [R], exp-sum l [R],
+    unnormalised output o [R, kv_lora]."""
     rows, width = qb.shape
-    tile = np.empty((BLOCK, width), np.float32)
-    kt = np.zeros((width, BLOCK), np.float32)  # the tile transposed: the scores read it row by row
-    s = np.empty((2, BLOCK), np.float32)
-    spare = np.empty((1, kv_lora), np.float32)  # the partner of an odd last row
+    s = np.zeros((2, BLOCK), np.float32)
+    spare = np.empty((1, o.shape[1]), np.float32)  # the partner of an odd last row
+    for r in range(0, rows, 2):  # rows in pairs: _vm_acc streams the tile once per pair
+        pair = r + 1 < rows
+        r1 = r + 1 if pair else r
+        n0 = max(0, min(nb, limits[r] - j0))
+        n1 = max(0, min(nb, limits[r1] - j0)) if pair else 0
+        n = max(n0, n1)
+        if n == 0:
+            continue
+        s[:] = 0.0
+        _vm_acc((qb[r], qb[r1]), kt, (s[0], s[1]), width, (n + 15) & ~15)
+        _online_softmax(s[0], n0, r, m, l, o)
+        s[0, n0:] = 0.0  # a row's probabilities past its causal limit (its partner's may reach further)
+        if pair:
+            _online_softmax(s[1], n1, r1, m, l, o)
+        s[1, n1:] = 0.0
+        _vm_acc((s[0], s[1]), tile, (o[r], o[r1] if pair else spare[0]), n, o.shape[1])
+
+
+@njit(nogil=True, cache=True)
+def _start(m, l, o):  # pragma: no cover - compiled
     m[:] = _NONE
     l[:] = 0.0
     o[:] = 0.0
-    for j0 in range(0, count, BLOCK):
-        nb = min(BLOCK, count - j0)
-        for j in range(nb):
-            latent_row(pool, slots[j0 + j], tile[j])
-        for j in range(nb):
-            for d in range(width):
-                kt[d, j] = tile[j, d]
-        for r in range(0, rows, 2):  # rows in pairs: _vm_acc streams the tile once per pair
-            pair = r + 1 < rows
-            r1 = r + 1 if pair else r
-            n0 = max(0, min(nb, limits[r] - j0))
-            n1 = max(0, min(nb, limits[r1] - j0)) if pair else 0
-            n = max(n0, n1)
-            if n == 0:
-                continue
-            s[:] = 0.0
-            _vm_acc((qb[r], qb[r1]), kt, (s[0], s[1]), width, (n + 15) & ~15)
-            _online_softmax(s[0], n0, r, m, l, o)
-            s[0, n0:] = 0.0  # a row's probabilities past its causal limit (its partner's may reach further)
-            if pair:
-                _online_softmax(s[1], n1, r1, m, l, o)
-            s[1, n1:] = 0.0
-            _vm_acc((s[0], s[1]), tile, (o[r], o[r1] if pair else spare[0]), n, kv_lora)
+
+
+@njit(nogil=True, cache=True)
+def _attend(qb, limits, pool, slots, m, l, o):  # pragma: no cover - compiled
+    """Flash attention of query rows qb [R, W] over the latents of `slots`, decoding each block once for all rows
+    (limits, m, l, o as _attend_block's; l = 0 for a row that saw nothing)."""
+    tile = np.empty((BLOCK, qb.shape[1]), np.float32)
+    kt = np.zeros((qb.shape[1], BLOCK), np.float32)
+    _start(m, l, o)
+    for j0 in range(0, slots.shape[0], BLOCK):
+        nb = min(BLOCK, slots.shape[0] - j0)
+        _decode_block(pool, slots[j0:j0 + nb], tile, kt)
+        _attend_block(qb, limits, j0, nb, tile, kt, m, l, o)
 
 
 @njit(nogil=True, cache=True)
@@ -224,7 +244,19 @@ def _normalised(o, l, out):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _run_items(items, q, pool, req_to_token, rows, prefix_lens, starts, sm_scale, kv_lora, group, threads, out):
+def _decode_requests(pool, req_to_token, rows, seen, first_block, tiles, kts):  # pragma: no cover - compiled
+    """Every block of every request's visible positions (seen[b] of row rows[b]) decoded once, in parallel:
+    request b's block i into tiles / kts [first_block[b] + i] (a request without new tokens has none: it shares
+    its first_block with the next, and the search picks the last request starting there)."""
+    for k in prange(tiles.shape[0]):
+        b = np.searchsorted(first_block, k, side="right") - 1
+        j0 = (k - first_block[b]) * BLOCK
+        _decode_block(pool, req_to_token[rows[b], j0:min(seen[b], j0 + BLOCK)], tiles[k], kts[k])
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _run_items(items, q, tiles, kts, prefix_lens, starts, first_block, sm_scale, kv_lora, group, threads,
+               out):  # pragma: no cover - compiled
     """mla_extend_latents' work items, item i = (request b, first token t0, tokens, first head): dealt to the
     threads round-robin (with causal attention a request's later tokens see more positions, so contiguous
     ranges of items would load the threads unevenly; each item's result depends on nothing but its inputs)."""
@@ -233,18 +265,20 @@ def _run_items(items, q, pool, req_to_token, rows, prefix_lens, starts, sm_scale
         for i in range(w, items.shape[0], threads):
             b, t0, count, h0 = items[i, 0], items[i, 1], items[i, 2], items[i, 3]
             h1 = min(heads, h0 + group)
-            hs = np.arange(h0, h1)
             first = starts[b] + t0
             nrows = count * (h1 - h0)
             qb = np.empty((nrows, q.shape[2]), np.float32)
-            _scaled_rows(q[first:first + count], hs, sm_scale, qb)
+            _scaled_rows(q[first:first + count], np.arange(h0, h1), sm_scale, qb)
             limits = np.empty(nrows, np.int64)
             for r in range(nrows):
                 limits[r] = prefix_lens[b] + t0 + r // (h1 - h0) + 1
-            seen = prefix_lens[b] + t0 + count
             m, l = np.empty(nrows, np.float32), np.empty(nrows, np.float32)
             o = np.empty((nrows, kv_lora), np.float32)
-            _attend(qb, limits, pool, req_to_token[rows[b], :seen], seen, kv_lora, m, l, o)
+            _start(m, l, o)
+            seen = prefix_lens[b] + t0 + count
+            for j0 in range(0, seen, BLOCK):
+                k = first_block[b] + j0 // BLOCK
+                _attend_block(qb, limits, j0, min(BLOCK, seen - j0), tiles[k], kts[k], m, l, o)
             res = np.empty((nrows, kv_lora), np.float32)
             _normalised(o, l, res)
             for r in range(nrows):
@@ -256,26 +290,33 @@ def mla_extend_latents(q, pool, req_to_token, rows, prefix_lens, extend_lens, sm
                        out):  # pragma: no cover - compiled
     """Absorbed-MLA causal extend (reference.mla_extend_torch): out [N, H, kv_lora] fp32 from q [N, H, W] fp32
     (requests' tokens concatenated in order); token i of request b sees positions 0..prefix_lens[b] + i of its
-    req_to_token row rows[b]. A work item is up to ROWS query rows: ROWS // heads tokens x all heads, or one token
+    req_to_token row rows[b]. Each request's latents are decoded once (fp32 tiles and their transposes, 2 x 4 x W
+    bytes per position), then a work item is up to ROWS query rows: ROWS // heads tokens x all heads, or one token
     x a group of ROWS heads; `threads`: how many threads share them (the result does not depend on it)."""
-    heads = q.shape[1]
+    batch, (tokens, heads, width) = extend_lens.shape[0], q.shape
     group = min(heads, ROWS)
     per_item = max(1, ROWS // group)
     groups = (heads + group - 1) // group
-    starts = np.zeros(extend_lens.shape[0], np.int64)
+    starts = np.zeros(batch, np.int64)
+    starts[1:] = np.cumsum(extend_lens)[:-1]
+    seen = prefix_lens + extend_lens
+    first_block = np.zeros(batch + 1, np.int64)  # request b's blocks: first_block[b] .. first_block[b + 1]
+    first_block[1:] = np.cumsum(np.where(extend_lens > 0, (seen + BLOCK - 1) // BLOCK, 0))
     total = 0
-    for b in range(extend_lens.shape[0]):
-        starts[b] = starts[b - 1] + extend_lens[b - 1] if b else 0
+    for b in range(batch):
         total += (extend_lens[b] + per_item - 1) // per_item * groups
+    tiles = np.empty((first_block[batch], BLOCK, width), np.float32)
+    kts = np.zeros((first_block[batch], width, BLOCK), np.float32)
+    _decode_requests(pool, req_to_token, rows, seen, first_block, tiles, kts)
     items = np.empty((total, 4), np.int64)
     i = 0
-    for b in range(extend_lens.shape[0]):
+    for b in range(batch):
         for t0 in range(0, extend_lens[b], per_item):
             for g in range(groups):
                 items[i, 0], items[i, 1] = b, t0
                 items[i, 2], items[i, 3] = min(per_item, extend_lens[b] - t0), g * group
                 i += 1
-    _run_items(items, q, pool, req_to_token, rows, prefix_lens, starts, sm_scale, kv_lora, group, threads, out)
+    _run_items(items, q, tiles, kts, prefix_lens, starts, first_block, sm_scale, kv_lora, group, threads, out)
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -298,8 +339,7 @@ def mla_decode_latents(q, pool, req_to_token, rows, lens, sm_scale, kv_lora, run
         qb = np.empty((heads, width), np.float32)
         _scaled_rows(q[b:b + 1], every, sm_scale, qb)
         limits = np.full(heads, hi - lo, np.int64)
-        _attend(qb, limits, pool, req_to_token[rows[b], lo:hi], hi - lo, kv_lora, run_max[b, r], run_sum[b, r],
-                run_out[b, r])
+        _attend(qb, limits, pool, req_to_token[rows[b], lo:hi], run_max[b, r], run_sum[b, r], run_out[b, r])
     for item in prange(batch * heads):  # merge the runs: rescale each to the overall max
         b, h = item // heads, item % heads
         top = run_max[b, :, h].max()
@@ -335,5 +375,5 @@ def sparse_mla_latents(q, pool, topk_slots, sm_scale, kv_lora, out):  # pragma: 
         limits = np.full(h1 - h0, slots.shape[0], np.int64)
         m, l = np.empty(h1 - h0, np.float32), np.empty(h1 - h0, np.float32)
         o = np.empty((h1 - h0, kv_lora), np.float32)
-        _attend(qb, limits, pool, slots, slots.shape[0], kv_lora, m, l, o)
+        _attend(qb, limits, pool, slots, m, l, o)
         _normalised(o, l, out[t, h0:h1])
