@@ -12,6 +12,7 @@ kv_lora 32 (16-lane chunks of the vector product) and 72 (a scalar tail; a parti
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -139,3 +140,30 @@ def test_tiny_v3_engine_same_as_twins(tiny_v3, kv_dtype: str, monkeypatch: pytes
     (tokens, logits), (want_tokens, want_logits) = runs
     assert tokens == want_tokens
     torch.testing.assert_close(logits, want_logits, atol=1e-4 if kv_dtype == "auto" else 1e-2, rtol=0)
+
+
+@pytest.mark.parametrize("dense", [None, "INT8"])  # kv_b_proj as a Linear, or W_UK / W_UV stored quantized
+def test_decompressed_extend_equals_absorbed(tiny_v3, dense, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt's prefill on a CPU device takes the decompressed form (deepseek.decompressed_cheaper); with it
+    ruled out (no bytes for its K / V) the absorbed form gives the same logits within 1e-4 (fp32, different
+    summation order and roundings), and chunks after a long prefix stay absorbed."""
+    from test_tensor_parallel import logits_of
+
+    from ktlite import Engine
+    from ktlite.runtime.models import deepseek
+
+    cfg = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)  # V2 / V3
+    assert deepseek.decompressed_cheaper(cfg, [0], [1]) and deepseek.decompressed_cheaper(cfg, [3584], [512])
+    assert not deepseek.decompressed_cheaper(cfg, [4095], [1]) and not deepseek.decompressed_cheaper(cfg, [4000], [64])
+    flags = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 256, "gpu_memory": "1GiB",
+             "max_running_requests": 4, "disable_radix_cache": True, **({"cpu_dense_method": dense} if dense else {})}
+    calls = []
+    decompressed = deepseek.MLAttention.decompressed_extend
+    monkeypatch.setattr(deepseek.MLAttention, "decompressed_extend", lambda *a: calls.append(1) or decompressed(*a))
+    ids = [torch.randint(4, 100, (n,), generator=torch.Generator().manual_seed(6)).tolist() for n in (40, 23)]
+    with Engine(str(tiny_v3), **flags) as eng:
+        got = logits_of(eng, ids)
+        assert calls
+        monkeypatch.setattr(deepseek, "DECOMPRESS_BYTES", 0)
+        want = logits_of(eng, ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
