@@ -1,19 +1,22 @@
 """Absorbed-MLA attention over the latent pool, compiled for a CPU device: decode, extend and sparse (DSA).
 
 The torch twins (reference.mla_decode_torch / mla_extend_torch / sparse_mla_torch) are the spec. All three
-kinds run the same flash-style core, `_attend`: a group of query rows (tokens x heads of one request, all
-scaled by sm_scale) streams the slots it may see in blocks of BLOCK positions; each block's latents are decoded
-once into an fp32 tile (and its transpose) for every row of the group, scores and probabilities live only for
-that block (an online softmax keeps each row's max, exp-sum and unnormalised output), and a row's causal limit
-cuts its block short: no [tokens x context] score matrix, no masks.
+kinds run the same flash-style step, `_attend_block`: a group of query rows (tokens x heads of one request, all
+scaled by sm_scale) folds one block of BLOCK decoded latents into its online-softmax state (each row's max,
+exp-sum and unnormalised output); scores and probabilities live only for that block, and a row's causal limit
+cuts its block short: no [tokens x context] score matrix, no masks. Extend decodes each request's visible
+latents once (`_decode_requests`, fp32 tiles and their transposes, in parallel) for all its work items (ROWS
+query rows each, dealt to the threads); decode (flash-decoding runs, merged after) and sparse attention (each
+query's own slots) decode a block per work item as they go (`_attend`).
 
 The pool is read in place, one row at a time, by `latent_row`: plain fp32 rows, bf16 rows (uint16 bits, shifted
 into fp32) or the packed FP8 rows of kv_fp8.latent_rows, passed as its three views (e4m3 bytes, an fp32 scale per
 group of values, the rope'd key's bf16 bits) and the group size: the one place these kernels decode a latent.
 
-The arithmetic is `_vm_acc` (acc += a @ M over a block, 64 accumulator lanes held in registers across the
-block's rows: one load per FMA), for the scores (q row against the transposed tile) and for P @ V (the
-probabilities against the tile's first kv_lora columns).
+The arithmetic is `_vm_acc` (acc += a @ M for two query rows at once, 64 accumulator lanes held in registers
+across the block: each vector of M loaded serves both rows), for the scores (q rows against the transposed tile)
+and for P @ V (the probabilities against the tile's first kv_lora columns). fp32 FMAs throughout, on every CPU
+(AVX2 here; LLVM widens the 16-lane vectors to zmm where AVX-512 exists); no bf16 dot-product path yet.
 
 Softmax state starts at a finite _NONE instead of -inf: the kernels are built with fast-math flags that allow
 reassociation and contraction, not the no-infinities flag that would let LLVM drop -inf comparisons.

@@ -220,8 +220,8 @@ class MLAttention(nn.Module):
         return h.device.type == "cpu" and kv_bytes <= DECOMPRESS_BYTES and decompressed_cheaper(c, prefix, extend)
 
     def kv_b_matrix(self) -> torch.Tensor:
-        """kv_b_proj's weight [heads * (nope + v), kv_lora_rank] in fp32, from the stored W_UK / W_UV where a CPU
-        device quantized them (head_matrices)."""
+        """kv_b_proj's weight [heads * (nope + v), kv_lora_rank] in fp32, from the modules holding W_UK / W_UV where a
+        CPU device stored them (head_matrices; their `dequantized()` matrices)."""
         if self.uk_heads is None:
             return torch.cat(self.w_uk_uv(), dim=1).flatten(0, 1).float()
         w_uk = self.uk_heads.dequantized().transpose(1, 2)  # [heads, nope, kv_lora]
