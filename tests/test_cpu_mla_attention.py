@@ -144,9 +144,10 @@ def test_tiny_v3_engine_same_as_twins(tiny_v3, kv_dtype: str, monkeypatch: pytes
 
 @pytest.mark.parametrize("dense", [None, "INT8"])  # kv_b_proj as a Linear, or W_UK / W_UV stored quantized
 def test_decompressed_extend_equals_absorbed(tiny_v3, dense, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prompt's prefill on a CPU device takes the decompressed form (deepseek.decompressed_cheaper); with it
-    ruled out (no bytes for its K / V) the absorbed form gives the same logits within 1e-4 (fp32, different
-    summation order and roundings), and chunks after a long prefix stay absorbed."""
+    """A prompt's prefill on a CPU device takes the decompressed form (deepseek.decompressed_cheaper) once a
+    compiled gqa_extend is registered (here pretended: the GQA twin runs it); with it ruled out (no bytes for its
+    K / V) the absorbed form gives the same logits within 1e-4 (fp32, different summation order and roundings),
+    and decode or a short chunk after a long prefix stays absorbed."""
     from test_tensor_parallel import logits_of
 
     from ktlite import Engine
@@ -157,6 +158,7 @@ def test_decompressed_extend_equals_absorbed(tiny_v3, dense, monkeypatch: pytest
     assert not deepseek.decompressed_cheaper(cfg, [4095], [1]) and not deepseek.decompressed_cheaper(cfg, [4000], [64])
     flags = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 256, "gpu_memory": "1GiB",
              "max_running_requests": 4, "disable_radix_cache": True, **({"cpu_dense_method": dense} if dense else {})}
+    monkeypatch.setattr(deepseek, "compiled_gqa_extend", lambda: True)
     calls = []
     decompressed = deepseek.MLAttention.decompressed_extend
     monkeypatch.setattr(deepseek.MLAttention, "decompressed_extend", lambda *a: calls.append(1) or decompressed(*a))

@@ -14,7 +14,10 @@ On a CPU device an extend batch picks the form with fewer multiply-adds (`decomp
 pair the absorbed form does 2 kv_lora_rank + rope (1,088 at V2/V3 dims) and the decompressed one nope + rope + v
 (320), but decompressing costs kv_lora_rank (nope + v) per visible position where absorbing costs as much per
 new token; so a prompt or a long chunk decompresses (its K / V handed to attention.gqa_extend), decode and short
-chunks after a long prefix stay absorbed. The GPU path stays absorbed (its Triton extend kernel).
+chunks after a long prefix stay absorbed. That pays only where gqa_extend runs compiled on the CPU: its torch twin
+materialises the [tokens x heads x context] scores and was slower than the compiled absorbed kernel (V2-Lite
+dims, 2 shared cores: 0.5 vs 0.2 s at 512 tokens, 23 vs 15 s at 4k), so without a "cpu" gqa_extend registered
+(kernels/attention.py) every extend stays absorbed. The GPU path stays absorbed (its Triton extend kernel).
 With `--kv-cache-dtype fp8_e4m3` the pool stores each latent as a packed FP8 row (fp8 values with a
 scale per 128, the rope'd key in bf16; kernels/triton/kv_fp8.py): `store` quantizes on write and the
 kernels dequantize as they read.
@@ -30,7 +33,7 @@ from torch import nn
 
 from ktlite.kernels.cpu import mla_block
 from ktlite.kernels.cpu.dense_linear import QuantizedHeads
-from ktlite.kernels.attention import gqa_extend, mla_decode, mla_extend
+from ktlite.kernels.attention import gqa_extend, implementations, mla_decode, mla_extend
 from ktlite.kernels.triton.reference import gather_latents
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
@@ -75,6 +78,11 @@ def decompressed_cheaper(cfg: DeepseekConfig, prefix_lens: list[int], extend_len
         absorbed += pairs * (2 * lora + rope) + n * lora * (nope + v)
         decompressed += (p + n) * lora * (nope + v) + pairs * (nope + rope + v)
     return decompressed < absorbed
+
+
+def compiled_gqa_extend() -> bool:
+    """Whether a CPU device runs attention.gqa_extend compiled (a "cpu" implementation is registered)."""
+    return "cpu" in implementations("gqa_extend")
 
 
 def per_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -211,13 +219,14 @@ class MLAttention(nn.Module):
         return self.output(o)
 
     def decompresses(self, h: torch.Tensor, batch: ForwardBatch) -> bool:
-        """Whether an extend batch runs in the decompressed form: on a CPU device, where it costs less
-        (decompressed_cheaper) and its K and V stay within DECOMPRESS_BYTES."""
+        """Whether an extend batch runs in the decompressed form: on a CPU device with a compiled gqa_extend, where
+        it costs less (decompressed_cheaper) and its K and V stay within DECOMPRESS_BYTES."""
         c = self.cfg
         prefix, extend = batch.prefix_lens.tolist(), batch.extend_lens.tolist()
         seen = sum(p + n for p, n in zip(prefix, extend) if n)
         kv_bytes = 4 * seen * self.num_heads * (c.qk_head_dim + c.v_head_dim)
-        return h.device.type == "cpu" and kv_bytes <= DECOMPRESS_BYTES and decompressed_cheaper(c, prefix, extend)
+        return (h.device.type == "cpu" and compiled_gqa_extend() and kv_bytes <= DECOMPRESS_BYTES
+                and decompressed_cheaper(c, prefix, extend))
 
     def kv_b_matrix(self) -> torch.Tensor:
         """kv_b_proj's weight [heads * (nope + v), kv_lora_rank] in fp32, from the modules holding W_UK / W_UV where a
