@@ -56,10 +56,11 @@ def _mla_decode_args(dtype: torch.dtype) -> tuple:
 def test_selection_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("KTLITE_FORCE_TORCH_KERNELS", raising=False)
-    fp32, bf16 = _mla_decode_args(torch.float32), _mla_decode_args(torch.bfloat16)
+    fp32, fp16 = _mla_decode_args(torch.float32), _mla_decode_args(torch.float16)
     assert attention.select("mla_decode", *fp32) == "cpu"  # CPU fp32, a compiled kernel registered
-    assert attention.select("mla_decode", *bf16) == "torch"  # its accepts says no
-    assert attention.select("mla_extend", *fp32[:4], torch.tensor([4]), torch.tensor([1]), 0.3, 16) == "torch"
+    assert attention.select("mla_decode", *fp16) == "torch"  # its accepts says no (an fp16 pool)
+    assert attention.select("mla_extend", *fp32[:4], torch.tensor([4]), torch.tensor([1]), 0.3, 16) == "cpu"
+    assert attention.select("gqa_decode", fp32[0], fp32[1], fp32[1], *fp32[2:6]) == "torch"  # no compiled kernel
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert attention.select("mla_decode", *fp32) == "triton"
     monkeypatch.setenv("KTLITE_FORCE_TORCH_KERNELS", "1")
@@ -72,7 +73,7 @@ def test_a_kind_runs_what_select_picks(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("KTLITE_FORCE_TORCH_KERNELS", raising=False)
-    fp32, bf16 = _mla_decode_args(torch.float32), _mla_decode_args(torch.bfloat16)
+    fp32, fp16 = _mla_decode_args(torch.float32), _mla_decode_args(torch.float16)
     assert torch.equal(attention.mla_decode(*fp32), cpu_attention.mla_decode(*fp32))
-    assert torch.equal(attention.mla_decode(*bf16), mla_decode_torch(*bf16))
+    assert torch.equal(attention.mla_decode(*fp16), mla_decode_torch(*fp16))
     assert list(inspect.signature(attention.mla_decode).parameters)[:2] == ["q", "kv_buffer"]  # help() shows it

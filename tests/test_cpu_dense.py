@@ -148,6 +148,10 @@ class DenseHeads(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.einsum("...gk,gnk->...gn", x, self.w.to(x.dtype))
 
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The matrices, as QuantizedHeads offers its own (MLA's decompressed form reads them)."""
+        return self.w.to(dtype)
+
 
 def dequantized_back(model: nn.Module) -> None:
     """Swap every QuantizedLinear for an nn.Linear holding its dequantized weight (and bias), and every

@@ -124,6 +124,9 @@ def test_engine_fp8_kv_is_the_rounded_cache(tiny_mla, monkeypatch: pytest.Monkey
     """The engine with an FP8 pool (packed rows, read in place by the kernels and the indexer) equals the
     engine with an fp32 pool that stores each latent and index key already rounded through the rows."""
     arch, path = tiny_mla
+    # compare storage through one attention implementation, the twins (the compiled CPU kernels against them, on
+    # both pools: test_cpu_mla_attention's)
+    monkeypatch.setenv("KTLITE_FORCE_TORCH_KERNELS", "1")
     with Engine(str(path), **FLAGS, kv_cache_dtype="fp8_e4m3") as eng:
         buffers = eng.runtime.runner.kv_pool.buffers
         widths = {"latent": 52} | ({"index_key": 36} if arch == "deepseek_v32" else {})  # 32 + 4 + 8*2; 32 + 4
@@ -137,9 +140,6 @@ def test_engine_fp8_kv_is_the_rounded_cache(tiny_mla, monkeypatch: pytest.Monkey
         pool.write(name, layer_idx, slots, rows.unpack(rows.pack(values)))
 
     monkeypatch.setattr(MLAttention, "store", rounded)
-    # the fp32 pool would take the compiled CPU decode kernel, the packed one takes the twin: compare storage
-    # through one attention implementation (the kernel against the twin is test_triton_mla's)
-    monkeypatch.setenv("KTLITE_FORCE_TORCH_KERNELS", "1")
     with Engine(str(path), **FLAGS) as eng:
         simulated = stepped(eng)
     torch.testing.assert_close(packed[0], simulated[0], atol=1e-5, rtol=0)

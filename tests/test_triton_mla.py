@@ -215,7 +215,7 @@ def test_dispatch_on_cpu_without_interpreter(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not kt.use_triton(q) and cpu_attention.accepts(q, pool.kv_buffer)  # fp32 on CPU: the compiled kernel
     torch.testing.assert_close(attention.mla_decode(*args), mla_decode_torch(*args))
-    assert not cpu_attention.accepts(q.bfloat16(), pool.kv_buffer.bfloat16())  # bf16: the twin
+    assert not cpu_attention.accepts(q.half(), pool.kv_buffer.half())  # an fp16 pool: the twin
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert kt.use_triton(q)
     torch.testing.assert_close(attention.mla_decode(*args), mla_decode_torch(*args), atol=1e-4, rtol=0)

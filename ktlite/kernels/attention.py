@@ -143,10 +143,12 @@ REGISTERED: tuple[Impl, ...] = (  # one group per kind: add a kind's "cpu" line 
     # MLA extend
     Impl("mla_extend", "torch", _REF + "mla_extend_torch"),
     Impl("mla_extend", "triton", _T + "extend_attn:mla_extend_triton"),
+    Impl("mla_extend", "cpu", "ktlite.kernels.cpu.attention:mla_extend", "ktlite.kernels.cpu.attention:accepts"),
 
     # sparse MLA
     Impl("sparse_mla", "torch", _REF + "sparse_mla_torch"),
     Impl("sparse_mla", "triton", _T + "sparse_mla_attn:sparse_mla_triton"),
+    Impl("sparse_mla", "cpu", "ktlite.kernels.cpu.attention:sparse_mla", "ktlite.kernels.cpu.attention:accepts"),
 
     # GQA decode
     Impl("gqa_decode", "torch", _REF + "gqa_decode_torch"),

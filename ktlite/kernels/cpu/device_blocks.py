@@ -1,6 +1,6 @@
 """A CPU device's decode step runs whole blocks as one call each, so the parallel regions inside follow each other
 with the worker threads still awake (one woken after Python code waits ~20 us on a 2-core VM): `mla_attention_rows`
-(MLA attention from normalised input to o_proj, mla_block.py; its attention is `mla_decode_latents`, attention.py),
+(MLA attention from normalised input to o_proj, mla_block.py; its attention is latent_attention.mla_decode_latents),
 `swiglu_rows` (a quantized SwiGLU MLP, dense_linear.py), `moe_block_rows` (a MoE layer's block from the residual
 stream back to it: RMSNorm, router (`router_logits`, `route_rows`), routed experts (moe_kernels.moe_rows_routed)
 and shared experts, moe_block.py).
@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ktlite.kernels.cpu.latent_attention import mla_decode_latents
 from ktlite.kernels.cpu.linear_kernels import project_rows
 from ktlite.kernels.cpu.moe_kernels import moe_rows_routed
 from ktlite.kernels.cpu.threads import ensure_threadsafe_layer
@@ -27,58 +28,6 @@ def decode_splits(batch, longest, threads):
     """Runs per request of mla_decode_latents: enough (batch x runs) work items for `threads` threads, none shorter
     than MIN_SPLIT. One rule for both callers: the split sets the summation order."""
     return max(1, min((threads + batch - 1) // batch, longest // MIN_SPLIT))
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def mla_decode_latents(q, kv, req_to_token, rows, lens, sm_scale, kv_lora, runs, out):  # pragma: no cover - compiled
-    """Absorbed-MLA decode attention over a latent pool (attention.mla_decode's kernel): out [B, H, kv_lora] from
-    q [B, H, kv_lora + rope], kv [slots, kv_lora + rope], each request's positions split into `runs` runs."""
-    batch, heads, width = q.shape
-    run_max = np.full((batch, runs, heads), -np.inf, np.float32)
-    run_sum = np.zeros((batch, runs, heads), np.float32)
-    run_out = np.zeros((batch, runs, heads, kv_lora), np.float32)
-    for item in prange(batch * runs):
-        b, r = item // runs, item % runs
-        length = (lens[b] + runs - 1) // runs
-        lo, hi = r * length, min(lens[b], (r + 1) * length)
-        if lo >= hi:
-            continue
-        scores = np.empty((heads, hi - lo), np.float32)
-        for i in range(lo, hi):
-            slot = req_to_token[rows[b], i]
-            for h in range(heads):
-                acc = np.float32(0.0)
-                for d in range(width):
-                    acc += q[b, h, d] * kv[slot, d]
-                scores[h, i - lo] = acc * sm_scale
-        for h in range(heads):
-            top = scores[h].max()
-            total = np.float32(0.0)
-            for i in range(hi - lo):
-                scores[h, i] = np.exp(scores[h, i] - top)
-                total += scores[h, i]
-            run_max[b, r, h], run_sum[b, r, h] = top, total
-        for i in range(lo, hi):
-            slot = req_to_token[rows[b], i]
-            for h in range(heads):
-                p = scores[h, i - lo]
-                for d in range(kv_lora):
-                    run_out[b, r, h, d] += p * kv[slot, d]
-    for item in prange(batch * heads):  # merge the runs: rescale each to the overall max
-        b, h = item // heads, item % heads
-        top = run_max[b, :, h].max()
-        total = np.float32(0.0)
-        for d in range(kv_lora):
-            out[b, h, d] = 0.0
-        for r in range(runs):
-            if run_sum[b, r, h] == 0.0:
-                continue
-            scale = np.exp(run_max[b, r, h] - top)
-            total += scale * run_sum[b, r, h]
-            for d in range(kv_lora):
-                out[b, h, d] += scale * run_out[b, r, h, d]
-        for d in range(kv_lora):
-            out[b, h, d] /= total
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)

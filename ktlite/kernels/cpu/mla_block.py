@@ -9,7 +9,7 @@ run back to back inside one call, so the worker wakes once and the Python is one
 
 It computes what MLAttention.forward_batch does for a decode batch (the torch path is the spec, and the tests'
 reference) from the same stored weights, through the same kernels (linear_kernels.linear_rows,
-device_blocks.mla_decode_latents): every projection a QuantizedLinear / QuantizedHeads on its row path, fp32
+latent_attention.mla_decode_latents): every projection a QuantizedLinear / QuantizedHeads on its row path, fp32
 activations and a plain fp32 latent pool.
 Where nothing sits between the attention and the residual stream (no tensor parallelism) the call also takes the
 layer's input RMSNorm and the residual add (residual_block, MLAttention.compiled_residual).

@@ -10,6 +10,14 @@ must agree:
 - naive: decompress the cached latents with kv_b_proj into per-head K and V, then standard attention;
 - absorbed: fold W_UK (the key half of kv_b_proj) into the query, attend over the latents directly and
   apply W_UV (the value half) after. This is the form the KV pool and kernels use.
+On a CPU device an extend batch picks the form with fewer multiply-adds (`decompressed_cheaper`): per query-key
+pair the absorbed form does 2 kv_lora_rank + rope (1,088 at V2/V3 dims) and the decompressed one nope + rope + v
+(320), but decompressing costs kv_lora_rank (nope + v) per visible position where absorbing costs as much per
+new token; so a prompt or a long chunk decompresses (its K / V handed to attention.gqa_extend), decode and short
+chunks after a long prefix stay absorbed. That pays only where gqa_extend runs compiled on the CPU: its torch twin
+materialises the [tokens x heads x context] scores and was slower than the compiled absorbed kernel (V2-Lite
+dims, 2 shared cores: 0.5 vs 0.2 s at 512 tokens, 23 vs 15 s at 4k), so without a "cpu" gqa_extend registered
+(kernels/attention.py) every extend stays absorbed. The GPU path stays absorbed (its Triton extend kernel).
 With `--kv-cache-dtype fp8_e4m3` the pool stores each latent as a packed FP8 row (fp8 values with a
 scale per 128, the rope'd key in bf16; kernels/triton/kv_fp8.py): `store` quantizes on write and the
 kernels dequantize as they read.
@@ -25,7 +33,8 @@ from torch import nn
 
 from ktlite.kernels.cpu import mla_block
 from ktlite.kernels.cpu.dense_linear import QuantizedHeads
-from ktlite.kernels.attention import mla_decode, mla_extend
+from ktlite.kernels.attention import gqa_extend, implementations, mla_decode, mla_extend
+from ktlite.kernels.triton.reference import gather_latents
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
 from ktlite.runtime.models.deepseek_config import ARCHITECTURES, MODEL_TYPES, TINY_CONFIGS, DeepseekConfig, parse_config
@@ -51,6 +60,29 @@ class LatentCache:
         end = self.length + latent.shape[1]
         self.layers[layer][:, self.length : end] = latent
         return self.layers[layer][:, :end]
+
+
+# the decompressed K and V (fp32) of an extend batch above which it stays absorbed: they are temporaries
+DECOMPRESS_BYTES = 1 << 30
+
+
+def decompressed_cheaper(cfg: DeepseekConfig, prefix_lens: list[int], extend_lens: list[int]) -> bool:
+    """Whether the decompressed form costs fewer multiply-adds per head than the absorbed one for an extend batch
+    (P prefix and N new tokens per request, pairs = N P + N (N + 1) / 2): absorbed = pairs (2 kv_lora_rank + rope)
+    + N kv_lora_rank (nope + v) (absorbing the query, W_UV on the output); decompressed = (P + N) kv_lora_rank
+    (nope + v) (K and V of every visible position) + pairs (nope + rope + v). At V2/V3 dims: pairs > 170 P."""
+    lora, rope, nope, v = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    absorbed = decompressed = 0
+    for p, n in zip(prefix_lens, extend_lens):
+        pairs = n * p + n * (n + 1) // 2
+        absorbed += pairs * (2 * lora + rope) + n * lora * (nope + v)
+        decompressed += (p + n) * lora * (nope + v) + pairs * (nope + rope + v)
+    return decompressed < absorbed
+
+
+def compiled_gqa_extend() -> bool:
+    """Whether a CPU device runs attention.gqa_extend compiled (a "cpu" implementation is registered)."""
+    return "cpu" in implementations("gqa_extend")
 
 
 def per_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -174,6 +206,9 @@ class MLAttention(nn.Module):
                 return self.compiled_decode(h, cos, sin, batch, latents, pool.req_to_token, block)
         q_in, kv_in = self.input_projections(h)
         self.store(pool, "latent", layer_idx, batch.out_cache_loc, self.latent(kv_in, cos, sin))
+        if not decode and self.decompresses(h, batch):
+            v = self.decompressed_extend(self.query(q_in), cos, sin, latents, pool.req_to_token, batch)
+            return self.o_proj(v.flatten(-2))
         q = self.absorbed_query(self.query(q_in), cos, sin)  # [N, heads, kv_lora_rank + rope]
         if decode:
             o = mla_decode(q, latents, pool.req_to_token, batch.req_pool_indices, batch.prefix_lens + 1,
@@ -182,6 +217,50 @@ class MLAttention(nn.Module):
             o = mla_extend(q, latents, pool.req_to_token, batch.req_pool_indices, batch.prefix_lens,
                            batch.extend_lens, c.softmax_scale, c.kv_lora_rank)
         return self.output(o)
+
+    def decompresses(self, h: torch.Tensor, batch: ForwardBatch) -> bool:
+        """Whether an extend batch runs in the decompressed form: on a CPU device with a compiled gqa_extend, where
+        it costs less (decompressed_cheaper) and its K and V stay within DECOMPRESS_BYTES."""
+        c = self.cfg
+        prefix, extend = batch.prefix_lens.tolist(), batch.extend_lens.tolist()
+        seen = sum(p + n for p, n in zip(prefix, extend) if n)
+        kv_bytes = 4 * seen * self.num_heads * (c.qk_head_dim + c.v_head_dim)
+        return (h.device.type == "cpu" and compiled_gqa_extend() and kv_bytes <= DECOMPRESS_BYTES
+                and decompressed_cheaper(c, prefix, extend))
+
+    def kv_b_matrix(self) -> torch.Tensor:
+        """kv_b_proj's weight [heads * (nope + v), kv_lora_rank] in fp32, from the modules holding W_UK / W_UV where a
+        CPU device stored them (head_matrices; their `dequantized()` matrices)."""
+        if self.uk_heads is None:
+            return torch.cat(self.w_uk_uv(), dim=1).flatten(0, 1).float()
+        w_uk = self.uk_heads.dequantized().transpose(1, 2)  # [heads, nope, kv_lora]
+        return torch.cat((w_uk, self.uv_heads.dequantized()), dim=1).flatten(0, 1)
+
+    def decompressed_extend(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, latents: torch.Tensor,
+                            req_to_token: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q [N, heads, qk_head_dim] (rope part not yet rotated) -> the attention output [N, heads, v_head] in the
+        decompressed form: each request's visible latents through kv_b_proj into per-head K = [k_nope, k_pe] and
+        V, then causal GQA attention with one K / V head per query head over them (attention.gqa_extend)."""
+        c, heads = self.cfg, self.num_heads
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        q_full = torch.cat((q_nope, self.rotary(q_pe, cos, sin)), dim=-1).float()
+        w = self.kv_b_matrix()
+        lens = (batch.prefix_lens + batch.extend_lens) * (batch.extend_lens > 0)
+        rows = torch.zeros(len(lens), max(int(lens.max()), 1), dtype=torch.int32)  # request b's K / V rows
+        keys, values, start = [], [], 0
+        for b, (row, seen) in enumerate(zip(batch.req_pool_indices.tolist(), lens.tolist())):
+            if not seen:
+                continue
+            latent = gather_latents(latents, req_to_token[row, :seen].long(), c.kv_lora_rank, c.kv_latent_dim)
+            compressed, k_pe = latent.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+            k_nope, v = (compressed @ w.T).view(seen, heads, -1).split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+            keys.append(torch.cat((k_nope, k_pe[:, None, :].expand(-1, heads, -1)), dim=-1))
+            values.append(v)
+            rows[b, :seen] = torch.arange(start, start + seen, dtype=torch.int32)
+            start += seen
+        out = gqa_extend(q_full, torch.cat(keys), torch.cat(values), rows, torch.arange(len(lens)), batch.prefix_lens,
+                         batch.extend_lens, c.softmax_scale)
+        return out.to(q.dtype)
 
     def compiled_decode_block(self, tokens: int) -> tuple | None:
         """mla_block's fixed arguments of this layer (block_weights) where every projection is stored quantized and
