@@ -45,7 +45,7 @@ def test_greedy_tokens_equal_generate(tiny_dsa):
 
 
 def test_sparse_attention_equals_dense_mla_when_topk_covers_every_token(tiny_v32):
-    from ktlite.kernels.triton import mla_extend, sparse_mla
+    from ktlite.kernels.attention import mla_extend, sparse_mla
 
     cfg = load_config(tiny_v32)
     g = torch.Generator().manual_seed(1)

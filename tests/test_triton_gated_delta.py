@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import ktlite.kernels.triton as kt
+from ktlite.kernels import attention
 
 with kt.interpreted():
     from ktlite.kernels.triton.causal_conv_attn import causal_conv1d_triton
@@ -109,7 +110,7 @@ def test_delta_rule_decode_batch_is_recurrent_and_skips_empty_rows(monkeypatch: 
     ref_states = states.clone()
     ref = gated_delta_rule_batch_torch(q, k, v, g, beta, ref_states, *meta)
     before = states[4].clone()
-    out = kt.gated_delta_rule(q, k, v, g, beta, states, *meta)
+    out = attention.gated_delta_rule(q, k, v, g, beta, states, *meta)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
     torch.testing.assert_close(states, ref_states, atol=2e-5, rtol=0, equal_nan=True)
     assert torch.equal(states[4], before)
@@ -160,7 +161,7 @@ def test_conv_matches_twin(dtype: torch.dtype, state_dtype: torch.dtype, width: 
 def test_conv_empty_sequence_keeps_state() -> None:
     x, weight, states = conv_inputs([1, 0], 8, 4, torch.float32, torch.float32)
     before = states.clone()
-    kt.causal_conv1d(x, states, weight, *batch_meta([1, 0], [0, 3], [False, True]))
+    attention.causal_conv1d(x, states, weight, *batch_meta([1, 0], [0, 3], [False, True]))
     assert torch.equal(states[3], before[3]) and not torch.equal(states[0], before[0])
 
 
@@ -177,12 +178,12 @@ def test_dispatch_picks_twin_on_cpu_and_triton_under_interpreter(monkeypatch: py
     ref = gated_delta_rule_batch_torch(q, k, v, g, beta, states.clone(), *meta)
     ref_conv = causal_conv1d_batch_torch(x, conv_states.clone(), weight, *meta)
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert torch.equal(kt.gated_delta_rule(q, k, v, g, beta, states.clone(), *meta), ref)
-    assert torch.equal(kt.causal_conv1d(x, conv_states.clone(), weight, *meta), ref_conv)
+    assert torch.equal(attention.gated_delta_rule(q, k, v, g, beta, states.clone(), *meta), ref)
+    assert torch.equal(attention.causal_conv1d(x, conv_states.clone(), weight, *meta), ref_conv)
     assert calls == []
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    torch.testing.assert_close(kt.gated_delta_rule(q, k, v, g, beta, states, *meta), ref, atol=2e-5, rtol=0)
-    torch.testing.assert_close(kt.causal_conv1d(x, conv_states, weight, *meta), ref_conv, atol=1e-5, rtol=0)
+    torch.testing.assert_close(attention.gated_delta_rule(q, k, v, g, beta, states, *meta), ref, atol=2e-5, rtol=0)
+    torch.testing.assert_close(attention.causal_conv1d(x, conv_states, weight, *meta), ref_conv, atol=1e-5, rtol=0)
     assert calls == ["gated_delta_rule_triton", "causal_conv1d_triton"]
 
 

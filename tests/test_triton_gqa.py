@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import ktlite.kernels.triton as kt
+from ktlite.kernels import attention
 
 with kt.interpreted():
     from ktlite.kernels.triton.gqa_decode_attn import gqa_decode_triton
@@ -220,20 +221,17 @@ def test_extend_last_token_equals_decode_and_empty_batches() -> None:
 
 
 def test_dispatch_routes_gqa(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Twin on CPU without the interpreter, Triton with it; the package's gqa_decode/gqa_extend stay
-    functions after the kernel modules are imported (a submodule of the same name would replace them)."""
+    """Triton under the interpreter, through the attention interface (CPU selection: test_attention_backends.py);
+    the interface's gqa_decode/gqa_extend stay callable after the kernel modules are imported."""
     pool = Pool([5, 9], 2, 64, torch.float32)
     q = queries(2, 4, 64, torch.float32)
     dec_args = (q, *pool.args(), torch.tensor([5, 9]), SCALE)
     ext_args = (q, *pool.args(), torch.tensor([4, 8]), torch.tensor([1, 1]), SCALE)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    torch.testing.assert_close(kt.gqa_decode(*dec_args), gqa_decode_torch(*dec_args), atol=0, rtol=0)
-    torch.testing.assert_close(kt.gqa_extend(*ext_args), gqa_extend_torch(*ext_args), atol=0, rtol=0)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    torch.testing.assert_close(kt.gqa_decode(*dec_args), gqa_decode_torch(*dec_args), atol=1e-5, rtol=0)
-    ext = kt.gqa_extend(*ext_args, extend_start_loc=torch.tensor([0, 1]), max_extend_len=1)
-    torch.testing.assert_close(ext, gqa_extend_torch(*ext_args), atol=1e-5, rtol=0)
-    assert callable(kt.gqa_decode) and callable(kt.gqa_extend)
+    assert attention.select("gqa_extend", *ext_args) == "triton"
+    torch.testing.assert_close(attention.gqa_decode(*dec_args), gqa_decode_torch(*dec_args), atol=1e-5, rtol=0)
+    torch.testing.assert_close(attention.gqa_extend(*ext_args), gqa_extend_torch(*ext_args), atol=1e-5, rtol=0)
+    assert callable(attention.gqa_decode) and callable(attention.gqa_extend)
 
 
 def test_gqa_kernels_compile_for_gpu() -> None:

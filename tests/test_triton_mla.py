@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import ktlite.kernels.triton as kt
+from ktlite.kernels import attention
 
 with kt.interpreted():
     from ktlite.kernels.triton.decode_attn import mla_decode_triton
@@ -212,12 +213,12 @@ def test_dispatch_on_cpu_without_interpreter(monkeypatch: pytest.MonkeyPatch) ->
     q = absorbed_inputs(1, 2, torch.float32)[0]
     args = (q, pool.kv_buffer, pool.req_to_token, pool.req_pool_indices, torch.tensor([5]), 0.3, KV_LORA)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not kt.use_triton(q) and cpu_attention.handles(q, pool.kv_buffer)  # fp32 on CPU: the compiled kernel
-    torch.testing.assert_close(kt.mla_decode(*args), mla_decode_torch(*args))
-    assert not cpu_attention.handles(q.bfloat16(), pool.kv_buffer.bfloat16())  # bf16: the twin
+    assert not kt.use_triton(q) and cpu_attention.accepts(q, pool.kv_buffer)  # fp32 on CPU: the compiled kernel
+    torch.testing.assert_close(attention.mla_decode(*args), mla_decode_torch(*args))
+    assert not cpu_attention.accepts(q.bfloat16(), pool.kv_buffer.bfloat16())  # bf16: the twin
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert kt.use_triton(q)
-    torch.testing.assert_close(kt.mla_decode(*args), mla_decode_torch(*args), atol=1e-4, rtol=0)
+    torch.testing.assert_close(attention.mla_decode(*args), mla_decode_torch(*args), atol=1e-4, rtol=0)
     monkeypatch.setenv("KTLITE_FORCE_TORCH_KERNELS", "1")
     assert not kt.use_triton(q)
     assert os.environ["TRITON_INTERPRET"] == "1"

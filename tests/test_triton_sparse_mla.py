@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import ktlite.kernels.triton as kt
+from ktlite.kernels import attention
 
 with kt.interpreted():
     from ktlite.kernels.triton.sparse_mla_attn import sparse_mla_triton
@@ -112,9 +113,9 @@ def test_selecting_every_causal_token_equals_dense_mla() -> None:
         seen = row[: prefix + t + 1]
         slots[t, : seen.numel()] = seen[torch.randperm(seen.numel(), generator=g)]  # order is irrelevant
     assert kt.use_triton(q)
-    sparse = kt.sparse_mla(q, kv, slots, SCALE, KV_LORA)
+    sparse = attention.sparse_mla(q, kv, slots, SCALE, KV_LORA)
     # importing the kernel module must not shadow the package's sparse_mla function
-    assert callable(kt.sparse_mla)
+    assert callable(attention.sparse_mla)
     dense = mla_extend_torch(q, kv, req_to_token, torch.tensor([1]), torch.tensor([prefix]), torch.tensor([new]),
                              SCALE, KV_LORA)
     torch.testing.assert_close(sparse, dense, atol=1e-4, rtol=0)
@@ -125,7 +126,7 @@ def test_dispatch_picks_twin_on_cpu_without_interpreter(monkeypatch: pytest.Monk
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not kt.use_triton(q)
     twin = sparse_mla_torch(q, kv, slots, SCALE, KV_LORA)
-    torch.testing.assert_close(kt.sparse_mla(q, kv, slots, SCALE, KV_LORA), twin)
+    torch.testing.assert_close(attention.sparse_mla(q, kv, slots, SCALE, KV_LORA), twin)
 
 
 def test_kernels_compile_for_gpu() -> None:

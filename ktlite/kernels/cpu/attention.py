@@ -7,7 +7,8 @@ uses every thread (flash-decoding: each run keeps its max, exp-sum and weighted 
 second pass merges the runs); a run reads each cached latent once for all heads.
 
 Takes fp32 q and a plain fp32 latent cache (what a CPU device holds with the default fp32 dtype);
-anything else (bf16, packed FP8 rows) stays with the twin.
+anything else (bf16, packed FP8 rows) stays with the twin. Registered as the "cpu" mla_decode in
+ktlite/kernels/attention.py.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import torch
 from ktlite.kernels.cpu import device_blocks
 
 
-def handles(q: torch.Tensor, kv_buffer: torch.Tensor) -> bool:
-    """Whether mla_decode takes these inputs (else the torch twin does)."""
+def accepts(q: torch.Tensor, kv_buffer: torch.Tensor, *_: object) -> bool:
+    """Whether mla_decode takes these inputs (else the torch twin does); the attention registry calls it with
+    mla_decode's arguments."""
     return q.device.type == "cpu" and q.dtype == torch.float32 and kv_buffer.dtype == torch.float32
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from ktlite.kernels.cpu import mla_block
 from ktlite.kernels.cpu.dense_linear import QuantizedHeads
-from ktlite.kernels.triton import mla_decode, mla_extend
+from ktlite.kernels.attention import mla_decode, mla_extend
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
 from ktlite.runtime.models.deepseek_config import ARCHITECTURES, MODEL_TYPES, TINY_CONFIGS, DeepseekConfig, parse_config

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ktlite.errors import ConfigError
-from ktlite.kernels.triton import sparse_mla
+from ktlite.kernels.attention import sparse_mla
 from ktlite.kernels.triton.kv_fp8 import Fp8Rows, is_packed
 from ktlite.kernels.triton.reference import causal_mask, request_spans
 from ktlite.runtime.forward_batch import ForwardBatch

@@ -3,7 +3,7 @@
 Per token: one projection gives q, k (per key head), v and the output gate z (per value head), another
 beta and the decay input a; q, k, v go through a causal depthwise conv (width
 `linear_conv_kernel_dim`, SiLU) that continues the request's rolling conv state; the gated delta rule
-(`kernels.triton.gated_delta_rule`) reads and updates the request's recurrent state
+(`kernels.attention.gated_delta_rule`) reads and updates the request's recurrent state
 [value heads, k_dim, v_dim]; a gated RMSNorm (norm, then times silu(z)) and `out_proj` follow. Both
 states live in the state pool at the request's row and start from zeros at position 0.
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ktlite.kernels import triton as kernels
+from ktlite.kernels import attention
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.state_cache import RequestStateSpec
 
@@ -103,7 +103,7 @@ class GatedDeltaNet(nn.Module):
         s, n, states = self.spec, h.shape[0], ctx.state_pool
         rows, lens, reset = batch.req_pool_indices, batch.extend_lens, batch.prefix_lens == 0
         mixed, z, b, a = self._split(h)
-        mixed = kernels.causal_conv1d(mixed, states.state("conv", layer_idx), self.conv1d.weight.squeeze(1), rows,
+        mixed = attention.causal_conv1d(mixed, states.state("conv", layer_idx), self.conv1d.weight.squeeze(1), rows,
                                       lens, reset)
         kv = s.key_heads * s.key_dim
         q, k, v = mixed.split([kv, kv, s.value_heads * s.value_dim], dim=-1)
@@ -111,7 +111,7 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(n, s.key_heads, s.key_dim).repeat_interleave(per_key, dim=1)
         k = k.reshape(n, s.key_heads, s.key_dim).repeat_interleave(per_key, dim=1)
         decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log decay <= 0
-        o = kernels.gated_delta_rule(q, k, v.reshape(n, s.value_heads, s.value_dim), decay, b.float().sigmoid(),
+        o = attention.gated_delta_rule(q, k, v.reshape(n, s.value_heads, s.value_dim), decay, b.float().sigmoid(),
                                      states.state("recurrent", layer_idx), rows, lens, reset)
         out = self.out_proj(self.norm(o, z).reshape(n, -1))
         return out / self.ranks if self.ranks > 1 else out

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ktlite.errors import ConfigError
-from ktlite.kernels import triton as kernels
+from ktlite.kernels import attention
 from ktlite.kernels.triton.kv_fp8 import Fp8Rows, head_rows, packs_fp8
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.kv_cache import TokenCacheSpec
@@ -162,10 +162,10 @@ class GQAttention(nn.Module):
         pool.write("v", layer_idx, batch.out_cache_loc, v, self.spec.fp8_rows)
         k_buf, v_buf = pool.buffer("k", layer_idx), pool.buffer("v", layer_idx)
         if batch.is_decode:
-            o = kernels.gqa_decode(q, k_buf, v_buf, pool.req_to_token, batch.req_pool_indices,
+            o = attention.gqa_decode(q, k_buf, v_buf, pool.req_to_token, batch.req_pool_indices,
                                    batch.prefix_lens + 1, self.spec.scale)
         else:
-            o = kernels.gqa_extend(q, k_buf, v_buf, pool.req_to_token, batch.req_pool_indices,
+            o = attention.gqa_extend(q, k_buf, v_buf, pool.req_to_token, batch.req_pool_indices,
                                    batch.prefix_lens, batch.extend_lens, self.spec.scale)
         o = o.flatten(-2)
         if gate is not None:

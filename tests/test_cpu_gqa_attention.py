@@ -1,0 +1,108 @@
+"""The compiled CPU GQA kernel (ktlite/kernels/cpu/gqa_attention.py) against the torch twins.
+
+Pools as the runtime has them: each request's K/V rows in shuffled slots, requests in shuffled rows of req_to_token.
+Batches are ragged (no prefix, a 1-token chunk, a prefix spanning several key tiles, an empty request), query
+heads per kv head 1/2/4/8, head dims 16/64/128 and a V head narrower than K. Pools: fp32, bf16 (read as uint16
+bits) and packed FP8 head rows (kv_fp8.head_rows, with an outlier channel of 500 to 1,000 in V) — every layout the
+kernel reads; the kernel's code is the same on every x86 CPU (fp32 FMAs), so no path is skipped here.
+
+Bound (the module docstring's): |kernel - twin| <= 2e-5 + 2e-5 |twin| for fp32 outputs; bf16 queries add one bf16
+ulp (rtol 2^-7), the rounding of the output to q's dtype.
+"""
+
+import pytest
+import torch
+
+from ktlite.kernels import attention
+from ktlite.kernels.cpu import gqa_attention as cpu_gqa
+from ktlite.kernels.triton.kv_fp8 import head_rows
+from ktlite.kernels.triton.reference import gqa_decode_torch, gqa_extend_torch
+
+FP8 = torch.uint8  # stands for a packed FP8 pool
+PREFIX, EXTEND = [0, 5, 300, 0, 7], [1, 17, 70, 130, 0]
+SCALE = 0.2
+
+
+def pool(lens: list[int], kv_heads: int, dim: int, dv: int, dtype: torch.dtype, seed: int = 0) -> tuple:
+    """(k_buffer, v_buffer, req_to_token, req_pool_indices) with the requests' positions on shuffled slots."""
+    g = torch.Generator().manual_seed(seed)
+    slots = sum(lens) + 11
+    k, v = torch.randn(slots, kv_heads, dim, generator=g), torch.randn(slots, kv_heads, dv, generator=g)
+    if dtype == FP8:
+        v[..., 3] = 500 * (1 + torch.rand(slots, kv_heads, generator=g))
+        k, v = head_rows(dim).pack(k), head_rows(dv).pack(v)
+    else:
+        k, v = k.to(dtype), v.to(dtype)
+    order = torch.randperm(slots, generator=g)
+    req_to_token = torch.zeros(len(lens) + 2, max(lens) + 3, dtype=torch.int32)
+    rows = torch.randperm(len(lens) + 2, generator=g)[: len(lens)]
+    start = 0
+    for row, n in zip(rows.tolist(), lens):
+        req_to_token[row, :n] = order[start : start + n].to(torch.int32)
+        start += n
+    return k, v, req_to_token, rows
+
+
+def queries(n: int, heads: int, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    q = torch.randn(n, heads, 2 * dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    return q[..., :dim]  # a non-contiguous view, as q split from a gate
+
+
+def assert_bound(out: torch.Tensor, twin: torch.Tensor) -> None:
+    assert out.dtype == twin.dtype and out.shape == twin.shape
+    ulp = 2.0**-7 if out.dtype == torch.bfloat16 else 0.0
+    torch.testing.assert_close(out.float(), twin.float(), atol=2e-5, rtol=2e-5 + ulp)
+
+
+# (kv heads, query heads per kv head, head dim, V head dim)
+SHAPES = [(2, 1, 64, 64), (1, 2, 128, 128), (2, 4, 64, 32), (1, 8, 16, 16)]
+POOLS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8rows": FP8}
+
+
+@pytest.mark.parametrize("pool_dtype", POOLS.values(), ids=POOLS.keys())
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "kv{}x{}_d{}_dv{}".format(*s))
+def test_extend_matches_twin(shape: tuple, pool_dtype: torch.dtype) -> None:
+    kv_heads, group, dim, dv = shape
+    args = pool([p + e for p, e in zip(PREFIX, EXTEND)], kv_heads, dim, dv, pool_dtype)
+    q = queries(sum(EXTEND), kv_heads * group, dim)
+    lens = torch.tensor(PREFIX), torch.tensor(EXTEND)
+    assert attention.select("gqa_extend", q, *args, *lens, SCALE) == "cpu"
+    assert_bound(attention.gqa_extend(q, *args, *lens, SCALE), gqa_extend_torch(q, *args, *lens, SCALE))
+
+
+@pytest.mark.parametrize("runs", [1, 3])  # one run per item; key runs merged (flash-decoding)
+@pytest.mark.parametrize("pool_dtype", POOLS.values(), ids=POOLS.keys())
+def test_decode_matches_twin(pool_dtype: torch.dtype, runs: int) -> None:
+    seq_lens = [1, 37, 300, 513]
+    args = pool(seq_lens, 2, 64, 64, pool_dtype)
+    q = queries(len(seq_lens), 8, 64)
+    twin = gqa_decode_torch(q, *args, torch.tensor(seq_lens), SCALE)
+    assert_bound(cpu_gqa.gqa_decode(q, *args, torch.tensor(seq_lens), SCALE, runs=runs), twin)
+    assert_bound(attention.gqa_decode(q, *args, torch.tensor(seq_lens), SCALE), twin)
+
+
+def test_extend_key_runs_and_chunk_boundaries() -> None:
+    """A prompt prefilled in two chunks (the second with the first as its prefix, as the radix cache or chunked
+    prefill gives) equals it prefilled at once, and both equal the twin, with key runs split or not."""
+    n, cut = 290, 200
+    args = pool([n], 2, 64, 64, torch.float32)
+    q = queries(n, 4, 64)
+    whole = gqa_extend_torch(q, *args, torch.tensor([0]), torch.tensor([n]), SCALE)
+    for runs in (1, 4):
+        first = cpu_gqa.gqa_extend(q[:cut], *args, torch.tensor([0]), torch.tensor([cut]), SCALE, runs=runs)
+        second = cpu_gqa.gqa_extend(q[cut:], *args, torch.tensor([cut]), torch.tensor([n - cut]), SCALE, runs=runs)
+        assert_bound(torch.cat([first, second]), whole)
+
+
+def test_bf16_queries_return_bf16() -> None:
+    args = pool([p + e for p, e in zip(PREFIX, EXTEND)], 2, 64, 64, torch.bfloat16)
+    q = queries(sum(EXTEND), 4, 64, torch.bfloat16)
+    lens = torch.tensor(PREFIX), torch.tensor(EXTEND)
+    assert_bound(attention.gqa_extend(q, *args, *lens, SCALE), gqa_extend_torch(q, *args, *lens, SCALE))
+
+
+def test_unsupported_pool_goes_to_the_twin() -> None:
+    args = pool([5], 1, 64, 64, torch.float16)
+    q = queries(5, 2, 64)
+    assert not cpu_gqa.accepts(q, *args)
+    assert attention.select("gqa_extend", q, *args, torch.tensor([0]), torch.tensor([5]), SCALE) == "torch"
