@@ -3,7 +3,7 @@
 Ragged packed batches (requests of different lengths in one call, states at scattered rows, some continuing a state
 and some reset), every chunk boundary (1, 63, 64, 65, 200 tokens), decode steps (one token per request, the
 recurrent form), key heads shared by several value heads, bf16 inputs; the conv with sequences shorter than its
-window. Tolerances: fp32 results within 2e-5 absolute of the twin's (values are O(1); the two differ only in
+window; and a tiny Qwen3-Next engine's greedy tokens with these kernels equal to its tokens on the twins. Tolerances: fp32 results within 2e-5 absolute of the twin's (values are O(1); the two differ only in
 summation order), bf16 outputs within one bf16 rounding (1e-2 relative).
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ktlite import Engine
 from ktlite.kernels.cpu import linear_attention as cpu
 from ktlite.kernels.triton.reference import causal_conv1d_batch_torch, gated_delta_rule_batch_torch
 
@@ -108,3 +109,35 @@ def test_causal_conv_matches_twin(width):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
         torch.testing.assert_close(ours, theirs, atol=0, rtol=0)  # the states are copies of inputs: exact
     assert torch.equal(ours[[3, 5, 7]], states[[3, 5, 7]])
+
+
+def test_tiny_qwen3_next_greedy_tokens_equal_the_twins(tiny_qwen3_next, monkeypatch):
+    """Prompts of 3 to 150 tokens (chunks of 64, prefill chunks of 32 so later chunks continue the states), decoded
+    together: the same greedy tokens with the compiled kernels (counted: they ran) as with KTLITE_FORCE_TORCH_KERNELS."""
+    calls = {"gated_delta_rule": 0, "causal_conv1d": 0}
+
+    def counted(name):
+        kernel = getattr(cpu, name)
+
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return kernel(*args, **kwargs)
+        return run
+
+    for name in calls:
+        monkeypatch.setattr(cpu, name, counted(name))  # the registry looks its target up on each call
+    gen = torch.Generator().manual_seed(5)
+    flags = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 2048, "chunked_prefill_size": 32,
+             "gpu_memory": "1GiB", "max_running_requests": 4}
+    params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+    tokens = {}
+    for forced in ("0", "1"):
+        monkeypatch.setenv("KTLITE_FORCE_TORCH_KERNELS", forced)
+        with Engine(str(tiny_qwen3_next), **flags) as eng:
+            prompts = [torch.randint(4, eng.runtime.vocab_size, (n,), generator=gen.manual_seed(n)).tolist()
+                       for n in (3, 40, 150)]
+            before = dict(calls)
+            tokens[forced] = [r.token_ids for r in eng.generate(input_ids=prompts, sampling_params=params)]
+            ran = {name: calls[name] - before[name] for name in calls}
+        assert all(ran.values()) if forced == "0" else not any(ran.values()), ran
+    assert tokens["0"] == tokens["1"]

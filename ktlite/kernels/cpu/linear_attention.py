@@ -178,9 +178,20 @@ def causal_conv_rows(x, conv_states, weight, rows, starts, lens, reset, out):  #
                     state[c0 + c, w] = x[first + src, c0 + c] if src >= 0 else hist[width - 1 + src, c]
 
 
-def handles(states: torch.Tensor) -> bool:
-    """Whether these kernels take a batch whose states are `states` (else the twin does): fp32 CPU states."""
+def _takes_states(states: torch.Tensor) -> bool:
     return states.device.type == "cpu" and states.dtype == torch.float32 and states.is_contiguous()
+
+
+def accepts_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                             states: torch.Tensor, *_: object) -> bool:
+    """Whether gated_delta_rule takes these inputs (else the twin does; the attention registry asks): CPU tensors and
+    contiguous fp32 states."""
+    return q.device.type == "cpu" and _takes_states(states)
+
+
+def accepts_causal_conv1d(x: torch.Tensor, conv_states: torch.Tensor, *_: object) -> bool:
+    """Whether causal_conv1d takes these inputs (else the twin does): CPU tensors and contiguous fp32 states."""
+    return x.device.type == "cpu" and _takes_states(conv_states)
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:
