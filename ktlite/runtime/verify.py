@@ -27,14 +27,16 @@ measured; the other ranks run the same shapes, and their tables point the alloca
 prefix positions at whatever slots they held, which changes values, not memory.
 
 `warm_paths(runtime)` then runs the smaller forwards a request can reach, so that nothing a request runs compiles
-or loads on first use after the server says ready (numba kernels compiled for, or loaded from numba's cache into,
-this process; a CPU device's compiled decode plan; torch's first-call costs). The modules choose their kernels by
-the forward's token count (a dense layer's row dots below its threshold and a GEMM above, a MoE layer's one fused
-call where no expert can reach the matmul path, tile kernels from 2 or 3 tokens, ...) and by its kind (prefill or
-decode), so it runs prefills of one request and decode steps of several at every size of `reach_sizes` below the two
-passes above: 1, 2, 3, then powers of two. Any threshold between two sizes has a forward on each side of it, whatever
-kernel it picks, without a list of kernels or thresholds here; a threshold in tokens per expert is met by the
-prefills' busiest experts. It costs about one more chunk of prefill and a decode step per size.
+or loads on first use after the server says ready: numba kernels (compiled for, or loaded from numba's cache into,
+this process: numba specialises on argument types, and a path first taken by a request compiles then), a CPU
+device's compiled decode plans, torch's first calls. The modules choose their kernels by the forward's token count
+(a dense layer's row dots below its threshold and a GEMM above, a MoE layer's one fused call where no expert can
+reach the matmul path, tile kernels from 2 or 3 tokens, ...) and by its kind (prefill or decode), so it runs a
+prefill of one request and a decode step of that many requests at every size of `reach_sizes` below the two passes
+above: 1, 2, 3, then powers of two. Any threshold on the forward's token count has a forward on each side of it,
+without a list of kernels or thresholds here. Thresholds on one expert's tokens are crossed where the dummy prompts'
+routing crosses them (CPUMoE.warmup also runs both expert paths on synthetic inputs). It costs about one more
+chunk of prefill and a decode step per size (a tiny model: well under a second).
 """
 
 from __future__ import annotations

@@ -68,10 +68,13 @@ def _axpy(alpha, x, y):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _delta_chunk(qc, kc, vc, cum, bc, m, s, u, o):  # pragma: no cover - compiled
+def _delta_chunk(qc, kc, vc, cum, bc, m, s, u, o, decay):  # pragma: no cover - compiled
     """One chunk of m tokens of one head against its state s [dk, dv] (updated in place): qc, kc [C, dk] normalised,
-    vc [C, dv], cum [C] the running log decay, bc [C] beta -> o [C, dv]; u [C, dv] is scratch."""
+    vc [C, dv], cum [C] the running log decay, bc [C] beta -> o [C, dv]; u [C, dv] and decay [C, C] are scratch."""
     dk = s.shape[0]
+    for t in range(m):  # e^{G_t - G_i}, i <= t (each <= 1: no overflow, unlike e^{G_t} e^{-G_i})
+        for i in range(t + 1):
+            decay[t, i] = np.exp(cum[t] - cum[i])
     u[:m] = 0.0
     o[:m] = 0.0
     for j in range(dk):  # one read of each row of S for both S^T k_t and S^T q_t
@@ -80,23 +83,22 @@ def _delta_chunk(qc, kc, vc, cum, bc, m, s, u, o):  # pragma: no cover - compile
             _axpy(kc[t, j], row, u[t])
             _axpy(qc[t, j], row, o[t])
     for t in range(m):
-        decay = np.exp(cum[t])
+        scale = np.exp(cum[t])
         for x in range(u.shape[1]):
-            u[t, x] = bc[t] * (vc[t, x] - decay * u[t, x])
-            o[t, x] *= decay
+            u[t, x] = bc[t] * (vc[t, x] - scale * u[t, x])
+            o[t, x] *= scale
         for i in range(t):  # u[i] is final: forward substitution of the unit lower-triangular system
-            _axpy(-bc[t] * np.exp(cum[t] - cum[i]) * _dot(kc[t], kc[i]), u[i], u[t])
+            _axpy(-bc[t] * decay[t, i] * _dot(kc[t], kc[i]), u[i], u[t])
     for t in range(m):
         for i in range(t + 1):
-            _axpy(np.exp(cum[t] - cum[i]) * _dot(qc[t], kc[i]), u[i], o[t])
-    last = cum[m - 1]
-    total = np.exp(last)
+            _axpy(decay[t, i] * _dot(qc[t], kc[i]), u[i], o[t])
+    total = np.exp(cum[m - 1])
     for j in range(dk):  # S <- e^{G_C} S + sum_i e^{G_C - G_i} k_i u_i^T
         row = s[j]
         for x in range(row.shape[0]):
             row[x] *= total
         for i in range(m):
-            _axpy(kc[i, j] * np.exp(last - cum[i]), u[i], row)
+            _axpy(kc[i, j] * decay[m - 1, i], u[i], row)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
@@ -122,6 +124,7 @@ def gated_delta_rows(q, k, v, g, beta, states, rows, starts, lens, reset, chunk,
         vc = np.empty((width, dv), np.float32)
         u = np.empty((width, dv), np.float32)
         o = np.empty((width, dv), np.float32)
+        decay = np.empty((width, width), np.float32)
         cum = np.empty(width, np.float32)
         bc = np.empty(width, np.float32)
         for c0 in range(0, n, width):
@@ -135,7 +138,7 @@ def gated_delta_rows(q, k, v, g, beta, states, rows, starts, lens, reset, chunk,
                 run += g[tok, h]
                 cum[t] = run
                 bc[t] = beta[tok, h]
-            _delta_chunk(qc, kc, vc, cum, bc, m, s, u, o)
+            _delta_chunk(qc, kc, vc, cum, bc, m, s, u, o, decay)
             for t in range(m):
                 out[starts[b] + c0 + t, h] = o[t]
 
