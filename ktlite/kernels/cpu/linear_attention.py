@@ -14,10 +14,10 @@ With G_t the running sum of g inside the chunk and S the state before it:
     o_t = e^{G_t} b_t + sum_{i<=t} e^{G_t - G_i} (q_t . k_i) u_i
     S  <- e^{G_C} S + sum_i e^{G_C - G_i} k_i u_i^T                (in place)
 One token (a decode step) is the recurrent step: S <- e^g S; u = beta (v - S^T k); S += k u^T; o = S^T q, with the
-same two passes over S (one read, one read-modify-write). The helpers index whole arrays by row rather than slice
-them in the inner loops (numba reference-counts every slice it makes). q and k are L2-normalised (q also scaled by dk^-0.5) as
+same two passes over S (one read, one read-modify-write). q and k are L2-normalised (q also scaled by dk^-0.5) as
 they are loaded, as the twin does; all arithmetic is fp32. q and k may carry fewer (key) heads than v: value head h
-reads key head h // (H / Hk), so a caller need not repeat them.
+reads key head h // (H / Hk), so a caller need not repeat them. The helpers index whole arrays by row rather than
+slice them in the inner loops (numba reference-counts every slice it makes).
 
 Causal conv: each output depends only on inputs (the W-1 before it and its own), so the work items are tiles of
 CONV_TOKENS tokens x CONV_BLOCK channels (prange), each reading contiguous runs of the input rows. (A walk over every
