@@ -3,8 +3,9 @@
 Ragged packed batches (requests of different lengths in one call, states at scattered rows, some continuing a state
 and some reset), every chunk boundary (1, 63, 64, 65, 200 tokens), decode steps (one token per request, the
 recurrent form), key heads shared by several value heads, bf16 inputs; the conv with sequences shorter than its
-window; and a tiny Qwen3-Next engine's greedy tokens with these kernels equal to its tokens on the twins. Tolerances: fp32 results within 2e-5 absolute of the twin's (values are O(1); the two differ only in
-summation order), bf16 outputs within one bf16 rounding (1e-2 relative).
+window; and a tiny Qwen3-Next engine's greedy tokens with these kernels equal to its tokens on the twins.
+Tolerances: fp32 results within 2e-5 absolute of the twin's (values are O(1); the two differ only in summation
+order), bf16 outputs within one bf16 rounding (1e-2 relative).
 """
 
 from __future__ import annotations
@@ -112,8 +113,9 @@ def test_causal_conv_matches_twin(width):
 
 
 def test_tiny_qwen3_next_greedy_tokens_equal_the_twins(tiny_qwen3_next, monkeypatch):
-    """Prompts of 3 to 150 tokens (chunks of 64, prefill chunks of 32 so later chunks continue the states), decoded
-    together: the same greedy tokens with the compiled kernels (counted: they ran) as with KTLITE_FORCE_TORCH_KERNELS."""
+    """Prompts of 3, 40 and 150 tokens in prefill chunks of 32 (a long prompt's later chunks continue its states),
+    then decoded together: the same greedy tokens with the compiled kernels (counted: they ran) as with
+    KTLITE_FORCE_TORCH_KERNELS=1 (the twins)."""
     calls = {"gated_delta_rule": 0, "causal_conv1d": 0}
 
     def counted(name):
