@@ -236,7 +236,7 @@ def _make_engine(model_path: str, flags: dict[str, Any]):
                    "deepseekv31, deepseekv32, kimi_k2, glm45, glm47, minimax-m2).")
 @click.option("--reasoning-parser", default=None,
               help="Split thinking into reasoning_content (deepseek-r1, deepseek-v3, qwen3, kimi, kimi_k2, glm45, minimax).")
-@click.option("--skip-server-warmup", is_flag=True, help="Skip the start-up prefill of --chunked-prefill-size tokens.")
+@click.option("--skip-server-warmup", is_flag=True, help="Skip the start-up request (a short prefill and a decode step).")
 @click.option("--max-request-bytes", type=click.IntRange(min=1024), default=8 * 2**20, show_default=True,
               help="Largest request body; bigger ones get 413.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False), default=None)
@@ -267,7 +267,7 @@ def serve(model_path: str, engine_flags: dict[str, Any], host: str, port: int, a
     try:
         if not skip_server_warmup:
             n, secs = warmup(engine)
-            click.echo(f"warmup: one prefill of {n} tokens in {secs:.2f} s")
+            click.echo(f"warmup: one prefill of {n} tokens and a decode step in {secs:.2f} s")
     except BaseException:
         engine.shutdown()
         raise

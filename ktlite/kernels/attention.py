@@ -134,6 +134,7 @@ class Impl:
 
 _T = "ktlite.kernels.triton."
 _REF = _T + "reference:"
+_CPU_LINEAR = "ktlite.kernels.cpu.linear_attention:"
 REGISTERED: tuple[Impl, ...] = (  # one group per kind: add a kind's "cpu" line to its own group
     # MLA decode
     Impl("mla_decode", "torch", _REF + "mla_decode_torch"),
@@ -163,10 +164,12 @@ REGISTERED: tuple[Impl, ...] = (  # one group per kind: add a kind's "cpu" line 
     # gated delta rule
     Impl("gated_delta_rule", "torch", _REF + "gated_delta_rule_batch_torch"),
     Impl("gated_delta_rule", "triton", _T + "gated_delta_attn:gated_delta_rule_triton"),
+    Impl("gated_delta_rule", "cpu", _CPU_LINEAR + "gated_delta_rule", _CPU_LINEAR + "accepts_gated_delta_rule"),
 
     # causal conv1d
     Impl("causal_conv1d", "torch", _REF + "causal_conv1d_batch_torch"),
     Impl("causal_conv1d", "triton", _T + "causal_conv_attn:causal_conv1d_triton"),
+    Impl("causal_conv1d", "cpu", _CPU_LINEAR + "causal_conv1d", _CPU_LINEAR + "accepts_causal_conv1d"),
 )
 
 

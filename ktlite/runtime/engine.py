@@ -27,7 +27,7 @@ from ktlite.runtime.sampling import SamplingParams
 from ktlite.runtime.state_cache import StateSnapshots
 from ktlite.runtime.scheduler import Scheduler, SchedulerConfig, StreamEvent
 from ktlite.runtime.tokenizer import Tokenizer
-from ktlite.runtime.verify import verify_plan
+from ktlite.runtime.verify import verify_plan, warm_paths
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class Engine:
         else:
             self.runtime = assemble(self.config)
         verify_plan(self.runtime)  # one full chunk and the largest decode batch, before serving anything
+        warm_paths(self.runtime)  # and every smaller forward size: nothing compiles in a request
         self.scheduler = Scheduler(
             self.runtime.runner,
             self.tokenizer,

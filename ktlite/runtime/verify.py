@@ -25,6 +25,18 @@ Call it on the finished runtime, before the scheduler starts: under tensor paral
 `assemble` a rank's forward would wait for ranks that are not running it). Only rank 0's peak is
 measured; the other ranks run the same shapes, and their tables point the allocated-but-uncomputed
 prefix positions at whatever slots they held, which changes values, not memory.
+
+`warm_paths(runtime)` then runs the smaller forwards a request can reach, so that nothing a request runs compiles
+or loads on first use after the server says ready: numba kernels (compiled for, or loaded from numba's cache into,
+this process: numba specialises on argument types, and a path first taken by a request compiles then), a CPU
+device's compiled decode plans, torch's first calls. The modules choose their kernels by the forward's token count
+(a dense layer's row dots below its threshold and a GEMM above, a MoE layer's one fused call where no expert can
+reach the matmul path, tile kernels from 2 or 3 tokens, ...) and by its kind (prefill or decode), so it runs a
+prefill of one request and a decode step of that many requests at every size of `reach_sizes` below the two passes
+above: 1, 2, 3, then powers of two. Any threshold on the forward's token count has a forward on each side of it,
+without a list of kernels or thresholds here. Thresholds on one expert's tokens are crossed where the dummy prompts'
+routing crosses them (CPUMoE.warmup also runs both expert paths on synthetic inputs). It costs about one more
+chunk of prefill and a decode step per size (a tiny model: well under a second).
 """
 
 from __future__ import annotations
@@ -184,3 +196,38 @@ def verify_plan(runtime) -> VerifyReport:
     report = VerifyReport(tuple(results), planned, allowed)
     logger.info("%s", report.summary())
     return report
+
+
+def reach_sizes(limit: int) -> list[int]:
+    """1, 2, 3, then powers of two, below `limit`: a forward size on each side of every token-count threshold up to
+    it (3 separates the thresholds at 2, 3 and 4 tokens the CPU kernels have)."""
+    sizes, n = [1, 2, 3], 4
+    while n < limit:
+        sizes.append(n)
+        n *= 2
+    return [n for n in sizes if n < limit]
+
+
+def warm_paths(runtime) -> float:
+    """Run a prefill of one request and a decode step of that many requests at each reach_sizes size below the
+    verified passes' (see the module docstring); returns the seconds spent."""
+    runner, pool, plan = runtime.runner, runtime.runner.kv_pool, runtime.plan
+    requests = max(1, min(plan.inputs.max_running_requests, pool.free_rows, pool.free_tokens // 2))
+    chunk = max(1, min(plan.chunk_tokens, runtime.context_length, pool.free_tokens))
+    t0 = time.perf_counter()
+    with _observers_paused(runtime):
+        for n in reach_sizes(chunk):
+            with _Pass(pool) as p:
+                row, slots = p.request(n)
+                runner.forward(ForwardBatch.build([_dummy_ids(n, runtime.vocab_size)], [0], [row], [slots], [True],
+                                                  runner.device))
+        for n in reach_sizes(requests):
+            with _Pass(pool) as p:  # each request with one prefix position and its new token
+                rows, slots = zip(*(p.request(2) for _ in range(n)))
+                chunks = [_dummy_ids(1, runtime.vocab_size, r) for r in range(n)]
+                runner.forward(ForwardBatch.build(chunks, [1] * n, list(rows), [s[-1:] for s in slots], [True] * n,
+                                                  runner.device))
+    seconds = time.perf_counter() - t0
+    logger.info("warmed the forwards a request can reach (prefills and decode steps of 1, 2, 3, 4, 8, ... tokens) "
+                "in %.2f s", seconds)
+    return seconds

@@ -518,18 +518,16 @@ def create_app(engine, options: ServerOptions | None = None) -> web.Application:
 
 
 # ---- start-up, running, shutdown -----------------------------------------------------------------
-def warmup(engine, tokens: int | None = None) -> tuple[int, float]:
-    """One greedy prefill of `tokens` (default: --chunked-prefill-size, capped by the context and the
-    KV pool) plus one decode token: the standard check that the config does not run out of memory
-    at prefill. Returns (tokens, seconds)."""
-    cfg = engine.config
-    if tokens is None:
-        tokens = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else engine.runtime.context_length
+def warmup(engine, tokens: int = 8) -> tuple[int, float]:
+    """One short greedy request through the whole engine: a prefill of `tokens` prompt tokens and one decode step, so
+    the request path's own first-call costs (scheduler, sampler, detokenizer, streaming) are paid before the server
+    says ready. The forwards themselves, of every size a request can reach, and the memory check of the largest ones
+    already ran when the engine started (runtime/verify.py). Returns (tokens, seconds)."""
     tokens = max(1, min(tokens, engine.runtime.context_length - 2, engine.runtime.runner.kv_pool.num_slots - 2))
     rng = random.Random(0)
     ids = [rng.randrange(min(engine.runtime.vocab_size, 1000) - 1) + 1 for _ in range(tokens)]
     t0 = time.perf_counter()
-    engine.generate(input_ids=ids, sampling_params={"max_tokens": 1, "temperature": 0.0, "ignore_eos": True})
+    engine.generate(input_ids=ids, sampling_params={"max_tokens": 2, "temperature": 0.0, "ignore_eos": True})
     return tokens, time.perf_counter() - t0
 
 
