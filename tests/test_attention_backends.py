@@ -60,7 +60,8 @@ def test_selection_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert attention.select("mla_decode", *fp32) == "cpu"  # CPU fp32, a compiled kernel registered
     assert attention.select("mla_decode", *fp16) == "torch"  # its accepts says no (an fp16 pool)
     assert attention.select("mla_extend", *fp32[:4], torch.tensor([4]), torch.tensor([1]), 0.3, 16) == "cpu"
-    assert attention.select("gqa_decode", fp32[0], fp32[1], fp32[1], *fp32[2:6]) == "torch"  # no compiled kernel
+    assert attention.select("gqa_decode", fp32[0], fp32[1], fp32[1], *fp32[2:6]) == "cpu"
+    assert attention.select("gqa_decode", fp16[0], fp16[1], fp16[1], *fp16[2:6]) == "torch"  # an fp16 pool
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert attention.select("mla_decode", *fp32) == "triton"
     monkeypatch.setenv("KTLITE_FORCE_TORCH_KERNELS", "1")
