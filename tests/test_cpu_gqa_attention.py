@@ -13,6 +13,7 @@ ulp (rtol 2^-7), the rounding of the output to q's dtype.
 
 import pytest
 import torch
+from pool_tables import scattered_table
 
 from ktlite.kernels import attention
 from ktlite.kernels.cpu import gqa_attention as cpu_gqa
@@ -35,12 +36,7 @@ def pool(lens: list[int], kv_heads: int, dim: int, dv: int, dtype: torch.dtype, 
     else:
         k, v = k.to(dtype), v.to(dtype)
     order = torch.randperm(slots, generator=g)
-    req_to_token = torch.zeros(len(lens) + 2, max(lens) + 3, dtype=torch.int32)
-    rows = torch.randperm(len(lens) + 2, generator=g)[: len(lens)]
-    start = 0
-    for row, n in zip(rows.tolist(), lens):
-        req_to_token[row, :n] = order[start : start + n].to(torch.int32)
-        start += n
+    req_to_token, rows = scattered_table(lens, order, g)
     return k, v, req_to_token, rows
 
 

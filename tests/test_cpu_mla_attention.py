@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from pool_tables import scattered_table
 
 from ktlite.kernels.cpu import attention as cpu_attention
 from ktlite.kernels.triton.kv_fp8 import latent_rows
@@ -36,12 +37,7 @@ def make_pool(kind: str, lens: list[int], kv_lora: int, rope: int, seed: int = 0
     else:
         kv = values.to(torch.bfloat16 if kind == "bf16" else torch.float32)
     slots = torch.randperm(num_slots, generator=g)
-    req_to_token = torch.zeros(len(lens) + 2, max(lens) + 3, dtype=torch.int32)
-    rows = torch.randperm(len(lens) + 2, generator=g)[: len(lens)]
-    start = 0
-    for row, n in zip(rows.tolist(), lens):
-        req_to_token[row, :n] = slots[start : start + n].to(torch.int32)
-        start += n
+    req_to_token, rows = scattered_table(lens, slots, g)
     return kv, req_to_token, rows
 
 
