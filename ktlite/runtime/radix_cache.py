@@ -24,7 +24,7 @@ on the device), so a request's cached prefix is a device part followed by a host
 memory is full, the least recently used host copies go: of nodes still on the device, or host-only
 leaves (which leave the tree).
 
-Recurrent state (models whose linear-attention layers keep a per-request state, e.g. Qwen3-Next): a
+Recurrent state (models whose linear-attention layers keep a per-request state): a
 prefix is usable only where a snapshot of that state was taken (runtime/state_cache.py). `save_state`
 attaches one to the node ending at a request's prompt, and `release` to the node ending at a finished
 request's computed tokens; a match is cut back to the deepest node holding one, whose snapshot the
