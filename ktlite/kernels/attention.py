@@ -77,20 +77,25 @@ class SparseMla(Protocol):
 
 class GqaDecode(Protocol):
     def __call__(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
-                 req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+                 req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+                 sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
         """GQA decode over the token pool. q [B, Hq, D], k_buffer [slots, Hkv, D], v_buffer [slots, Hkv, Dv], or
         both packed FP8 rows [slots, Hkv, D + 4] uint8 (kv_fp8.head_rows, read in place; the same for gqa_extend),
         seq_lens [B] (incl. the current token, already in the pool) -> [B, Hq, Dv] in q's dtype. Query head h
-        reads kv head h // (Hq // Hkv)."""
+        reads kv head h // (Hq // Hkv).
+        sinks [Hq] fp32 (optional, gpt-oss / DeepSeek-V4): one extra logit per head that joins the softmax's
+        denominator and adds nothing to the output. window > 0: the query at position p sees only the keys at
+        positions p - window + 1 .. p (a sliding window of `window` keys, itself included); 0 = all."""
         ...
 
 
 class GqaExtend(Protocol):
     def __call__(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
                  req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
-                 sm_scale: float) -> torch.Tensor:
+                 sm_scale: float, sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
         """GQA causal extend. q [N, Hq, D] (N = sum(extend_lens), requests in order) -> [N, Hq, Dv]; the new
-        tokens' K/V are already in the pool; token i of request b sees positions 0..prefix_lens[b] + i."""
+        tokens' K/V are already in the pool; token i of request b sees positions 0..prefix_lens[b] + i (only the
+        last `window` of them when window > 0). sinks and window as in gqa_decode."""
         ...
 
 

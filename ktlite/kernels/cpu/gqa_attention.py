@@ -296,10 +296,11 @@ def merge_runs(part_o, part_ml, out):  # pragma: no cover - compiled
             out[t, h, e] /= total
 
 
-def accepts(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, *_: object) -> bool:
+def accepts(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, *args: object, sinks: object = None,
+            window: int = 0) -> bool:
     """Whether gqa_extend / gqa_decode take these inputs (else the twin does): CPU, fp32/bf16/fp16 queries, K and V
-    both fp32, both bf16 or both packed FP8 rows, unit stride along the head dim."""
-    return (q.device.type == "cpu" and q.dtype in _Q_DTYPES and k_buffer.dtype == v_buffer.dtype
+    both fp32, both bf16 or both packed FP8 rows, unit stride along the head dim; no sinks, no window (yet)."""
+    return (sinks is None and window == 0 and q.device.type == "cpu" and q.dtype in _Q_DTYPES and k_buffer.dtype == v_buffer.dtype
             and k_buffer.dtype in _POOL_DTYPES and k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1)
 
 
@@ -328,7 +329,7 @@ def query_blocks(prefix: np.ndarray, lens: np.ndarray, block: int) -> tuple[np.n
 
 def gqa_extend(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
                req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor, sm_scale: float,
-               runs: int | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, window: int = 0, runs: int | None = None) -> torch.Tensor:
     """reference.gqa_extend_torch's signature and result ([N, Hq, Dv] in q's dtype); `runs` overrides the key
     runs per item (tests)."""
     k, k_scales, dim = _pool(k_buffer)
@@ -360,7 +361,7 @@ def gqa_extend(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, 
 
 def gqa_decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
-               runs: int | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, window: int = 0, runs: int | None = None) -> torch.Tensor:
     """reference.gqa_decode_torch's signature and result: the extend kernel with one query per request."""
     return gqa_extend(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens - 1, torch.ones_like(seq_lens),
-                      sm_scale, runs)
+                      sm_scale, sinks, window, runs)

@@ -101,6 +101,8 @@ def gqa_decode_triton(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
     num_kv_splits: int | None = None,
     block_h: int | None = None,
     block_n: int = 64,
@@ -114,6 +116,8 @@ def gqa_decode_triton(
     for tl.dot on a GPU, at most 64); num_kv_splits defaults to decode_attn.default_num_kv_splits();
     e4m3_bits is head_tile.head_operands'.
     """
+    if sinks is not None or window:  # not yet in the Triton kernel: select() never sends them here
+        raise NotImplementedError("attention sinks / sliding window in the Triton GQA kernel")
     batch, num_heads, head_d = q.shape
     kv = head_operands(k_buffer, v_buffer, e4m3_bits)
     num_kv_heads, head_dv = kv.k.shape[1], kv.v.shape[2]

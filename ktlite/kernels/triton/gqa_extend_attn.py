@@ -103,6 +103,8 @@ def gqa_extend_triton(
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     sm_scale: float,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
     extend_start_loc: torch.Tensor | None = None,
     max_extend_len: int | None = None,
     block_t: int | None = None,
@@ -119,6 +121,8 @@ def gqa_extend_triton(
     query rows (>= 16 for tl.dot on a GPU); default: the group padded to a power of two (at most
     16 heads) times enough tokens for 64 rows.
     """
+    if sinks is not None or window:  # not yet in the Triton kernel: select() never sends them here
+        raise NotImplementedError("attention sinks / sliding window in the Triton GQA kernel")
     num_tokens, num_heads, head_d = q.shape
     kv = head_operands(k_buffer, v_buffer, e4m3_bits)
     num_kv_heads, head_dv = kv.k.shape[1], kv.v.shape[2]

@@ -27,10 +27,13 @@ def request_spans(req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, ext
         start += n
 
 
-def causal_mask(prefix: int, n: int, device: torch.device) -> torch.Tensor:
-    """[n, prefix + n] bool: query i (absolute position prefix + i) sees keys at positions <= its own."""
-    pos_q = torch.arange(n, device=device) + prefix
-    return torch.arange(prefix + n, device=device)[None, :] <= pos_q[:, None]
+def causal_mask(prefix: int, n: int, device: torch.device, window: int = 0) -> torch.Tensor:
+    """[n, prefix + n] bool: query i (absolute position prefix + i) sees keys at positions <= its own (and, when
+    window > 0, > its own - window: a sliding window of `window` keys)."""
+    pos_q = (torch.arange(n, device=device) + prefix)[:, None]
+    pos_k = torch.arange(prefix + n, device=device)[None, :]
+    seen = pos_k <= pos_q
+    return seen & (pos_k > pos_q - window) if window > 0 else seen
 
 
 def gather_latents(kv_buffer: torch.Tensor, slots: torch.Tensor, kv_lora_rank: int, width: int) -> torch.Tensor:
@@ -170,11 +173,14 @@ def gqa_extend_torch(
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     sm_scale: float,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """GQA causal extend. q [N, Hq, D] (requests concatenated in order), k_buffer [slots, Hkv, D],
     v_buffer [slots, Hkv, Dv], or both packed FP8 rows [slots, Hkv, D + 4] uint8 (kv_fp8.head_rows) -> [N, Hq, Dv]
     in q's dtype. Query head h reads kv head h // (Hq // Hkv); token i of request b sees positions
-    0..prefix_lens[b] + i (computed in fp32)."""
+    0..prefix_lens[b] + i, only the last `window` of them when window > 0 (computed in fp32). sinks [Hq]: an
+    extra logit per head in the softmax's denominator that adds nothing to the output."""
     n_tokens, heads, _ = q.shape
     group = heads // k_buffer.shape[1]
     head_dv = packed_head_rows(v_buffer).dim if is_packed(v_buffer) else v_buffer.shape[-1]
@@ -184,8 +190,13 @@ def gqa_extend_torch(
         k = gather_heads(k_buffer, slots).repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = gather_heads(v_buffer, slots).repeat_interleave(group, dim=1)
         scores = torch.einsum("nhd,lhd->nhl", q[start : start + n].float(), k) * sm_scale
-        scores.masked_fill_(~causal_mask(prefix, n, q.device)[:, None, :], float("-inf"))
-        out[start : start + n] = torch.einsum("nhl,lhv->nhv", scores.softmax(-1), v).to(q.dtype)
+        scores.masked_fill_(~causal_mask(prefix, n, q.device, window)[:, None, :], float("-inf"))
+        if sinks is not None:  # the sink's column joins the softmax, then is dropped
+            sink_col = sinks.float()[None, :, None].expand(n, heads, 1)
+            probs = torch.cat([scores, sink_col], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[start : start + n] = torch.einsum("nhl,lhv->nhv", probs, v).to(q.dtype)
     return out
 
 
@@ -197,11 +208,14 @@ def gqa_decode_torch(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """GQA decode: one new token per request (already in the pool). q [B, Hq, D], seq_lens [B] ->
     [B, Hq, Dv]; the extend twin with one token each."""
     ones = torch.ones_like(seq_lens)
-    return gqa_extend_torch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens - 1, ones, sm_scale)
+    return gqa_extend_torch(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens - 1, ones, sm_scale,
+                            sinks, window)
 
 
 def sparse_mla_torch(q: torch.Tensor, kv_buffer: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
