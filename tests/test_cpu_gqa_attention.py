@@ -103,6 +103,35 @@ def test_extend_key_runs_and_chunk_boundaries() -> None:
         assert_bound(torch.cat([first, second]), whole)
 
 
+WINDOWS = [0, 6, 128]  # none; shorter than most prompts; longer than some (gpt-oss's 128)
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"window{w}")
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no_sinks", "sinks"])
+@pytest.mark.parametrize("dim", [16, 64], ids=["d16_tiles", "d64"])
+def test_sinks_and_window_match_twin(dim: int, with_sinks: bool, window: int) -> None:
+    """Sinks (a per-head logit in the softmax's denominator, gpt-oss / DeepSeek-V4) and a sliding window, on the
+    ragged extend batch (tiles), on decode with key runs merged or not, and on short extends (rows in place at d64)."""
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(2)) * 2 if with_sinks else None
+    extra = {"sinks": sinks, "window": window}
+    args = pool([p + e for p, e in zip(PREFIX, EXTEND)], 2, dim, dim, torch.bfloat16)
+    q = queries(sum(EXTEND), 4, dim)
+    lens = torch.tensor(PREFIX), torch.tensor(EXTEND)
+    assert attention.select("gqa_extend", q, *args, *lens, SCALE, **extra) == "cpu"
+    assert_bound(attention.gqa_extend(q, *args, *lens, SCALE, **extra), gqa_extend_torch(q, *args, *lens, SCALE, **extra))
+    seq_lens = torch.tensor([1, 37, 300, 513])
+    args = pool(seq_lens.tolist(), 2, dim, dim, torch.float32, seed=3)
+    q = queries(4, 4, dim)
+    twin = gqa_decode_torch(q, *args, seq_lens, SCALE, **extra)
+    for runs in (1, 3):
+        assert_bound(cpu_gqa.gqa_decode(q, *args, seq_lens, SCALE, **extra, runs=runs), twin)
+    prefix, extend = torch.tensor([0, 40, 300]), torch.tensor([1, 3, 8])
+    args = pool((prefix + extend).tolist(), 2, dim, dim, torch.float32, seed=4)
+    q = queries(12, 4, dim)
+    assert_bound(cpu_gqa.gqa_extend(q, *args, prefix, extend, SCALE, **extra),
+                 gqa_extend_torch(q, *args, prefix, extend, SCALE, **extra))
+
+
 def test_bf16_queries_return_bf16() -> None:
     args = pool([p + e for p, e in zip(PREFIX, EXTEND)], 2, 64, 64, torch.bfloat16)
     q = queries(sum(EXTEND), 4, 64, torch.bfloat16)

@@ -4,10 +4,13 @@ gqa_decode_torch are the spec; registered as their "cpu" implementation in ktlit
 The twin builds a [tokens x context] score matrix per request, masks it and softmaxes it: at an 18k-token prompt
 that is gigabytes per layer. Here a work item is (query block, kv head, key run): the block's queries of all the
 kv head's query heads (group x block rows, so each K/V tile is read once for the whole group) walk the keys in
-tiles of `key_tile` positions, gathered from the pool through req_to_token and decoded to fp32 (K transposed, so the
-scores are contiguous multiply-adds), and keep per row a running max, exp-sum and weighted V sum (online softmax,
-scores in log2 units, exp2 by a polynomial LLVM vectorizes: numba has no vector exp here). A row stops at its own
-causal limit (prefix + its index + 1), computed per row: no mask. Items run in parallel (prange); where there are
+tiles of `key_tile` positions, gathered from the pool through req_to_token and decoded to fp32 (K transposed, V as
+rows), and keep per row a running max, exp-sum and weighted V sum (online softmax, scores in log2 units). Rows go
+four at a time through simd.vm_acc (scores = q rows x K^T, then P @ V, accumulators in registers, each tile vector
+loaded once for the four rows); the row max (simd.row_max) and exp2 (simd.exp2_sum) are vector intrinsics too:
+as plain numba loops these two stayed scalar and cost as much as both products. A row stops at its own causal
+limit (prefix + its index + 1) and, with a sliding window, starts at its window: no mask. Sinks join each row's
+denominator at the end (or in merge_runs). Items run in parallel (prange); where there are
 fewer (query block x kv head) items than threads (decode at small batch, a short extend after a long prefix) each
 item's keys are split into runs merged afterwards (flash-decoding, as attention.py does for MLA).
 Decode and short extends (at most FEW_ROWS rows per kv head and request) at head dims >= DIRECT_DIM have too few rows
@@ -20,11 +23,11 @@ table, times the row's fp32 scale, the same product the twin forms). Queries fp3
 the result is in q's dtype. One code path on every CPU: fp32 FMAs at the vector width numba's target gives
 (kernels/cpu/target.py); bf16 pools are widened to fp32 in the gather, there are no AVX512-BF16 / AMX dot products.
 
-Cost (2-core AVX2 EPYC, shared, indicative): extend ~3 ns per (query head, key) at head dim 16, ~20 ns at 128;
-decode at batch 1 ~1 ms for 18k positions (Hkv 2, group 2, head dim 16), ~5 ms for 4k (Hkv 8, group 4, head dim 128).
+Cost (2-core AVX2 EPYC, CPU time, indicative): extend ~1.5 ns per (query head, key) at head dim 16 (2.2 with one row
+at a time and scalar max/exp), ~10 ns at 128 (17); decode at batch 1 ~1 ms for 18k positions (Hkv 2, group 2, head dim 16), ~5 ms for 4k (Hkv 8, group 4, head dim 128).
 
 Bound (tests/test_cpu_gqa_attention.py): against the twin, |out - twin| <= 2e-5 + 2e-5 |twin| on fp32 outputs
-(fp32 accumulation in another order, the exp2 polynomial's < 3e-6 relative error); with bf16/fp16 queries the
+(fp32 accumulation in another order, the exp2 polynomial's ~1e-7 relative error); with bf16/fp16 queries the
 outputs are rounded to q's dtype, so one ulp of that dtype comes on top.
 """
 
@@ -37,6 +40,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ktlite.kernels.cpu import device_blocks
+from ktlite.kernels.cpu.simd import exp2_sum, row_max, vm_acc
 from ktlite.kernels.cpu.threads import ensure_threadsafe_layer
 from ktlite.kernels.triton.kv_fp8 import is_packed
 
@@ -50,30 +54,10 @@ _Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _POOL_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
 _E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 _NO_SCALES = np.zeros((1, 1), np.float32)
+_NO_SINKS = np.zeros(0, np.float32)
 
 _F = np.float32
-LOG2E, LN2, NEG = _F(1.4426950408889634), _F(0.6931471805599453), _F(-1e30)
-_ONE, _HALF, _MIN_EXP = _F(1.0), _F(0.5), _F(-126.0)
-_C2, _C3, _C4, _C5 = (_F(1 / 2), _F(1 / 6), _F(1 / 24), _F(1 / 120))
-
-
-@njit(cache=True, fastmath=True)
-def exp2_tile(x, n, top, bits, scale):  # pragma: no cover - compiled
-    """x[:n] <- 2 ** (x[:n] - top), returning their sum (x <= top; an exponent below -126 gives ~1e-38, not 0):
-    2^k from the exponent bits, 2^f for f in [-1/2, 1/2] by e^(f ln 2)'s Taylor series to degree 5 (relative error
-    < 3e-6). bits: int32 scratch, scale: its float32 view (made once by the caller: a view per call costs as much as
-    a short row)."""
-    for j in range(n):
-        t = max(x[j] - top, _MIN_EXP)
-        k = np.floor(t + _HALF)
-        f = (t - k) * LN2
-        x[j] = _ONE + f * (_ONE + f * (_C2 + f * (_C3 + f * (_C4 + f * _C5))))
-        bits[j] = (np.int32(k) + np.int32(127)) << np.int32(23)
-    total = np.float32(0.0)
-    for j in range(n):
-        x[j] *= scale[j]
-        total += x[j]
-    return total
+LOG2E, NEG = _F(1.4426950408889634), _F(-1e30)
 
 
 def decode_row(buf, scales, lut, slot, head, row, row_bits):
@@ -114,56 +98,48 @@ def gather_tile(buf, scales, lut, slots, k0, nk, head, tile, row, row_bits):  # 
 
 
 @njit(cache=True, fastmath=True)
-def scores(qrow, kt, n, out):  # pragma: no cover - compiled
-    """out[:n] <- qrow . kt[:, :n] (kt [D, key_tile] transposed keys): contiguous multiply-adds over the keys,
-    eight channels per pass so each pass loads and stores `out` once for eight FMAs. (Row views, not kt[d, j]:
-    2-D indexing left these loops scalar.)"""
-    dim = qrow.shape[0]
-    for j in range(n):
-        out[j] = 0.0
-    for d in range(0, dim - dim % 8, 8):
-        q0, q1, q2, q3, q4, q5, q6, q7 = qrow[d: d + 8]
-        k0, k1, k2, k3, k4, k5, k6, k7 = kt[d], kt[d + 1], kt[d + 2], kt[d + 3], kt[d + 4], kt[d + 5], kt[d + 6], kt[d + 7]
-        for j in range(n):
-            out[j] += (q0 * k0[j] + q1 * k1[j] + q2 * k2[j] + q3 * k3[j]) + (
-                q4 * k4[j] + q5 * k5[j] + q6 * k6[j] + q7 * k7[j])
-    for d in range(dim - dim % 8, dim):
-        qd, kd = qrow[d], kt[d]
-        for j in range(n):
-            out[j] += qd * kd[j]
+def gather_rows(buf, scales, lut, slots, k0, nk, head, tile, tile_bits):  # pragma: no cover - compiled
+    """tile [key_tile, width] fp32 <- kv head `head` of positions k0..k0+nk of a request, one row per position (the
+    layout P @ V reads); tile_bits: tile's uint32 view."""
+    for j in range(nk):
+        decode_row(buf, scales, lut, slots[k0 + j], head, tile[j], tile_bits[j])
 
 
 @njit(cache=True, fastmath=True)
-def weighted_values(p, vt, n, alpha, orow):  # pragma: no cover - compiled
-    """orow <- orow * alpha + p[:n] . vt[:, :n] (vt [Dv, key_tile] transposed values): per channel a reduction over
-    the keys (vectorized, nothing stored in the loop), four channels per pass sharing each load of p."""
-    dv = orow.shape[0]
-    for e in range(0, dv - dv % 4, 4):
-        v0, v1, v2, v3 = vt[e], vt[e + 1], vt[e + 2], vt[e + 3]
-        a0 = a1 = a2 = a3 = np.float32(0.0)
-        for j in range(n):
-            pj = p[j]
-            a0 += pj * v0[j]
-            a1 += pj * v1[j]
-            a2 += pj * v2[j]
-            a3 += pj * v3[j]
-        orow[e], orow[e + 1] = orow[e] * alpha + a0, orow[e + 1] * alpha + a1
-        orow[e + 2], orow[e + 3] = orow[e + 2] * alpha + a2, orow[e + 3] * alpha + a3
-    for e in range(dv - dv % 4, dv):
-        ve, acc = vt[e], np.float32(0.0)
-        for j in range(n):
-            acc += p[j] * ve[j]
-        orow[e] = orow[e] * alpha + acc
+def fold(sr, lo, hi, width, r, m, s_sum):  # pragma: no cover - compiled
+    """Fold row r's scores sr[lo:hi] (the keys of this tile it sees) into its running max m[r] and exp-sum s_sum[r];
+    sr[:width] (width a multiple of 16, >= hi) becomes its probabilities, zeros outside lo..hi. Returns the factor
+    its output must be rescaled by."""
+    if hi <= lo:
+        sr[:width] = 0.0
+        return np.float32(1.0)
+    top = row_max(sr, lo, hi, m[r])
+    alpha = np.exp2(m[r] - top)
+    first, end = lo & ~15, (hi + 15) & ~15  # whole vectors: the lanes outside lo..hi score "none", exp2 0
+    sr[first:lo] = NEG
+    sr[hi:end] = NEG
+    s_sum[r] = s_sum[r] * alpha + exp2_sum(sr, first, end, top)
+    m[r] = top
+    sr[:first] = 0.0
+    sr[end:width] = 0.0
+    return alpha
 
 
 @njit(cache=True, fastmath=True)
-def attend_rows(qt, k, k_scales, v, v_scales, lut, slots, k0, nk, limit0, group, o, m, s_sum, st, bits, bits_f, row,
+def rescale(orow, alpha):  # pragma: no cover - compiled
+    if alpha != 1.0:
+        for e in range(orow.shape[0]):
+            orow[e] *= alpha
+
+
+@njit(cache=True, fastmath=True)
+def attend_rows(qt, k, k_scales, v, v_scales, lut, slots, k0, nk, limit0, window, group, o, m, s_sum, st, row,
                 row_bits):  # pragma: no cover - compiled
     """One key tile for an item of every kv head and few queries (decode): each position's K and V rows, all heads
     (contiguous in the pool), decoded once into `row` and used in place (a dot product per key, an axpy per value),
     where gathering transposed tiles head by head would cost more than the rows' arithmetic. Row r is query
-    r // Hq, query head r % Hq (kv head (r % Hq) // group) and sees positions < limit0 + r // Hq; st [rows,
-    key_tile] holds the scores."""
+    r // Hq, query head r % Hq (kv head (r % Hq) // group) and sees positions < limit0 + r // Hq (and, with a
+    window, >= that limit - window); st [rows, key_tile] holds the scores."""
     n_rows, dim, dv, kv_heads = qt.shape[0], qt.shape[1], o.shape[1], k.shape[1]
     heads = kv_heads * group
     krow, kbits, vrow, vbits = row[:dim], row_bits[:dim], row[:dv], row_bits[:dv]
@@ -178,18 +154,9 @@ def attend_rows(qt, k, k_scales, v, v_scales, lut, slots, k0, nk, limit0, group,
                         acc += qr[d] * krow[d]
                     st[g, j] = acc
     for r in range(n_rows):
-        nv = max(0, min(nk, limit0 + r // heads - k0))
-        sr, top = st[r], m[r]
-        for j in range(nv):
-            top = max(top, sr[j])
-        alpha = np.exp2(m[r] - top)
-        s_sum[r] = s_sum[r] * alpha + exp2_tile(sr, nv, top, bits, bits_f)
-        m[r] = top
-        for j in range(nv, seen):
-            sr[j] = 0.0  # past this row's causal limit
-        orow = o[r]
-        for e in range(dv):
-            orow[e] *= alpha
+        limit = limit0 + r // heads - k0
+        lo = max(0, limit - window) if window > 0 else 0
+        rescale(o[r], fold(st[r], lo, max(0, min(nk, limit)), (seen + 15) & ~15, r, m, s_sum))
     for j in range(seen):
         for h in range(kv_heads):
             decode_row(v, v_scales, lut, slots[k0 + j], h, vrow, vbits)
@@ -200,15 +167,47 @@ def attend_rows(qt, k, k_scales, v, v_scales, lut, slots, k0, nk, limit0, group,
                         orow[e] += pj * vrow[e]
 
 
+@njit(cache=True, fastmath=True)
+def attend_tile(qt, kt, vtile, k0, nk, first_pos, window, group, o, m, s_sum, st, spare):
+    # pragma: no cover - compiled
+    """One decoded tile (kt [D, key_tile] transposed keys, vtile [key_tile, Dv] values of positions k0..k0+nk) for
+    an item of one kv head: rows four at a time, simd.vm_acc streaming the tile once per four rows for the scores
+    and for P @ V (with two, P @ V at head dim 16 was bound by its loads). Row r is query r // group (position
+    first_pos + r // group); st [4, key_tile] holds the four rows' scores, spare [3, Dv] the outputs of the copies
+    of the last row that pad a short last quad."""
+    n_rows, dim, dv = qt.shape[0], qt.shape[1], o.shape[1]
+    for r in range(0, n_rows, 4):
+        last = min(r + 3, n_rows - 1)
+        quad = (r, min(r + 1, last), min(r + 2, last), last)
+        n = max(0, min(nk, first_pos + last // group + 1 - k0))  # the last row sees furthest
+        if n == 0:
+            continue  # every row's causal limit is before this tile
+        width = (n + 15) & ~15
+        st[:, :width] = 0.0
+        vm_acc((qt[quad[0]], qt[quad[1]], qt[quad[2]], qt[quad[3]]), kt, (st[0], st[1], st[2], st[3]), dim, width)
+        for i in range(4):
+            if i > 0 and quad[i] == quad[i - 1]:
+                st[i, :width] = 0.0  # a padding copy: adds nothing to its spare output
+                continue
+            limit = first_pos + quad[i] // group + 1 - k0  # past the row's last key
+            lo = max(0, limit - window) if window > 0 else 0
+            rescale(o[quad[i]], fold(st[i], lo, max(0, min(nk, limit)), width, quad[i], m, s_sum))
+        outs = (o[r], o[quad[1]] if r + 1 <= last else spare[0], o[quad[2]] if r + 2 <= last else spare[1],
+                o[last] if r + 3 <= last else spare[2])
+        vm_acc((st[0], st[1], st[2], st[3]), vtile, outs, n, dv)
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def gqa_attention(q, k, k_scales, v, v_scales, lut, req_to_token, rows, prefix, lens, starts, blk_req, blk_q0,
-                  block, key_tile, runs, direct, sm_scale, out, part_o, part_ml):  # pragma: no cover - compiled
+                  block, key_tile, runs, direct, sm_scale, window, sinks2, out, part_o, part_ml):
+    # pragma: no cover - compiled
     """out [N, Hq, Dv] fp32 <- causal GQA of q [N, Hq, D] (fp32) over the pool (layouts in the module docstring).
     Request b's queries are rows starts[b].. of q, at positions prefix[b]..prefix[b] + lens[b] - 1 of its
     req_to_token row rows[b]; query blocks (blk_req, blk_q0) of up to `block` queries; `runs` key runs per item,
     whose partial sums go through part_o [runs, N, Hq, Dv] and part_ml [runs, N, Hq, 2] (max, exp-sum) when > 1.
-    An item takes one kv head and its tiles (gather_tile), or with `direct` every kv head, reading each position's
-    K/V rows of all heads (contiguous in the pool) in place (attend_rows)."""
+    window > 0: a query sees its last `window` positions only; sinks2 [Hq] (or empty): the sinks in log2 units.
+    An item takes one kv head and its tiles (gather_tile, attend_tile), or with `direct` every kv head, reading
+    each position's K/V rows of all heads (contiguous in the pool) in place (attend_rows)."""
     heads, dim = q.shape[1], q.shape[2]
     kv_heads, dv = k.shape[1], out.shape[2]
     group = heads // kv_heads
@@ -229,41 +228,35 @@ def gqa_attention(q, k, k_scales, v, v_scales, lut, req_to_token, rows, prefix, 
         m = np.full(n_rows, NEG, np.float32)
         s_sum = np.zeros(n_rows, np.float32)
         kt = np.empty((dim, key_tile), np.float32)
-        vt = np.empty((dv, key_tile), np.float32)
-        p = np.empty(key_tile, np.float32)
-        bits = np.empty(key_tile, np.int32)
-        bits_f = bits.view(np.float32)
+        vtile = np.empty((key_tile, dv), np.float32)
+        vtile_bits = vtile.view(np.uint32)
+        spare = np.empty((3, dv), np.float32)
         row = np.empty(max(dim, dv), np.float32)
         row_bits = row.view(np.uint32)
-        st = np.empty((n_rows if direct else 0, key_tile), np.float32)
-        seen = prefix[b] + q0 + nq  # positions the block's last query sees
-        span = (seen + runs - 1) // runs
-        lo, hi = run * span, min(seen, (run + 1) * span)
+        st = np.empty((n_rows if direct else 4, key_tile), np.float32)
+        first_pos = prefix[b] + q0
+        seen = first_pos + nq  # positions the block's last query sees
+        start = max(0, first_pos + 1 - window) if window > 0 else 0  # the first query's window
+        span = (seen - start + runs - 1) // runs
+        lo, hi = start + run * span, min(seen, start + (run + 1) * span)
         slots = req_to_token[rows[b]]
         for k0 in range(lo, hi, key_tile):
             nk = min(key_tile, hi - k0)
             if direct:
-                attend_rows(qt, k, k_scales, v, v_scales, lut, slots, k0, nk, prefix[b] + q0 + 1, group, o, m, s_sum,
-                            st, bits, bits_f, row, row_bits)
+                attend_rows(qt, k, k_scales, v, v_scales, lut, slots, k0, nk, first_pos + 1, window, group, o, m,
+                            s_sum, st, row, row_bits)
                 continue
             gather_tile(k, k_scales, lut, slots, k0, nk, h, kt, row[:dim], row_bits[:dim])
-            gather_tile(v, v_scales, lut, slots, k0, nk, h, vt, row[:dv], row_bits[:dv])
-            for r in range(n_rows):
-                nv = min(nk, prefix[b] + q0 + r // group + 1 - k0)  # this row's causal limit inside the tile
-                if nv <= 0:
-                    continue
-                scores(qt[r], kt, nv, p)
-                top = m[r]
-                for j in range(nv):
-                    top = max(top, p[j])
-                alpha = np.exp2(m[r] - top)
-                s_sum[r] = s_sum[r] * alpha + exp2_tile(p, nv, top, bits, bits_f)
-                m[r] = top
-                weighted_values(p, vt, nv, alpha, o[r])
+            gather_rows(v, v_scales, lut, slots, k0, nk, h, vtile, vtile_bits)
+            attend_tile(qt, kt, vtile, k0, nk, first_pos, window, group, o, m, s_sum, st, spare)
         for r in range(n_rows):
             t, hq = first + r // item_heads, h * group + r % item_heads
             if runs == 1:  # every row saw at least its own position: s_sum > 0
-                inv = np.float32(1.0) / s_sum[r]
+                top, total = m[r], s_sum[r]
+                if sinks2.shape[0]:  # the sink joins the denominator, at a common max
+                    top = max(m[r], sinks2[hq])
+                    total = s_sum[r] * np.exp2(m[r] - top) + np.exp2(sinks2[hq] - top)
+                inv = np.exp2(m[r] - top) / total
                 for e in range(dv):
                     out[t, hq, e] = o[r, e] * inv
             else:
@@ -273,16 +266,17 @@ def gqa_attention(q, k, k_scales, v, v_scales, lut, req_to_token, rows, prefix, 
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def merge_runs(part_o, part_ml, out):  # pragma: no cover - compiled
-    """out[t, h] <- the runs' partial sums rescaled to their common max, over their total exp-sum."""
+def merge_runs(part_o, part_ml, sinks2, out):  # pragma: no cover - compiled
+    """out[t, h] <- the runs' partial sums rescaled to their common max, over their total exp-sum (plus the head's
+    sink, sinks2 in log2 units, where given)."""
     runs, n_tok, heads, dv = part_o.shape
     for item in prange(n_tok * heads):
         t, h = item // heads, item % heads
-        top = NEG
+        top = sinks2[h] if sinks2.shape[0] else NEG
         for r in range(runs):
             if part_ml[r, t, h, 1] > 0.0:
                 top = max(top, part_ml[r, t, h, 0])
-        total = np.float32(0.0)
+        total = np.exp2(sinks2[h] - top) if sinks2.shape[0] else np.float32(0.0)
         for e in range(dv):
             out[t, h, e] = 0.0
         for r in range(runs):
@@ -299,8 +293,8 @@ def merge_runs(part_o, part_ml, out):  # pragma: no cover - compiled
 def accepts(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, *args: object, sinks: object = None,
             window: int = 0) -> bool:
     """Whether gqa_extend / gqa_decode take these inputs (else the twin does): CPU, fp32/bf16/fp16 queries, K and V
-    both fp32, both bf16 or both packed FP8 rows, unit stride along the head dim; no sinks, no window (yet)."""
-    return (sinks is None and window == 0 and q.device.type == "cpu" and q.dtype in _Q_DTYPES and k_buffer.dtype == v_buffer.dtype
+    both fp32, both bf16 or both packed FP8 rows, unit stride along the head dim."""
+    return (q.device.type == "cpu" and q.dtype in _Q_DTYPES and k_buffer.dtype == v_buffer.dtype
             and k_buffer.dtype in _POOL_DTYPES and k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1)
 
 
@@ -332,6 +326,7 @@ def gqa_extend(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, 
                sinks: torch.Tensor | None = None, window: int = 0, runs: int | None = None) -> torch.Tensor:
     """reference.gqa_extend_torch's signature and result ([N, Hq, Dv] in q's dtype); `runs` overrides the key
     runs per item (tests)."""
+    sinks2 = _NO_SINKS if sinks is None else (sinks.float() * float(LOG2E)).contiguous().numpy()
     k, k_scales, dim = _pool(k_buffer)
     v, v_scales, dv = _pool(v_buffer)
     out = np.zeros((q.shape[0], q.shape[1], dv), np.float32)
@@ -345,6 +340,8 @@ def gqa_extend(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, 
     blk_req, blk_q0 = query_blocks(prefix, lens, block)
     if runs is None:
         longest = int((prefix + np.minimum(lens, block)).max())
+        if window > 0:
+            longest = min(longest, window + block)
         items = blk_req.shape[0] * (1 if direct else k.shape[1])
         runs = device_blocks.decode_splits(items, longest, numba.config.NUMBA_NUM_THREADS)
     many = runs > 1
@@ -353,9 +350,10 @@ def gqa_extend(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, 
     starts = np.cumsum(lens) - lens
     gqa_attention(q.float().contiguous().numpy(), k, k_scales, v, v_scales, _E4M3, req_to_token.numpy(),
                   req_pool_indices.to(torch.int64).numpy(), prefix, lens, starts, blk_req, blk_q0, block,
-                  max(64, min(256, TILE_FLOATS // max(dim, dv))), runs, direct, sm_scale, out, part_o, part_ml)
+                  max(64, min(256, TILE_FLOATS // max(dim, dv))) & ~15, runs, direct, sm_scale, window, sinks2, out, part_o,
+                  part_ml)
     if many:
-        merge_runs(part_o, part_ml, out)
+        merge_runs(part_o, part_ml, sinks2, out)
     return torch.from_numpy(out).to(q.dtype)
 
 

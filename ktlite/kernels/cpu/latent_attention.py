@@ -13,7 +13,7 @@ The pool is read in place, one row at a time, by `latent_row`: plain fp32 rows, 
 into fp32) or the packed FP8 rows of kv_fp8.latent_rows, passed as its three views (e4m3 bytes, an fp32 scale per
 group of values, the rope'd key's bf16 bits) and the group size: the one place these kernels decode a latent.
 
-The arithmetic is `_vm_acc` (acc += a @ M for two query rows at once, 64 accumulator lanes held in registers
+The arithmetic is simd.vm_acc (acc += a @ M for two query rows at once, 64 accumulator lanes held in registers
 across the block: each vector of M loaded serves both rows), for the scores (q rows against the transposed tile)
 and for P @ V (the probabilities against the tile's first kv_lora columns). fp32 FMAs throughout, on every CPU
 (AVX2 here; LLVM widens the 16-lane vectors to zmm where AVX-512 exists); no bf16 dot-product path yet.
@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
-from ktlite.kernels.cpu.simd import VF, c64, load_at, splat, vfma, vload, vstore
+from ktlite.kernels.cpu.simd import vm_acc
 from ktlite.kernels.cpu.threads import ensure_threadsafe_layer
 
 ensure_threadsafe_layer()  # before the first parallel region of the process
@@ -88,69 +87,6 @@ def _latent_row_impl(pool, slot, out):
     return None
 
 
-def _f32_vec(ty) -> bool:
-    return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and ty.dtype == types.float32
-
-
-@intrinsic
-def _vm_acc(typingctx, a, m, acc, n, width):
-    """acc[i][:width] += sum_{j < n} a[i][j] * m[j, :width] for each i of the tuples a and acc (K 1-D fp32 arrays
-    each; m 2-D C-contiguous fp32 with at least width columns). 64 output lanes at a time (64 / K per row) stay in
-    registers while j runs, and each vector of m loaded serves all K rows: with K = 2 a block's tile is streamed
-    from L2 half as often as row by row (one load per FMA was bound by L2 bandwidth)."""
-    ok = (isinstance(a, types.UniTuple) and isinstance(acc, types.UniTuple) and a.count == acc.count
-          and a.count in (1, 2, 4) and _f32_vec(a.dtype) and _f32_vec(acc.dtype)
-          and isinstance(m, types.Array) and m.ndim == 2 and m.layout == "C" and m.dtype == types.float32)
-    if not ok:
-        return None
-    sig = types.void(a, m, acc, types.int64, types.int64)
-    k_rows = a.count
-
-    def codegen(context, builder, sig, args):
-        def data(tup_ty, tup, i):
-            return context.make_array(tup_ty.dtype)(context, builder, builder.extract_value(tup, i)).data
-
-        aps = [data(sig.args[0], args[0], i) for i in range(k_rows)]
-        ops = [data(sig.args[2], args[2], i) for i in range(k_rows)]
-        marr = context.make_array(sig.args[1])(context, builder, args[1])
-        mp, stride = marr.data, builder.extract_value(marr.shape, 1)
-        n, width = args[3], args[4]
-
-        def lanes(c0, vectors):  # acc[i][c0 : c0 + 16 * vectors] for every i, over every j
-            offs = [builder.add(c0, c64(16 * v)) for v in range(vectors)]
-            accs = [[cgutils.alloca_once_value(builder, vload(builder, op, off, VF)) for off in offs] for op in ops]
-            with cgutils.for_range(builder, n) as loop:
-                coefs = [splat(builder, load_at(builder, ap, loop.index)) for ap in aps]
-                row = builder.mul(loop.index, stride)
-                for v, off in enumerate(offs):
-                    m_v = vload(builder, mp, builder.add(row, off), VF)
-                    for coef, slots in zip(coefs, accs):
-                        builder.store(vfma(builder, m_v, coef, builder.load(slots[v])), slots[v])
-            for op, slots in zip(ops, accs):
-                for off, slot in zip(offs, slots):
-                    vstore(builder, builder.load(slot), op, off)
-
-        per = 4 // k_rows  # vectors per row in the wide pass
-        step = 16 * per
-        with cgutils.for_range(builder, builder.udiv(width, c64(step))) as loop:
-            lanes(builder.mul(loop.index, c64(step)), per)
-        wide = builder.mul(builder.udiv(width, c64(step)), c64(step))
-        with cgutils.for_range(builder, builder.lshr(builder.sub(width, wide), c64(4))) as loop:
-            lanes(builder.add(wide, builder.shl(loop.index, c64(4))), 1)
-        tail = builder.and_(width, c64(~15))
-        with cgutils.for_range(builder, builder.sub(width, tail)) as outer:
-            d = builder.add(tail, outer.index)
-            for ap, op in zip(aps, ops):
-                total = cgutils.alloca_once_value(builder, load_at(builder, op, d))
-                with cgutils.for_range(builder, n) as loop:
-                    m_jd = load_at(builder, mp, builder.add(builder.mul(loop.index, stride), d))
-                    builder.store(builder.fma(load_at(builder, ap, loop.index), m_jd, builder.load(total)), total)
-                builder.store(builder.load(total), builder.gep(op, [d], inbounds=True))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 @njit(nogil=True, cache=True, fastmath=_FAST)
 def _online_softmax(s, n, r, m, l, o):  # pragma: no cover - compiled
     """Fold row r's scores s[:n] of one block into its running max m[r] and exp-sum l[r], rescale its output o[r]
@@ -190,7 +126,7 @@ def _attend_block(qb, limits, j0, nb, tile, kt, m, l, o):  # pragma: no cover - 
     rows, width = qb.shape
     s = np.zeros((2, BLOCK), np.float32)
     spare = np.empty((1, o.shape[1]), np.float32)  # the partner of an odd last row
-    for r in range(0, rows, 2):  # rows in pairs: _vm_acc streams the tile once per pair
+    for r in range(0, rows, 2):  # rows in pairs: vm_acc streams the tile once per pair
         pair = r + 1 < rows
         r1 = r + 1 if pair else r
         n0 = max(0, min(nb, limits[r] - j0))
@@ -199,13 +135,13 @@ def _attend_block(qb, limits, j0, nb, tile, kt, m, l, o):  # pragma: no cover - 
         if n == 0:
             continue
         s[:] = 0.0
-        _vm_acc((qb[r], qb[r1]), kt, (s[0], s[1]), width, (n + 15) & ~15)
+        vm_acc((qb[r], qb[r1]), kt, (s[0], s[1]), width, (n + 15) & ~15)
         _online_softmax(s[0], n0, r, m, l, o)
         s[0, n0:] = 0.0  # a row's probabilities past its causal limit (its partner's may reach further)
         if pair:
             _online_softmax(s[1], n1, r1, m, l, o)
         s[1, n1:] = 0.0
-        _vm_acc((s[0], s[1]), tile, (o[r], o[r1] if pair else spare[0]), n, o.shape[1])
+        vm_acc((s[0], s[1]), tile, (o[r], o[r1] if pair else spare[0]), n, o.shape[1])
 
 
 @njit(nogil=True, cache=True)

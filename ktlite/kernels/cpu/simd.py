@@ -195,3 +195,135 @@ def round_bf16(builder, v):
     odd = builder.and_(builder.lshr(bits, cvec(V32, 16)), cvec(V32, 1))  # ties go to the even neighbour
     rounded = builder.add(bits, builder.add(odd, cvec(V32, 0x7FFF)))
     return builder.trunc(builder.lshr(rounded, cvec(V32, 16)), V16)
+
+
+def f32_vector(ty) -> bool:
+    return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and ty.dtype == types.float32
+
+
+@intrinsic
+def vm_acc(typingctx, a, m, acc, n, width):
+    """acc[i][:width] += sum_{j < n} a[i][j] * m[j, :width] for each i of the tuples a and acc (K 1-D fp32 arrays
+    each; m 2-D C-contiguous fp32 with at least width columns). 64 output lanes at a time (64 / K per row) stay in
+    registers while j runs, and each vector of m loaded serves all K rows: with K = 2 a block's tile is streamed
+    from L2 half as often as row by row (one load per FMA was bound by L2 bandwidth)."""
+    ok = (isinstance(a, types.UniTuple) and isinstance(acc, types.UniTuple) and a.count == acc.count
+          and a.count in (1, 2, 4) and f32_vector(a.dtype) and f32_vector(acc.dtype)
+          and isinstance(m, types.Array) and m.ndim == 2 and m.layout == "C" and m.dtype == types.float32)
+    if not ok:
+        return None
+    sig = types.void(a, m, acc, types.int64, types.int64)
+    k_rows = a.count
+
+    def codegen(context, builder, sig, args):
+        def data(tup_ty, tup, i):
+            return context.make_array(tup_ty.dtype)(context, builder, builder.extract_value(tup, i)).data
+
+        aps = [data(sig.args[0], args[0], i) for i in range(k_rows)]
+        ops = [data(sig.args[2], args[2], i) for i in range(k_rows)]
+        marr = context.make_array(sig.args[1])(context, builder, args[1])
+        mp, stride = marr.data, builder.extract_value(marr.shape, 1)
+        n, width = args[3], args[4]
+
+        def lanes(c0, vectors):  # acc[i][c0 : c0 + 16 * vectors] for every i, over every j
+            offs = [builder.add(c0, c64(16 * v)) for v in range(vectors)]
+            accs = [[cgutils.alloca_once_value(builder, vload(builder, op, off, VF)) for off in offs] for op in ops]
+            with cgutils.for_range(builder, n) as loop:
+                coefs = [splat(builder, load_at(builder, ap, loop.index)) for ap in aps]
+                row = builder.mul(loop.index, stride)
+                for v, off in enumerate(offs):
+                    m_v = vload(builder, mp, builder.add(row, off), VF)
+                    for coef, slots in zip(coefs, accs):
+                        builder.store(vfma(builder, m_v, coef, builder.load(slots[v])), slots[v])
+            for op, slots in zip(ops, accs):
+                for off, slot in zip(offs, slots):
+                    vstore(builder, builder.load(slot), op, off)
+
+        per = 4 // k_rows  # vectors per row in the wide pass
+        step = 16 * per
+        with cgutils.for_range(builder, builder.udiv(width, c64(step))) as loop:
+            lanes(builder.mul(loop.index, c64(step)), per)
+        wide = builder.mul(builder.udiv(width, c64(step)), c64(step))
+        with cgutils.for_range(builder, builder.lshr(builder.sub(width, wide), c64(4))) as loop:
+            lanes(builder.add(wide, builder.shl(loop.index, c64(4))), 1)
+        tail = builder.and_(width, c64(~15))
+        with cgutils.for_range(builder, builder.sub(width, tail)) as outer:
+            d = builder.add(tail, outer.index)
+            for ap, op in zip(aps, ops):
+                total = cgutils.alloca_once_value(builder, load_at(builder, op, d))
+                with cgutils.for_range(builder, n) as loop:
+                    m_jd = load_at(builder, mp, builder.add(builder.mul(loop.index, stride), d))
+                    builder.store(builder.fma(load_at(builder, ap, loop.index), m_jd, builder.load(total)), total)
+                builder.store(builder.load(total), builder.gep(op, [d], inbounds=True))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _fmax(builder, a, b):
+    suffix = f"v{a.type.count}f32" if isinstance(a.type, ir.VectorType) else "f32"
+    return llvm_call(builder, f"llvm.maxnum.{suffix}", a.type, [a, b])
+
+
+@intrinsic
+def row_max(typingctx, x, lo, hi, init):
+    """max(init, x[lo:hi]) for a 1-D fp32 array, 16 lanes at a time (a plain numba max loop stays scalar: ~0.7
+    cycles a value, as much as the exp that follows it)."""
+    if not (f32_vector(x) and isinstance(init, types.Float)):
+        return None
+    sig = types.float32(x, types.int64, types.int64, types.float32)
+
+    def codegen(context, builder, sig, args):
+        xp = context.make_array(sig.args[0])(context, builder, args[0]).data
+        lo, hi, init = args[1], args[2], args[3]
+        chunks = builder.sdiv(builder.sub(hi, lo), c64(LANES))
+        acc = cgutils.alloca_once_value(builder, splat(builder, init))
+        with cgutils.for_range(builder, chunks) as loop:
+            off = builder.add(lo, builder.mul(loop.index, c64(LANES)))
+            builder.store(_fmax(builder, builder.load(acc), vload(builder, xp, off, VF)), acc)
+        v, n = builder.load(acc), LANES
+        while n > 1:  # halving tree, as hsum
+            n //= 2
+            low = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n))))
+            high = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n, 2 * n))))
+            v = _fmax(builder, low, high)
+        top = cgutils.alloca_once_value(builder, builder.extract_element(v, ir.Constant(I32, 0)))
+        tail = builder.add(lo, builder.mul(chunks, c64(LANES)))
+        with cgutils.for_range(builder, builder.sub(hi, tail)) as loop:
+            builder.store(_fmax(builder, builder.load(top), load_at(builder, xp, builder.add(tail, loop.index))), top)
+        return builder.load(top)
+
+    return sig, codegen
+
+
+@intrinsic
+def exp2_sum(typingctx, x, lo, hi, top):
+    """x[lo:hi] <- 2 ** (x[lo:hi] - top), returning their sum, 16 lanes at a time ((hi - lo) a multiple of 16, x
+    <= top): 2^n from the exponent bits, n = rint(t), and 2^(t - n) = e^r, r = (t - n) ln 2, by silu_mul's Taylor
+    polynomial (relative error ~1e-7). t is clamped at -127, whose exponent bits are zero: a value at the kernels'
+    "no score" -1e30 gives exactly 0 (numba's np.exp2 is a libm call per value)."""
+    if not (f32_vector(x) and isinstance(top, types.Float)):
+        return None
+    sig = types.float32(x, types.int64, types.int64, types.float32)
+
+    def codegen(context, builder, sig, args):
+        xp = context.make_array(sig.args[0])(context, builder, args[0]).data
+        lo, hi, top = args[1], args[2], splat(builder, args[3])
+        total = cgutils.alloca_once_value(builder, cvec(VF, 0.0))
+        with cgutils.for_range(builder, builder.sdiv(builder.sub(hi, lo), c64(LANES))) as loop:
+            off = builder.add(lo, builder.mul(loop.index, c64(LANES)))
+            t = llvm_call(builder, "llvm.maxnum.v16f32", VF, [builder.fsub(vload(builder, xp, off, VF), top),
+                                                               cvec(VF, -127.0)])
+            n = llvm_call(builder, "llvm.rint.v16f32", VF, [t])
+            r = builder.fmul(builder.fsub(t, n), cvec(VF, math.log(2.0)))
+            poly = cvec(VF, _EXP_TAYLOR[-1])
+            for c in reversed(_EXP_TAYLOR[:-1]):
+                poly = vfma(builder, poly, r, cvec(VF, c))
+            two_n = builder.bitcast(builder.shl(builder.add(builder.fptosi(n, V32), cvec(V32, 127)),
+                                                cvec(V32, 23)), VF)
+            val = builder.fmul(poly, two_n)
+            vstore(builder, val, xp, off)
+            builder.store(builder.fadd(builder.load(total), val), total)
+        return hsum(builder, builder.load(total))
+
+    return sig, codegen
