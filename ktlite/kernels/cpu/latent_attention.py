@@ -2,8 +2,8 @@
 
 The torch twins (reference.mla_decode_torch / mla_extend_torch / sparse_mla_torch) are the spec. All three
 kinds run the same flash-style step, `_attend_block`: a group of query rows (tokens x heads of one request, all
-scaled by sm_scale) folds one block of BLOCK decoded latents into its online-softmax state (each row's max,
-exp-sum and unnormalised output); scores and probabilities live only for that block, and a row's causal limit
+scaled by sm_scale log2(e): scores in log2 units, for simd.exp2_sum) folds one block of BLOCK decoded latents into
+its online-softmax state (each row's max, exp-sum and unnormalised output); scores and probabilities live only for that block, and a row's causal limit
 cuts its block short: no [tokens x context] score matrix, no masks. Extend decodes each request's visible
 latents once (`_decode_requests`, fp32 tiles and their transposes, in parallel) for all its work items (ROWS
 query rows each, dealt to the threads); decode (flash-decoding runs, merged after) and sparse attention (each
@@ -28,14 +28,15 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ktlite.kernels.cpu.simd import vm_acc
+from ktlite.kernels.cpu.simd import exp2_sum, row_max, vm_acc
 from ktlite.kernels.cpu.threads import ensure_threadsafe_layer
 
 ensure_threadsafe_layer()  # before the first parallel region of the process
 
 BLOCK = 64  # latent positions per block: the tile (64 x 576 fp32, 147 KB) and its transpose stay in L2
 ROWS = 64  # query rows (tokens x heads) per work item of extend / sparse: each decoded block serves them all
-_NONE = np.float32(-1e30)  # "no score yet" (see the module docstring)
+_NONE = np.float32(-1e30)
+_LOG2E = np.float32(1.4426950408889634)  # "no score yet" (see the module docstring)
 _FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 
@@ -89,16 +90,14 @@ def _latent_row_impl(pool, slot, out):
 
 @njit(nogil=True, cache=True, fastmath=_FAST)
 def _online_softmax(s, n, r, m, l, o):  # pragma: no cover - compiled
-    """Fold row r's scores s[:n] of one block into its running max m[r] and exp-sum l[r], rescale its output o[r]
-    to the new max, and turn s[:n] into the block's probabilities."""
-    top = m[r]
-    for j in range(n):
-        top = max(top, s[j])
-    total = np.float32(0.0)
-    for j in range(n):
-        s[j] = np.exp(s[j] - top)
-        total += s[j]
-    shrink = np.exp(m[r] - top)
+    """Fold row r's scores s[:n] of one block (log2 units) into its running max m[r] and exp-sum l[r], rescale its
+    output o[r] to the new max, and turn s[:n] into the block's probabilities (s has room for n rounded up to 16:
+    those lanes score "none", exp2 0)."""
+    top = row_max(s, 0, n, m[r])
+    end = (n + 15) & ~15
+    s[n:end] = _NONE
+    total = exp2_sum(s, 0, end, top)
+    shrink = np.exp2(m[r] - top)
     l[r] = l[r] * shrink + total
     m[r] = top
     if shrink != 1.0:
@@ -121,7 +120,7 @@ def _decode_block(pool, slots, tile, kt):  # pragma: no cover - compiled
 @njit(nogil=True, cache=True, fastmath=_FAST)
 def _attend_block(qb, limits, j0, nb, tile, kt, m, l, o):  # pragma: no cover - compiled
     """Fold one decoded block (positions j0..j0 + nb: tile, kt as _decode_block's) into the flash state of query
-    rows qb [R, W] (already times sm_scale; row r sees positions < limits[r]): running max m [R], exp-sum l [R],
+    rows qb [R, W] (already times sm_scale log2(e); row r sees positions < limits[r]): running max m [R], exp-sum l [R],
     unnormalised output o [R, kv_lora]."""
     rows, width = qb.shape
     s = np.zeros((2, BLOCK), np.float32)
@@ -166,11 +165,13 @@ def _attend(qb, limits, pool, slots, m, l, o):  # pragma: no cover - compiled
 
 @njit(nogil=True, cache=True)
 def _scaled_rows(q, heads, sm_scale, qb):  # pragma: no cover - compiled
-    """qb[i * len(heads) + k] = q[i, heads[k]] * sm_scale for q [T, H, W] (a work item's query rows)."""
+    """qb[i * len(heads) + k] = q[i, heads[k]] * sm_scale * log2(e) for q [T, H, W] (a work item's query rows):
+    scores in log2 units, for exp2."""
+    scale = np.float32(sm_scale * _LOG2E)
     for i in range(q.shape[0]):
         for k in range(heads.shape[0]):
             for d in range(q.shape[2]):
-                qb[i * heads.shape[0] + k, d] = q[i, heads[k], d] * sm_scale
+                qb[i * heads.shape[0] + k, d] = q[i, heads[k], d] * scale
 
 
 @njit(nogil=True, cache=True)
@@ -287,7 +288,7 @@ def mla_decode_latents(q, pool, req_to_token, rows, lens, sm_scale, kv_lora, run
         for r in range(runs):
             if run_sum[b, r, h] == 0.0:
                 continue
-            scale = np.exp(run_max[b, r, h] - top)
+            scale = np.exp2(run_max[b, r, h] - top)
             total += scale * run_sum[b, r, h]
             for d in range(kv_lora):
                 out[b, h, d] += scale * run_out[b, r, h, d]
