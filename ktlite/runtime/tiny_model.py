@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ktlite.runtime.models import build
-from ktlite.runtime.models.config import parse_config
+from ktlite.runtime.models.config import parse_config, stored_name
 from ktlite.runtime.models.fp8 import FP8Linear
 from ktlite.runtime.models.registry import tiny_configs
 
@@ -135,8 +135,11 @@ def write_tiny_model(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
-    raw = {**_COMMON, **ARCH_CONFIGS[arch], "vocab_size": tokenizer.get_vocab_size(),
-           "bos_token_id": tokenizer.token_to_id(BOS), "eos_token_id": tokenizer.token_to_id(EOS), **(overrides or {})}
+    fields = dict(ARCH_CONFIGS[arch])
+    nested = fields.pop("text_config", None)  # a wrapper family (Kimi-K2.5) nests the language model's fields
+    text = {**_COMMON, **(fields if nested is None else nested), "vocab_size": tokenizer.get_vocab_size(),
+            "bos_token_id": tokenizer.token_to_id(BOS), "eos_token_id": tokenizer.token_to_id(EOS)}
+    raw = {**(text if nested is None else {**fields, "text_config": text}), **(overrides or {})}
     if fp8:
         raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                       "weight_block_size": [128, 128]}
@@ -149,7 +152,7 @@ def write_tiny_model(
     fp8_names = {f"{n}.weight" for n, m in build(cfg, "meta", fp8_weights=True).named_modules() if isinstance(m, FP8Linear)}
     tensors: dict[str, torch.Tensor] = {}
     for name, value in _random_state(model, seed).items():
-        stored = model.checkpoint_name(name)
+        stored = stored_name(cfg.weight_renames, model.checkpoint_name(name))
         if fp8 and name in fp8_names:
             tensors[stored], tensors[stored + "_scale_inv"] = _fp8_quantize(value)
         elif name.endswith(("mlp.gate.weight", "e_score_correction_bias")):
