@@ -157,10 +157,9 @@ def test_rawint4_experts_equal_transformers_on_the_decompressed_weights(int4):
 
 
 def test_engine_chunk_5_preemption_half_gpu_experts(k25, expected, caplog):
-    batch, want_logits, want = expected
+    batch, _, want = expected
     flags = {**EXACT, "kt_num_gpu_experts": 8, "chunked_prefill_size": 5, "max_total_tokens": 48}
     with caplog.at_level(logging.INFO, logger="ktlite.runtime.assembly"), Engine(str(k25), **flags) as eng:
-        assert (logits_of(eng, batch) - want_logits).abs().max().item() <= TOL
         got = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
         assert eng.scheduler.preemptions > 0
         assert all(len(v) == 8 for v in eng.runtime.placement().values())
