@@ -131,3 +131,14 @@ def hf_last_logits_and_greedy(ref: torch.nn.Module, batch: list[list[int]], n: i
     tokens = [ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                            eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist() for ids in batch]
     return logits, tokens
+
+
+@torch.no_grad()
+def prefill_and_decode_errors(ours: torch.nn.Module, ref: torch.nn.Module, ids: torch.Tensor,
+                              prefill: int = 5) -> tuple[float, float]:
+    """Max |ours - transformers| over every position's logits: one prefill of `ids` [B, T], and a prefill of the
+    first `prefill` tokens followed by one-token decode steps through ours's cache."""
+    want = ref(ids).logits
+    cache = ours.new_cache(*ids.shape)
+    steps = [ours(ids[:, :prefill], cache)] + [ours(ids[:, i : i + 1], cache) for i in range(prefill, ids.shape[1])]
+    return (ours(ids) - want).abs().max().item(), (torch.cat(steps, dim=1) - want).abs().max().item()

@@ -8,8 +8,9 @@ import json
 
 import pytest
 from test_reasoning import check_everywhere, chunkings
+from test_tool_parsers import run_output
 
-from ktlite.server.chat_output import OutputPlan, OutputStream, parse_output
+from ktlite.server.chat_output import OutputPlan, parse_output
 from ktlite.server.reasoning import prompt_opens_think, think_format
 
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": props}}}
@@ -62,17 +63,6 @@ def test_thinking_budget_closes_the_analysis_message_and_opens_the_answer():
     assert fmt.harmony and fmt.close == "<|end|><|start|>assistant<|channel|>final<|message|>"
 
 
-def run(plan: OutputPlan, pieces: list[str]) -> tuple[str, str, list[tuple[str, dict]]]:
-    stream = OutputStream(plan)
-    reasoning, content, names, args = "", "", {}, {}
-    for piece in [stream.feed(p) for p in pieces] + [stream.finish()]:
-        reasoning, content = reasoning + piece.reasoning, content + piece.content
-        for d in piece.tool_calls:
-            names.setdefault(d["index"], d["function"].get("name"))
-            args[d["index"]] = args.get(d["index"], "") + d["function"]["arguments"]
-    return reasoning, content, [(names[i], json.loads(args[i])) for i in sorted(names)]
-
-
 @pytest.mark.parametrize("text, expected", [
     (WEATHER_CALL, ("Need to use function get_weather.", "", [("get_weather", {"location": "San Francisco"})])),
     # a preamble on the commentary channel is content, shown to the user
@@ -88,11 +78,13 @@ def run(plan: OutputPlan, pieces: list[str]) -> tuple[str, str, list[tuple[str, 
 ])
 def test_tool_calls_through_the_server_pipeline(text, expected):
     plan = OutputPlan("gpt-oss", False, "gpt-oss", TOOLS)
+    reasoning, content, calls = expected
+    expected = (reasoning, content, [{"name": n, "arguments": a} for n, a in calls])
     out = parse_output(plan, text)
-    whole = (out.reasoning, out.content, [(c.name, json.loads(c.arguments)) for c in out.tool_calls])
+    whole = (out.reasoning, out.content, [{"name": c.name, "arguments": json.loads(c.arguments)} for c in out.tool_calls])
     assert whole == expected
     for pieces in chunkings(text, seed=5):
-        assert run(plan, pieces) == expected, pieces
+        assert run_output(plan, pieces) == expected, pieces
 
 
 def test_without_a_tool_parser_a_call_message_stays_content():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 
+from ktlite.server.split_stream import SplitStream
 from ktlite.server.tool_parsers.markers import first_marker, partial_start
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
@@ -36,26 +37,19 @@ _RECIPIENT = re.compile(r"\bto=")
 SEPARATOR = "\n\n"
 
 
-class HarmonyStream:
+class HarmonyStream(SplitStream):
     """Incremental split: `feed(delta)` and `finish()` return (reasoning_delta, content_delta)."""
 
     def __init__(self, opens_analysis: bool = False):
+        super().__init__()
         # the prompt may end inside an analysis message's body (`<|channel|>analysis<|message|>`)
         self._state = "body" if opens_analysis else "between"  # "between" -> "header" -> "body" -> ...
         self._route = "reasoning"  # the open body's destination: "reasoning", "content" or "raw" (a call)
-        self._buf = ""
         self._started = {"reasoning": False, "content": False}  # a body of that kind was emitted
         self._first = not opens_analysis  # the first message's header may open with its recipient (` to=`)
         self._in_text = False  # inside text outside any message
         self._after_message = opens_analysis
         self._space = ""  # whitespace after that text (or before it), not yet known to be content
-
-    def feed(self, delta: str) -> tuple[str, str]:
-        self._buf += delta
-        return self._run(final=False)
-
-    def finish(self) -> tuple[str, str]:
-        return self._run(final=True)
 
     def _run(self, final: bool) -> tuple[str, str]:
         out = {"reasoning": [], "content": []}

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ktlite.errors import ConfigError
 from ktlite.server.harmony import HarmonyStream
+from ktlite.server.split_stream import SplitStream
 from ktlite.server.tool_parsers.markers import first_marker, partial_start
 
 
@@ -80,23 +81,16 @@ def reasoning_stream(parser: str, prompt_opens_think: bool = False,
     return ReasoningStream(parser, prompt_opens_think, tool_markers)
 
 
-class ReasoningStream:
+class ReasoningStream(SplitStream):
     """Incremental split: `feed(delta)` and `finish()` return (reasoning_delta, content_delta)."""
 
     def __init__(self, parser: str, prompt_opens_think: bool = False, tool_markers: tuple[str, ...] = ()):
+        super().__init__()
         self._fmt = think_format(parser)
         self._ends = tuple(dict.fromkeys((self._fmt.close, *self._fmt.interrupts, *tool_markers)))
         self._inside = self._fmt.starts_inside or prompt_opens_think
         self._state = "start"  # -> "reasoning" -> "content", or "start" -> "content"
-        self._buf = ""
         self._drop_space = False  # leading whitespace of the current part is not kept
-
-    def feed(self, delta: str) -> tuple[str, str]:
-        self._buf += delta
-        return self._run(final=False)
-
-    def finish(self) -> tuple[str, str]:
-        return self._run(final=True)
 
     def _run(self, final: bool) -> tuple[str, str]:
         reasoning: list[str] = []
