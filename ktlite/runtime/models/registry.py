@@ -2,7 +2,9 @@
 
 A family module defines ARCHITECTURES, MODEL_TYPES, `parse_config(raw) -> config` and `Model`
 (`Model(config, routed_experts: bool)`, a `base.CausalLM`). Adding a family is adding its module
-here."""
+here. A wrapper family (Kimi-K2.5) parses the whole file into another family's config (its
+`architecture` names the family whose `Model` runs it) and defines no Model of its own; a multimodal
+wrapper no family claims is served by the family of the language model in its `text_config`."""
 
 from __future__ import annotations
 
