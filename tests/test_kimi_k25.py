@@ -26,6 +26,7 @@ from ktlite.errors import ConfigError
 from ktlite.runtime import models
 from ktlite.runtime.memory import make_plan
 from ktlite.runtime.models import load_config, parse_config
+from ktlite.runtime.plan_components import allocated_by_component
 from ktlite.runtime.plan_inputs import PlanInputs
 
 TOL = 1e-4
@@ -146,6 +147,8 @@ def test_rawint4_experts_equal_transformers_on_the_decompressed_weights(int4):
         assert (layer.gate_up.method, layer.gate_up.group_size) == ("INT4", 32)
         got = logits_of(eng, batch)
         tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+        plan = eng.runtime.plan  # the GPU experts held as the checkpoint's INT4 codes, planned at that size
+        assert plan.allocated()["gpu_experts"] == plan.bytes("gpu_experts") > 0
     want, greedy = hf_last_logits_and_greedy(hf_model(plain, K25), batch, GREEDY["max_tokens"])
     assert (got - want).abs().max().item() <= TOL
     assert tokens == greedy
@@ -159,6 +162,9 @@ def test_engine_chunk_5_preemption_half_gpu_experts(k25, expected, caplog):
         assert eng.scheduler.preemptions > 0
         assert all(len(v) == 8 for v in eng.runtime.placement().values())
         assert eng.runtime.runner.kv_pool.used_tokens == 0
+        plan, allocated = eng.runtime.plan, allocated_by_component(eng.runtime.runner.model)
+        allocated.update(plan.allocated())
+    assert plan.mismatches(allocated) == {} and allocated["gpu_experts"] > 0  # planned == allocated
     assert got == want
     assert "vision tower and projector are not loaded" in caplog.text
 
