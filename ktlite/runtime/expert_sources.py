@@ -51,7 +51,8 @@ from ktlite.kernels.cpu.quant import (
 )
 from ktlite.kernels.triton.quant import QuantizedWeight as GPUQuantizedWeight
 from ktlite.runtime.convert import MANIFEST, load_converted
-from ktlite.runtime.models.config import ModelConfig, our_name
+from ktlite.runtime.models.config import ModelConfig
+from ktlite.runtime.models.wrapper import our_name
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from ktlite.errors import CheckpointError
 from ktlite.kernels.triton import fp8_dequantize
-from ktlite.runtime.models.config import our_name, parse_config
+from ktlite.runtime.models.config import parse_config
+from ktlite.runtime.models.wrapper import our_name
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ktlite.runtime.models import build
-from ktlite.runtime.models.config import parse_config, stored_name
+from ktlite.runtime.models.config import parse_config
+from ktlite.runtime.models.wrapper import stored_name
 from ktlite.runtime.models.fp8 import FP8Linear
 from ktlite.runtime.models.registry import tiny_configs
 

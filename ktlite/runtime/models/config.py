@@ -139,7 +139,7 @@ class ModelConfig:
     fp8_block_size: tuple[int, int] | None  # block-FP8 checkpoints: (128, 128) as DeepSeek-V3's
     fp8_skip: tuple[str, ...]  # quantization_config.modules_to_not_convert: what an FP8 checkpoint keeps high precision
     # (stored prefix, our prefix) pairs: where a wrapper checkpoint keeps the language model's tensors (see
-    # `our_name` / `stored_name`); none: the checkpoint names them as the model does
+    # wrapper.py); none: the checkpoint names them as the model does
     weight_renames: tuple[tuple[str, str], ...] = ()
     vision_skipped: bool = False  # a vision-language checkpoint of which ktlite loads and serves the text model only
 
@@ -267,34 +267,6 @@ def fp8_skip(raw: dict[str, Any]) -> tuple[str, ...]:
     if fp8_block_size(raw) is None:
         return ()
     return tuple(str(p) for p in raw["quantization_config"].get("modules_to_not_convert") or ())
-
-
-def text_config(raw: dict[str, Any]) -> dict[str, Any]:
-    """The language model's config of a multimodal wrapper (e.g. Kimi-K2.5) that nests it in `text_config`,
-    with the wrapper's quantization_config where the text config has none; other configs as they are."""
-    text = raw.get("text_config")
-    if isinstance(text, dict) and "num_hidden_layers" in text and "num_hidden_layers" not in raw:
-        return {**text, "quantization_config": text.get("quantization_config") or raw.get("quantization_config")}
-    return raw
-
-
-def our_name(renames: tuple[tuple[str, str], ...], stored: str) -> str:
-    """A checkpoint tensor's name in the model: the longest stored prefix of `renames` that matches is
-    replaced by its own prefix (several checkpoint dialects map onto one model)."""
-    matches = [(s, o) for s, o in renames if stored.startswith(s)]
-    if not matches:
-        return stored
-    s, o = max(matches, key=lambda pair: len(pair[0]))
-    return o + stored[len(s):]
-
-
-def stored_name(renames: tuple[tuple[str, str], ...], ours: str) -> str:
-    """The name a writer stores one of the model's tensors under: the first pair of `renames` whose own prefix
-    matches (a family lists its hub dialect first)."""
-    for s, o in renames:
-        if ours.startswith(o):
-            return s + ours[len(o):]
-    return ours
 
 
 def eos_ids(value: Any) -> tuple[int, ...]:

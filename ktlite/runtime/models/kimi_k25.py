@@ -22,7 +22,7 @@ from typing import Any
 
 from ktlite.errors import ConfigError
 from ktlite.runtime.models import deepseek_config
-from ktlite.runtime.models.config import text_config
+from ktlite.runtime.models.wrapper import text_config
 from ktlite.runtime.models.deepseek_config import DeepseekConfig
 
 ARCHITECTURES = ("KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration")
