@@ -78,24 +78,49 @@ def _spread(model: torch.nn.Module, seed: int, norm_center: float) -> None:
                 b.copy_((0.05 * torch.randn(b.shape, generator=gen)).bfloat16().float())
 
 
-def write_hf_checkpoint(path: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
-    """`family`'s tiny checkpoint; `overrides` replace its config's keyword arguments (e.g. rope_parameters)."""
-    tokenizer = train_tokenizer()
+def _text_config(family: str, tokenizer, overrides: dict[str, Any]) -> transformers.PreTrainedConfig:
     config_class, kwargs = FAMILIES[family]
     config = config_class(**copy.deepcopy({**kwargs, **overrides}))  # transformers fills rope dicts in place
     config.vocab_size = tokenizer.get_vocab_size()
     config.bos_token_id, config.eos_token_id = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Qwen3-Next stores its (1 + w) norms' w: centre those at 0 so every norm scales by about 1
-    _spread(model, seed, norm_center=0.0 if family == "qwen3_next" else 1.0)
+    return config
+
+
+def _save(model: torch.nn.Module, path: Path, tokenizer, seed: int, norm_center: float = 1.0) -> Path:
+    _spread(model, seed, norm_center)
     model.to(torch.bfloat16).save_pretrained(path)
     write_tokenizer_files(path, tokenizer)
     return path
 
 
-def hf_model(path) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def write_hf_checkpoint(path: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
+    """`family`'s tiny checkpoint; `overrides` replace its config's keyword arguments (e.g. rope_parameters)."""
+    tokenizer = train_tokenizer()
+    config = _text_config(family, tokenizer, overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Qwen3-Next stores its (1 + w) norms' w: centre those at 0 so every norm scales by about 1
+    return _save(model, path, tokenizer, seed, norm_center=0.0 if family == "qwen3_next" else 1.0)
+
+
+# the smallest MoonViT transformers' Kimi-K2.5 class builds (its vision tower is written, never served)
+_TINY_VISION = dict(patch_size=2, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
+                    num_hidden_layers=1, hidden_size=16, intermediate_size=32)
+
+
+def write_hf_kimi_k25(path: Path, seed: int = 0, **wrapper: Any) -> Path:
+    """Kimi-K2.5 written by transformers' own class: the deepseek_v3 family's tiny text_config and a tiny
+    vision tower; `wrapper` sets the wrapper config's fields (e.g. tie_word_embeddings)."""
+    tokenizer = train_tokenizer()
+    text = _text_config("deepseek_v3", tokenizer, {})
+    config = transformers.Kimi_K25Config(text_config=text.to_dict(), vision_config=_TINY_VISION,
+                                         projection_hidden_size=_TINY_VISION["hidden_size"], **wrapper)
+    torch.manual_seed(seed)
+    return _save(transformers.Kimi_K25ForConditionalGeneration(config), path, tokenizer, seed)
+
+
+def hf_model(path, auto: type = transformers.AutoModelForCausalLM) -> torch.nn.Module:
+    return auto.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @torch.no_grad()
@@ -106,3 +131,14 @@ def hf_last_logits_and_greedy(ref: torch.nn.Module, batch: list[list[int]], n: i
     tokens = [ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                            eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist() for ids in batch]
     return logits, tokens
+
+
+@torch.no_grad()
+def prefill_and_decode_errors(ours: torch.nn.Module, ref: torch.nn.Module, ids: torch.Tensor,
+                              prefill: int = 5) -> tuple[float, float]:
+    """Max |ours - transformers| over every position's logits: one prefill of `ids` [B, T], and a prefill of the
+    first `prefill` tokens followed by one-token decode steps through ours's cache."""
+    want = ref(ids).logits
+    cache = ours.new_cache(*ids.shape)
+    steps = [ours(ids[:, :prefill], cache)] + [ours(ids[:, i : i + 1], cache) for i in range(prefill, ids.shape[1])]
+    return (ours(ids) - want).abs().max().item(), (torch.cat(steps, dim=1) - want).abs().max().item()

@@ -100,9 +100,9 @@ def _rows_hold_what_they_name(cfg) -> None:
 
 @pytest.mark.parametrize("arch", sorted(tiny_configs()))
 def test_every_family_plan_rows_name_what_they_hold(arch):
-    from ktlite.runtime.tiny_model import _COMMON
+    from ktlite.runtime.tiny_model import tiny_config
 
-    _rows_hold_what_they_name(parse_config({**_COMMON, **tiny_configs()[arch], "vocab_size": 1024}))
+    _rows_hold_what_they_name(parse_config(tiny_config(arch, vocab_size=1024)))
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in DATA.iterdir() if (p / "config.json").is_file()))

@@ -5,7 +5,9 @@ same codes and scales, and the model equals transformers on the decompressed wei
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ with kt.interpreted():  # before anything imports triton (compressed-tensors doe
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.utils import calculate_qparams
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ktlite import Engine
 from ktlite.config import EngineConfig
@@ -58,32 +60,36 @@ def decompress(packed: dict[str, torch.Tensor]) -> torch.Tensor:
                                                    SCHEME)["weight"]
 
 
-@pytest.fixture(scope="module")
-def kimi(tiny_v3, tmp_path_factory):
-    """(compressed-tensors checkpoint, its decompressed twin for transformers)."""
-    root = tmp_path_factory.mktemp("kimi")
+EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+
+
+def write_int4_twins(src: Path, root: Path) -> tuple[Path, Path]:
+    """(`src` with its routed experts compressed by compressed-tensors and QUANT_CONFIG in config.json, at the
+    top level as the hub's Kimi checkpoints have it; the decompressed twin, for transformers). Tensors keep
+    their stored names (a wrapper's too)."""
     packed_dir, plain_dir = root / "int4", root / "decompressed"
-    reader = CheckpointReader(tiny_v3)
-    cfg = load_config(tiny_v3)
-    experts = {cfg.expert_weight_name(l, e, p) for l in cfg.moe_layers for e in range(cfg.n_routed_experts)
-               for p in ("gate", "up", "down")}
     packed, plain = {}, {}
-    for name in reader.names():
-        w = reader.get_raw(name)
-        if name in experts:
+    for name, w in load_file(src / "model.safetensors").items():
+        if EXPERT_WEIGHT.search(name):
             parts = compress(w)
             packed.update({name.removesuffix("weight") + k: v for k, v in parts.items()})
             plain[name] = decompress(parts)
         else:
             packed[name] = plain[name] = w
-    config = json.loads((tiny_v3 / "config.json").read_text())
+    config = json.loads((src / "config.json").read_text())
     for folder, tensors, extra in ((packed_dir, packed, {"quantization_config": QUANT_CONFIG}), (plain_dir, plain, {})):
         folder.mkdir()
         save_file(tensors, str(folder / "model.safetensors"))
         (folder / "config.json").write_text(json.dumps({**config, **extra}))
         for f in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(tiny_v3 / f, folder / f)
+            shutil.copy(src / f, folder / f)
     return packed_dir, plain_dir
+
+
+@pytest.fixture(scope="module")
+def kimi(tiny_v3, tmp_path_factory):
+    """(compressed-tensors checkpoint, its decompressed twin for transformers)."""
+    return write_int4_twins(tiny_v3, tmp_path_factory.mktemp("kimi"))
 
 
 @pytest.mark.parametrize("flags", [

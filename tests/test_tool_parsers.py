@@ -117,17 +117,25 @@ def _kimi_k2(content: str, calls: list[Call]) -> str:
     ) + "<|tool_calls_section_end|>"
 
 
+def _gpt_oss(content: str, calls: list[Call]) -> str:
+    """OpenAI's harmony guide: each call a commentary message to=functions.NAME, JSON, ended by <|call|>."""
+    return content + "".join(f"<|start|>assistant<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
+                             f"{json.dumps(args, ensure_ascii=False)}<|call|>" for name, args in calls)
+
+
 RENDER: dict[str, Callable[[str, list[Call]], str]] = {
     "qwen3_coder": _qwen3_coder, "glm45": _glm45, "glm47": _glm47, "minimax-m2": _minimax_m2,
     "deepseekv3": _deepseekv3, "deepseekv31": _deepseekv31, "deepseekv32": _deepseekv32, "kimi_k2": _kimi_k2,
+    "gpt-oss": _gpt_oss,
 }
 CALL_CLOSE = {"qwen3_coder": "</function>", "glm45": "</tool_call>", "glm47": "</tool_call>",
               "minimax-m2": "</invoke>", "deepseekv3": "<｜tool▁call▁end｜>",
-              "deepseekv31": "<｜tool▁call▁end｜>", "deepseekv32": "</｜DSML｜invoke>", "kimi_k2": "<|tool_call_end|>"}
+              "deepseekv31": "<｜tool▁call▁end｜>", "deepseekv32": "</｜DSML｜invoke>", "kimi_k2": "<|tool_call_end|>",
+              "gpt-oss": "<|call|>"}
 REGION_START = {"qwen3_coder": "<tool_call>", "glm45": "<tool_call>", "glm47": "<tool_call>",
                 "minimax-m2": "<minimax:tool_call>", "deepseekv3": "<｜tool▁calls▁begin｜>",
                 "deepseekv31": "<｜tool▁calls▁begin｜>", "deepseekv32": "<｜DSML｜function_calls>",
-                "kimi_k2": "<|tool_calls_section_begin|>"}
+                "kimi_k2": "<|tool_calls_section_begin|>", "gpt-oss": "<|start|>assistant<|channel|>commentary to="}
 
 
 def chunkings(text: str, seed: int, count: int = 30) -> list[list[str]]:
@@ -234,6 +242,13 @@ LITERAL = [
      "<|tool_call_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
      '{"city": "Beijing"}<|tool_call_end|>',
      "", [("get_weather", {"city": "Beijing"})]),
+    ("gpt-oss",  # OpenAI's harmony guide: a preamble, then a call without a space before <|constrain|>
+     "**Action plan**: check the weather.<|start|>assistant<|channel|>commentary to=functions.get_weather"
+     '<|constrain|>json<|message|>{"city":"San Francisco"}<|call|>',
+     "**Action plan**: check the weather.", [("get_weather", {"city": "San Francisco"})]),
+    ("gpt-oss",  # the recipient after the role
+     '<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city":"Tokyo"}'
+     "<|call|>", "", [("get_weather", {"city": "Tokyo"})]),
 ]
 
 
@@ -343,7 +358,7 @@ def run_output(plan: OutputPlan, pieces: list[str]) -> tuple[str, str, list[dict
 
 
 @pytest.mark.parametrize("tool_parser", PARSERS)
-@pytest.mark.parametrize("reasoning_parser", reasoning.PARSERS)
+@pytest.mark.parametrize("reasoning_parser", [p for p in reasoning.PARSERS if not reasoning.think_format(p).harmony])
 def test_call_inside_an_unclosed_think_block_is_a_call(reasoning_parser, tool_parser):
     """SGLang's rule (its reasoning detectors' tool_start_token): a call the model starts before closing
     its think block ends the reasoning there and goes to the tool parser, whole and streamed (markers

@@ -87,6 +87,9 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
     plan = make_plan(cfg, plan_inputs(config, cfg))  # raises PlanError before anything is allocated
     if rank == 0:
         logger.info("memory plan:\n%s", plan.format_table())
+        if cfg.vision_skipped:
+            logger.info("vision-language checkpoint: ktlite serves its language model only; the vision tower and "
+                        "projector are not loaded, and requests with images are refused")
     alloc = functools.partial(plan.alloc, rank=rank)
 
     reader = CheckpointReader(config.model_path)

@@ -52,6 +52,7 @@ from ktlite.kernels.cpu.quant import (
 from ktlite.kernels.triton.quant import QuantizedWeight as GPUQuantizedWeight
 from ktlite.runtime.convert import MANIFEST, load_converted
 from ktlite.runtime.models.config import ModelConfig
+from ktlite.runtime.models.wrapper import our_name
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +69,10 @@ _ST_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F8_E4M3"
 
 class _Safetensors:
     """The tensors of an HF folder's safetensors files as numpy views of memory maps (BF16 as its uint16
-    bits, F8_E4M3 as bytes). Maps open on first use; `release()` drops them (views taken stay valid)."""
+    bits, F8_E4M3 as bytes), by the model's names (`renames`: a wrapper checkpoint's, ModelConfig.weight_renames).
+    Maps open on first use; `release()` drops them (views taken stay valid)."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, renames: tuple[tuple[str, str], ...] = ()):
         self.folder = folder
         index = folder / "model.safetensors.index.json"
         files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
@@ -84,7 +86,7 @@ class _Safetensors:
                 header = json.loads(fh.read(size))
             for name, info in header.items():
                 if name != "__metadata__":
-                    self._entries[name] = (f, info["dtype"], tuple(info["shape"]), 8 + size + info["data_offsets"][0])
+                    self._entries[our_name(renames, name)] = (f, info["dtype"], tuple(info["shape"]), 8 + size + info["data_offsets"][0])
         self._maps: dict[str, np.memmap] = {}
 
     def __contains__(self, name: str) -> bool:
@@ -184,7 +186,7 @@ class HFSource(Source):
 
     def __init__(self, cfg: ModelConfig, folder: Path, method: str | None):
         super().__init__(cfg)
-        self.tensors = _Safetensors(folder)
+        self.tensors = _Safetensors(folder, cfg.weight_renames)
         self.method = method
         self.fp8_block = cfg.fp8_block_size or (128, 128)
         if method is None:  # the device side of converted experts: tensors are looked up when asked for
@@ -283,7 +285,7 @@ class CompressedInt4Source(Source):
 
     def __init__(self, cfg: ModelConfig, folder: Path):
         super().__init__(cfg)
-        self.tensors = _Safetensors(folder)
+        self.tensors = _Safetensors(folder, cfg.weight_renames)
         _check_pack_quantized(folder)
         first = self._base(cfg.moe_layers[0], 0, "gate") + ".weight_packed" if cfg.moe_layers else None
         if first is not None and first not in self.tensors:

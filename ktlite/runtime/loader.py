@@ -19,6 +19,7 @@ from tqdm import tqdm
 from ktlite.errors import CheckpointError
 from ktlite.kernels.triton import fp8_dequantize
 from ktlite.runtime.models.config import parse_config
+from ktlite.runtime.models.wrapper import our_name
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,14 @@ class CheckpointReader:
         self.model_dir = Path(model_dir)
         config_path = self.model_dir / "config.json"
         self.config: dict = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        self.fp8_block = parse_config(self.config).fp8_block_size if self.config else None
-        self._file_of = self._index()
+        cfg = parse_config(self.config) if self.config else None
+        self.fp8_block = cfg.fp8_block_size if cfg else None
+        # a wrapper's checkpoint (Kimi-K2.5) keeps the language model under other names: every tensor is
+        # known by the model's name, and read under its stored one
+        renames = cfg.weight_renames if cfg else ()
+        stored = self._index()
+        self._stored = {our_name(renames, name): name for name in stored}
+        self._file_of = {ours: stored[name] for ours, name in self._stored.items()}
         self._handles: dict[Path, object] = {}
 
     def _index(self) -> dict[str, Path]:
@@ -71,6 +78,10 @@ class CheckpointReader:
             self._handles[path] = safe_open(path, framework="pt")
         return self._handles[path]
 
+    def _view(self, name: str):
+        """The stored tensor's lazy slice view (safetensors' `get_slice`)."""
+        return self._handle(name).get_slice(self._stored[name])
+
     def names(self) -> list[str]:
         return [n for n in self._file_of if not n.endswith(SCALE_SUFFIX)]
 
@@ -78,14 +89,14 @@ class CheckpointReader:
         return name in self._file_of
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._view(name).get_shape())
 
     def is_fp8(self, name: str) -> bool:
         return (name + SCALE_SUFFIX) in self._file_of
 
     def get_raw(self, name: str) -> torch.Tensor:
         """The stored tensor as is (float8 stays float8)."""
-        return self._handle(name).get_tensor(name)
+        return self._handle(name).get_tensor(self._stored[name])
 
     def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor in `dtype`; FP8 block-quantized weights are dequantized first."""
@@ -96,7 +107,7 @@ class CheckpointReader:
 
     def get_raw_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) start:stop of the stored tensor; only those are read."""
-        view = self._handle(name).get_slice(name)
+        view = self._view(name)
         return view[start:stop] if dim == 0 else view[:, start:stop]
 
     def get_slice(self, name: str, dim: int, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -20,6 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ktlite.runtime.models import build
 from ktlite.runtime.models.config import parse_config
+from ktlite.runtime.models.wrapper import stored_name
 from ktlite.runtime.models.fp8 import FP8Linear
 from ktlite.runtime.models.registry import tiny_configs
 
@@ -122,6 +124,15 @@ def _fp8_quantize(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor,
     return q.to(torch.float8_e4m3fn), scale_inv.float()
 
 
+def tiny_config(arch: str, **text: Any) -> dict[str, Any]:
+    """config.json of `arch`'s tiny model, `text` adding language-model fields (vocabulary, bos/eos): a wrapper
+    family (Kimi-K2.5) nests them and the shared tiny fields in its `text_config`."""
+    fields = dict(ARCH_CONFIGS[arch])
+    nested = fields.pop("text_config", None)
+    lm = {**_COMMON, **(fields if nested is None else nested), **text}
+    return lm if nested is None else {**fields, "text_config": lm}
+
+
 def write_tiny_model(
     path: str | Path, arch: str = "deepseek_v3", fp8: bool = False, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
     overrides: dict | None = None, fp8_skip: list[str] | None = None,
@@ -135,8 +146,8 @@ def write_tiny_model(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
-    raw = {**_COMMON, **ARCH_CONFIGS[arch], "vocab_size": tokenizer.get_vocab_size(),
-           "bos_token_id": tokenizer.token_to_id(BOS), "eos_token_id": tokenizer.token_to_id(EOS), **(overrides or {})}
+    raw = {**tiny_config(arch, vocab_size=tokenizer.get_vocab_size(), bos_token_id=tokenizer.token_to_id(BOS),
+                         eos_token_id=tokenizer.token_to_id(EOS)), **(overrides or {})}
     if fp8:
         raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                       "weight_block_size": [128, 128]}
@@ -149,7 +160,7 @@ def write_tiny_model(
     fp8_names = {f"{n}.weight" for n, m in build(cfg, "meta", fp8_weights=True).named_modules() if isinstance(m, FP8Linear)}
     tensors: dict[str, torch.Tensor] = {}
     for name, value in _random_state(model, seed).items():
-        stored = model.checkpoint_name(name)
+        stored = stored_name(cfg.weight_renames, model.checkpoint_name(name))
         if fp8 and name in fp8_names:
             tensors[stored], tensors[stored + "_scale_inv"] = _fp8_quantize(value)
         elif name.endswith(("mlp.gate.weight", "e_score_correction_bias")):

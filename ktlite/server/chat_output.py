@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ktlite.server.reasoning import ReasoningStream
+from ktlite.server.reasoning import reasoning_stream
 from ktlite.server.tool_parsers import ToolCallStream, dump_arguments
 
 
@@ -91,8 +91,8 @@ class OutputStream:
         self.plan = plan
         self._tools = ToolCallStream(plan.tool_parser, plan.tools) \
             if plan.tool_parser and plan.tools and not plan.forced_call else None
-        self._reasoning = ReasoningStream(plan.reasoning_parser, plan.prompt_opens_think,
-                                          self._tools.region_starts if self._tools else ()) \
+        self._reasoning = reasoning_stream(plan.reasoning_parser, plan.prompt_opens_think,
+                                           self._tools.region_starts if self._tools else ()) \
             if plan.reasoning_parser else None
         self._forced: list[str] = []  # forced calls: the JSON text, parsed at the end
         self.calls: list[ToolCall] = []

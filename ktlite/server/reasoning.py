@@ -1,7 +1,7 @@
 """Reasoning ("thinking") split from the answer, in the tag formats real models emit.
 
     reasoning, content = split_reasoning(parser, text, prompt_opens_think=False)
-    s = ReasoningStream(parser, prompt_opens_think=False, tool_markers=())
+    s = reasoning_stream(parser, prompt_opens_think=False, tool_markers=())
     s.feed(delta) -> (reasoning_delta, content_delta); s.finish() -> (reasoning_delta, content_delta)
     prompt_opens_think(parser, rendered_prompt) -> bool
 
@@ -16,7 +16,7 @@ markers: a call started inside an unclosed block is a call, never reasoning. Whi
 start of the content after a closing tag is dropped; text with no think block is content, verbatim.
 An opening tag later in the text is content. Streamed pieces concatenate to `split_reasoning`'s
 answer (`split_reasoning` is one `feed` plus `finish`); text that may be the start of a tag is held
-back until decided.
+back until decided. `gpt-oss` is not a think block but harmony's channels: see harmony.py.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ktlite.errors import ConfigError
+from ktlite.server.harmony import HarmonyStream
+from ktlite.server.split_stream import SplitStream
 from ktlite.server.tool_parsers.markers import first_marker, partial_start
 
 
@@ -33,6 +35,13 @@ class ThinkFormat:
     close: str
     starts_inside: bool = False  # reasoning from the first token, with or without the opening tag
     interrupts: tuple[str, ...] = ()  # tool-call markers that end reasoning without the closing tag
+    harmony: bool = False  # gpt-oss's channels (harmony.py): `open` starts an analysis body, `close` ends it
+
+
+# gpt-oss: its analysis message's header opens the reasoning; closing it is ending that message and opening
+# the final answer's (what a thinking budget forces)
+_HARMONY = ThinkFormat("<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|channel|>final<|message|>",
+                       harmony=True)
 
 
 _THINK = ("<think>", "</think>")
@@ -44,6 +53,7 @@ FORMATS: dict[str, ThinkFormat] = {
     "kimi_k2": ThinkFormat(*_THINK, interrupts=("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")),
     "glm45": ThinkFormat(*_THINK, interrupts=("<tool_call>",)),
     "minimax": ThinkFormat(*_THINK),  # the template ends the prompt with "<think>\n"
+    "gpt-oss": _HARMONY,
 }
 PARSERS: tuple[str, ...] = tuple(sorted(FORMATS))
 
@@ -58,26 +68,29 @@ def think_format(parser: str) -> ThinkFormat:
 def prompt_opens_think(parser: str, prompt_text: str) -> bool:
     """True when the rendered prompt ends inside an open think block (its last think tag opens one)."""
     fmt = think_format(parser)
+    if fmt.harmony:  # earlier turns hold whole messages; only a prompt ending in an analysis header opens one
+        return prompt_text.endswith(fmt.open)
     return prompt_text.rfind(fmt.open) > prompt_text.rfind(fmt.close)
 
 
-class ReasoningStream:
+def reasoning_stream(parser: str, prompt_opens_think: bool = False,
+                     tool_markers: tuple[str, ...] = ()) -> ReasoningStream | HarmonyStream:
+    """The parser's incremental split. Harmony marks a tool call by its recipient, whatever `tool_markers` say."""
+    if think_format(parser).harmony:
+        return HarmonyStream(prompt_opens_think)
+    return ReasoningStream(parser, prompt_opens_think, tool_markers)
+
+
+class ReasoningStream(SplitStream):
     """Incremental split: `feed(delta)` and `finish()` return (reasoning_delta, content_delta)."""
 
     def __init__(self, parser: str, prompt_opens_think: bool = False, tool_markers: tuple[str, ...] = ()):
+        super().__init__()
         self._fmt = think_format(parser)
         self._ends = tuple(dict.fromkeys((self._fmt.close, *self._fmt.interrupts, *tool_markers)))
         self._inside = self._fmt.starts_inside or prompt_opens_think
         self._state = "start"  # -> "reasoning" -> "content", or "start" -> "content"
-        self._buf = ""
         self._drop_space = False  # leading whitespace of the current part is not kept
-
-    def feed(self, delta: str) -> tuple[str, str]:
-        self._buf += delta
-        return self._run(final=False)
-
-    def finish(self) -> tuple[str, str]:
-        return self._run(final=True)
 
     def _run(self, final: bool) -> tuple[str, str]:
         reasoning: list[str] = []
@@ -133,7 +146,7 @@ class ReasoningStream:
 
 def split_reasoning(parser: str, text: str, prompt_opens_think: bool = False) -> tuple[str, str]:
     """Whole model output -> (reasoning, content)."""
-    stream = ReasoningStream(parser, prompt_opens_think)
+    stream = reasoning_stream(parser, prompt_opens_think)
     r1, c1 = stream.feed(text)
     r2, c2 = stream.finish()
     return r1 + r2, c1 + c2

@@ -138,6 +138,10 @@ class ModelConfig:
     torch_dtype: str
     fp8_block_size: tuple[int, int] | None  # block-FP8 checkpoints: (128, 128) as DeepSeek-V3's
     fp8_skip: tuple[str, ...]  # quantization_config.modules_to_not_convert: what an FP8 checkpoint keeps high precision
+    # (stored prefix, our prefix) pairs: where a wrapper checkpoint keeps the language model's tensors (see
+    # wrapper.py); none: the checkpoint names them as the model does
+    weight_renames: tuple[tuple[str, str], ...] = ()
+    vision_skipped: bool = False  # a vision-language checkpoint of which ktlite loads and serves the text model only
 
     @property
     def moe_layers(self) -> list[int]:

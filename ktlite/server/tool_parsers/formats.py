@@ -159,6 +159,19 @@ def _parse_kimi_k2(body: str, schemas: Schemas) -> ParsedCall | None:
     return None if args is None else (m[1], args)
 
 
+# --- gpt-oss (harmony): [<|start|>assistant]<|channel|>commentary to=functions.NAME [<|constrain|>json]<|message|>{json}
+#     <|call|>, or with the recipient after the role: <|start|>assistant to=functions.NAME<|channel|>commentary ...
+#     One call per message; `<|call|>` is the stop token that ends it.
+_HARMONY_CALL = re.compile(r"functions\.([\w.\-]+)\s*(?:<\|channel\|>\s*commentary\s*)?(?:<\|constrain\|>\s*\w+\s*)?"
+                           r"<\|message\|>(.*)", re.DOTALL)
+
+
+def _parse_harmony(body: str, schemas: Schemas) -> ParsedCall | None:
+    m = _HARMONY_CALL.fullmatch(body)
+    args = json_object(m[2]) if m else None
+    return None if args is None else (m[1], args)
+
+
 _GLM = ToolFormat(("<tool_call>",), (), "", "</tool_call>", _parse_glm)
 
 FORMATS: dict[str, ToolFormat] = {
@@ -177,4 +190,6 @@ FORMATS: dict[str, ToolFormat] = {
     "glm47": _GLM,
     "minimax-m2": ToolFormat(("<minimax:tool_call>",), ("</minimax:tool_call>",), "<invoke", "</invoke>",
                              _parse_minimax),
+    "gpt-oss": ToolFormat(("<|start|>assistant<|channel|>commentary to=", "<|channel|>commentary to=",
+                           "<|start|>assistant to="), (), "", "<|call|>", _parse_harmony),
 }
