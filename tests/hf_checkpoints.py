@@ -52,12 +52,26 @@ FAMILIES: dict[str, tuple[type, dict[str, Any]]] = {
         full_attention_interval=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_conv_kernel_dim=4,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
+    # every layer MoE; mRoPE fields as the hub's text_config states them (for text all position axes are equal)
+    "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, dict(
+        **{**_COMMON, "num_hidden_layers": 4}, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4,
+        shared_expert_intermediate_size=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [1, 1, 0], "mrope_interleaved": True})),
     "deepseek_v3": (transformers.DeepseekV3Config, dict(**_MLA, rope_parameters=_YARN)),
     # V2's router (transformers): softmax, best groups by their top expert, always times routed_scaling_factor
     "deepseek_v2": (transformers.DeepseekV2Config, dict(
         **{**_MLA, "q_lora_rank": None, "n_shared_experts": 2, "norm_topk_prob": False, "routed_scaling_factor": 1.5},
         topk_method="group_limited_greedy", rope_parameters=_YARN)),
 }
+
+
+# families whose checkpoints store their (1 + w) norms' w: centred at 0 so every norm scales by about 1
+UNIT_OFFSET_NORMS = ("qwen3_next", "qwen3_5_moe")
+# family -> its vision-language wrapper's config class (the hub checkpoints' layout)
+VL_CONFIGS: dict[str, type] = {"qwen3_5_moe": transformers.Qwen3_5MoeConfig}
 
 
 def _spread(model: torch.nn.Module, seed: int, norm_center: float) -> None:
@@ -87,8 +101,30 @@ def write_hf_checkpoint(path: Path, family: str, seed: int = 0, **overrides: Any
     config.bos_token_id, config.eos_token_id = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Qwen3-Next stores its (1 + w) norms' w: centre those at 0 so every norm scales by about 1
-    _spread(model, seed, norm_center=0.0 if family == "qwen3_next" else 1.0)
+    _spread(model, seed, norm_center=0.0 if family in UNIT_OFFSET_NORMS else 1.0)
+    model.to(torch.bfloat16).save_pretrained(path)
+    write_tokenizer_files(path, tokenizer)
+    return path
+
+
+# a tiny vision tower: transformers builds and saves the whole vision-language model, ktlite reads its text part
+_TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, patch_size=4, temporal_patch_size=2,
+                    spatial_merge_size=2, num_position_embeddings=16)
+
+
+def write_hf_vl_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
+    """`family`'s tiny text model inside its vision-language model (the hub layout: `text_config`,
+    `model.language_model.*`, `model.visual.*`), written by transformers' ConditionalGeneration class."""
+    tokenizer = train_tokenizer()
+    config_class, kwargs = FAMILIES[family]
+    text = config_class(**copy.deepcopy(kwargs)).to_dict()
+    text.update(vocab_size=tokenizer.get_vocab_size(), bos_token_id=tokenizer.token_to_id(BOS),
+                eos_token_id=tokenizer.token_to_id(EOS))
+    config = VL_CONFIGS[family](text_config=text, vision_config={**_TINY_VISION, "out_hidden_size": text["hidden_size"]},
+                                tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    _spread(model, seed, norm_center=0.0 if family in UNIT_OFFSET_NORMS else 1.0)
     model.to(torch.bfloat16).save_pretrained(path)
     write_tokenizer_files(path, tokenizer)
     return path

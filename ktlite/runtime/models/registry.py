@@ -12,7 +12,8 @@ from typing import Any
 
 from ktlite.errors import ConfigError
 
-FAMILY_MODULES = ("deepseek", "deepseek_v32", "glm_moe_dsa", "qwen3_moe", "qwen3_next", "minimax_m2", "glm4_moe")
+FAMILY_MODULES = ("deepseek", "deepseek_v32", "glm_moe_dsa", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "minimax_m2",
+                  "glm4_moe")
 
 
 def _module(name: str) -> ModuleType:
@@ -24,10 +25,12 @@ def supported() -> list[str]:
 
 
 def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
-    """Multimodal wrappers (e.g. Kimi-K2.5) nest the language model's config in `text_config`."""
+    """Multimodal wrappers (e.g. Kimi-K2.5, Qwen3.5) nest the language model's config in `text_config`; the
+    wrapper's `architectures` come along as `wrapper_architectures` (its checkpoint names the text model its way)."""
     text = raw.get("text_config")
     if isinstance(text, dict) and "num_hidden_layers" in text and "num_hidden_layers" not in raw:
-        return {**text, "quantization_config": text.get("quantization_config") or raw.get("quantization_config")}
+        return {**text, "quantization_config": text.get("quantization_config") or raw.get("quantization_config"),
+                "wrapper_architectures": raw.get("architectures") or []}
     return raw
 
 
