@@ -28,6 +28,8 @@ def parse_config(raw: dict[str, Any]) -> Qwen3NextConfig:
     archs = raw.get("wrapper_architectures") or raw.get("architectures") or [ARCHITECTURES[1]]
     if archs[0] not in ARCHITECTURES:
         raise ConfigError(f"config.json: architectures={archs!r} is not a Qwen3.5-MoE model ({', '.join(ARCHITECTURES)})")
+    if not raw.get("num_experts"):
+        raise ConfigError("config.json: num_experts is required (every Qwen3.5-MoE layer is a MoE)")
     prefix = "model.language_model." if archs[0] == VL_ARCHITECTURE else "model."
     return parse_hybrid(raw, archs[0], split_projections=True, every_layer_moe=True, text_prefix=prefix)
 

@@ -91,7 +91,9 @@ def parse_hybrid(raw: dict[str, Any], architecture: str, split_projections: bool
     f = Fields(raw, {"max_position_embeddings": 262144, "decoder_sparse_step": 1,
                      "mlp_only_layers": [], "norm_topk_prob": True, "attention_bias": False,
                      "linear_conv_kernel_dim": 4})
-    common = f.common(architecture, n_routed_experts=int(f.get("num_experts", 0)))
+    # a MoE in every layer: no dense MLP, and Qwen3.5's files state no intermediate_size
+    dense = {"intermediate_size": int(f.get("intermediate_size", 0))} if every_layer_moe else {}
+    common = f.common(architecture, n_routed_experts=int(f.get("num_experts", 0)), **dense)
     heads, layers, hidden = common["num_attention_heads"], common["num_hidden_layers"], common["hidden_size"]
     head_dim = int(f.get("head_dim") or hidden // heads)
     experts, top_k = common["n_routed_experts"], common["num_experts_per_tok"]
