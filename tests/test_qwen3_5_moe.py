@@ -229,3 +229,46 @@ def test_tiny_model_cli_writes_what_transformers_reads(tmp_path):
     ids = ids_of(ours.config.vocab_size, 1, 12, seed=5)
     with torch.no_grad():
         assert (ours(ids) - ref.eval()(ids).logits).abs().max().item() <= TOL
+
+
+def test_next_turn_starts_from_the_last_reply_snapshot(qwen35):
+    """The prefix cache of a recurrent model (test_hybrid_prefix_cache.py) on the VL checkpoint: the second turn
+    resumes from the recurrent state where the first reply ended, and both equal transformers."""
+    from test_hybrid_prefix_cache import FLAGS, NEW, _prompts, _turns
+
+    vocab = load_config(qwen35["vl"]).vocab_size
+    first, added = _prompts(vocab, 1, 37, seed=5)[0], _prompts(vocab, 1, 9, seed=6)[0]
+    with Engine(str(qwen35["vl"]), **FLAGS) as eng:
+        (p1, r1), (p2, r2) = _turns(eng, [first], [(0, []), (0, added)])
+    assert r2.cached_tokens == len(p1) + NEW - 1
+    ref = reference(qwen35["vl"])
+    with torch.no_grad():
+        want = [ref.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in (p1, p2)]
+    assert [r1.token_ids, r2.token_ids] == want
+
+
+def test_serves_chat_with_the_qwen3_coder_tool_and_qwen3_reasoning_parsers(qwen35, tmp_path):
+    """Qwen3.5 is served as Qwen3-Next is (ktlite, like SGLang, takes the parsers from the flags, never from the
+    model): --tool-call-parser qwen3_coder --reasoning-parser qwen3 on the VL checkpoint with a template that
+    renders tools and opens a think block; the prompt is transformers' rendering, and the random reply, inside
+    the opened think block, is all reasoning."""
+    import openai
+    from chat_templates import MAPPING, with_template
+    from test_tools_api import ENGINE_FLAGS, HISTORY, PARSERS, TOOLS, reference_prompt
+
+    from ktlite.server import ServerOptions, ServerThread
+
+    model = with_template(qwen35["vl"], tmp_path / "m", MAPPING)
+    config = json.loads((model / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 2048  # rendered tools are long in the tiny vocabulary
+    (model / "config.json").write_text(json.dumps(config))
+    with Engine(str(model), **ENGINE_FLAGS) as eng, ServerThread(eng, ServerOptions(port=0, **PARSERS)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model="tiny", messages=HISTORY, tools=TOOLS, max_tokens=4,
+                                               temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+        prompt = reference_prompt(model, MAPPING, HISTORY, TOOLS, True, enable_thinking=True)
+        assert reply.usage.prompt_tokens == len(eng.tokenizer.encode(prompt, add_bos=False))
+    message = reply.choices[0].message
+    assert message.reasoning_content and not message.content and not message.tool_calls
+    assert reply.usage.completion_tokens == 4
