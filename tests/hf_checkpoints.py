@@ -135,10 +135,32 @@ def hf_model(path) -> torch.nn.Module:
 
 
 @torch.no_grad()
+def hf_generate(ref: torch.nn.Module, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """transformers' n greedy tokens after each row of ids [B, T] (no EOS stop) -> [B, n]."""
+    return ref.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[:, ids.shape[1]:]
+
+
+def hf_greedy_each(ref: torch.nn.Module, batch: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' n greedy tokens for prompts of different lengths, one at a time."""
+    return [hf_generate(ref, torch.tensor([ids]), n)[0].tolist() for ids in batch]
+
+
+@torch.no_grad()
+def hf_step_logits(ref: torch.nn.Module, ids: torch.Tensor, first: int) -> torch.Tensor:
+    """transformers' cached decode: the first `first` tokens at once, then one at a time -> logits [B, T, vocab]."""
+    out = ref(ids[:, :first], use_cache=True)
+    steps, cache = [out.logits], out.past_key_values
+    for i in range(first, ids.shape[1]):
+        out = ref(ids[:, i : i + 1], cache=cache, use_cache=True)
+        steps.append(out.logits)
+        cache = out.past_key_values
+    return torch.cat(steps, dim=1)
+
+
+@torch.no_grad()
 def hf_last_logits_and_greedy(ref: torch.nn.Module, batch: list[list[int]], n: int) -> tuple[torch.Tensor, list[list[int]]]:
     """transformers' reference for prompts one at a time: last-token logits [B, vocab] and n greedy tokens each
     (no EOS stop)."""
     logits = torch.cat([ref(torch.tensor([ids])).logits[0, -1:] for ids in batch])
-    tokens = [ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist() for ids in batch]
-    return logits, tokens
+    return logits, hf_greedy_each(ref, batch, n)

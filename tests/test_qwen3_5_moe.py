@@ -14,10 +14,10 @@ import pytest
 import torch
 import transformers
 from click.testing import CliRunner
-from hf_checkpoints import write_hf_checkpoint, write_hf_vl_checkpoint
+from hf_checkpoints import hf_generate, hf_greedy_each, hf_step_logits, write_hf_checkpoint, write_hf_vl_checkpoint
 from safetensors.torch import load_file, save_file
 from test_gqa_engine import EXACT, GREEDY
-from test_qwen3_next import CHUNKED_TOL, TOL, ids_of
+from test_qwen3_next import CHUNKED_TOL, TOL, ids_of, step_logits
 from test_tensor_parallel import logits_of
 
 from ktlite import Engine
@@ -93,26 +93,14 @@ def test_prefill_logits_match_transformers(qwen35, layout, length):
 def test_step_by_step_decode_matches_transformers_decode(qwen35, layout):
     ours, ref = models.load(qwen35[layout]), reference(qwen35[layout])
     ids = ids_of(ours.config.vocab_size, 2, 16, seed=1)
-    with torch.no_grad():
-        out = ref(ids[:, :5], use_cache=True)
-        steps, cache = [out.logits], out.past_key_values
-        for i in range(5, 16):
-            out = ref(ids[:, i : i + 1], cache=cache, use_cache=True)
-            steps.append(out.logits)
-            cache = out.past_key_values
-    ours_cache = ours.new_cache(2, 16)
-    got = torch.cat([ours(ids[:, :5], ours_cache)] + [ours(ids[:, i : i + 1], ours_cache) for i in range(5, 16)], 1)
-    assert (got - torch.cat(steps, dim=1)).abs().max().item() <= TOL
+    assert (step_logits(ours, ids, 5) - hf_step_logits(ref, ids, 5)).abs().max().item() <= TOL
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_greedy_32_tokens_equal_generate(qwen35, layout):
     ours, ref = models.load(qwen35[layout]), reference(qwen35[layout])
     ids = ids_of(ours.config.vocab_size, 2, 9, seed=3)
-    with torch.no_grad():
-        expected = ref.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)[:, ids.shape[1]:]
-    assert torch.equal(ours.generate_greedy(ids, 32), expected)
+    assert torch.equal(ours.generate_greedy(ids, 32), hf_generate(ref, ids, 32))
 
 
 @pytest.fixture(scope="module")
@@ -121,11 +109,7 @@ def eight(qwen35):
     g = torch.Generator().manual_seed(12)
     vocab = load_config(qwen35["vl"]).vocab_size
     batch = [torch.randint(4, vocab, (n,), generator=g).tolist() for n in range(3, 39, 5)]
-    ref = reference(qwen35["vl"])
-    with torch.no_grad():
-        want = [ref.generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist() for ids in batch]
-    return batch, want
+    return batch, hf_greedy_each(reference(qwen35["vl"]), batch, 6)
 
 
 def test_engine_chunk_5_mixed_preemption_half_gpu_experts_planned_as_allocated(qwen35, eight):
@@ -241,11 +225,7 @@ def test_next_turn_starts_from_the_last_reply_snapshot(qwen35):
     with Engine(str(qwen35["vl"]), **FLAGS) as eng:
         (p1, r1), (p2, r2) = _turns(eng, [first], [(0, []), (0, added)])
     assert r2.cached_tokens == len(p1) + NEW - 1
-    ref = reference(qwen35["vl"])
-    with torch.no_grad():
-        want = [ref.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in (p1, p2)]
-    assert [r1.token_ids, r2.token_ids] == want
+    assert [r1.token_ids, r2.token_ids] == hf_greedy_each(reference(qwen35["vl"]), [p1, p2], NEW)
 
 
 def test_serves_chat_with_the_qwen3_coder_tool_and_qwen3_reasoning_parsers(qwen35, tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ktlite.errors import ConfigError
+from ktlite.runtime.models import qwen3_next
 from ktlite.runtime.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM, parse_hybrid
 
 VL_ARCHITECTURE = "Qwen3_5MoeForConditionalGeneration"
@@ -31,26 +32,19 @@ def parse_config(raw: dict[str, Any]) -> Qwen3NextConfig:
     if not raw.get("num_experts"):
         raise ConfigError("config.json: num_experts is required (every Qwen3.5-MoE layer is a MoE)")
     prefix = "model.language_model." if archs[0] == VL_ARCHITECTURE else "model."
-    return parse_hybrid(raw, archs[0], split_projections=True, every_layer_moe=True, text_prefix=prefix)
+    # transformers' Qwen3.5 router renormalises the top-k weights whatever norm_topk_prob says
+    return parse_hybrid({**raw, "norm_topk_prob": True}, archs[0], split_projections=True, every_layer_moe=True,
+                        text_prefix=prefix)
 
 
-# `ktlite tiny-model --arch qwen3_5_moe`: the text model's layout, 4 layers (3 linear + 1 full attention)
+# `ktlite tiny-model --arch qwen3_5_moe`: Qwen3-Next's tiny shapes in the text model's layout and fields (a MoE in
+# every layer, the full-attention layer placed by layer_types, mRoPE rope_parameters)
+_NEXT_ONLY = ("decoder_sparse_step", "mlp_only_layers", "full_attention_interval", "partial_rotary_factor", "norm_topk_prob")
 TINY_CONFIGS = {"qwen3_5_moe": {
+    **{k: v for k, v in qwen3_next.TINY_CONFIGS["qwen3_next"].items() if k not in _NEXT_ONLY},
     "architectures": ["Qwen3_5MoeForCausalLM"],
     "model_type": "qwen3_5_moe_text",
-    "num_hidden_layers": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
     "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                         "mrope_section": [1, 1, 0], "mrope_interleaved": True},
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_conv_kernel_dim": 4,
-    "num_experts": 16,
-    "num_experts_per_tok": 4,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
 }}
