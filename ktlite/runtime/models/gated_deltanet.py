@@ -10,7 +10,7 @@ q, k, v go through a causal depthwise conv (width
 [value heads, k_dim, v_dim]; a gated RMSNorm (norm, then times silu(z)) and `out_proj` follow. Both
 states live in the state pool at the request's row and start from zeros at position 0.
 
-The three projections are linear layers like any other: a block-FP8 checkpoint's stay FP8 on the device
+The projections are linear layers like any other: a block-FP8 checkpoint's stay FP8 on the device
 unless its `modules_to_not_convert` keeps them in bf16 (e.g. the small `in_proj_ba`, `in_proj_b`, `in_proj_a`).
 
 Under tensor parallelism the layer is replicated (its weights are small next to the MoE); each rank

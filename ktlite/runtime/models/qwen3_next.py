@@ -7,6 +7,9 @@ sigmoid(shared_expert_gate(x)).
 Full-attention layers cache K and V per token in the KV pool; linear layers keep per-request conv and
 recurrent state in the state pool (`state_cache.py`). A token prefix cannot restore that state, so
 these models skip the prefix cache.
+
+Qwen3.5-MoE (`qwen3_5_moe.py`) is this model with the Gated DeltaNet projections split and a MoE in every layer
+(`parse_hybrid`), its text model named under `model.language_model.` in the hub's VL checkpoints (`text_prefix`).
 """
 
 from __future__ import annotations
