@@ -52,12 +52,26 @@ FAMILIES: dict[str, tuple[type, dict[str, Any]]] = {
         full_attention_interval=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_conv_kernel_dim=4,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
+    # every layer MoE; mRoPE fields as the hub's text_config states them (for text all position axes are equal)
+    "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, dict(
+        **{**_COMMON, "num_hidden_layers": 4}, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4,
+        shared_expert_intermediate_size=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [1, 1, 0], "mrope_interleaved": True})),
     "deepseek_v3": (transformers.DeepseekV3Config, dict(**_MLA, rope_parameters=_YARN)),
     # V2's router (transformers): softmax, best groups by their top expert, always times routed_scaling_factor
     "deepseek_v2": (transformers.DeepseekV2Config, dict(
         **{**_MLA, "q_lora_rank": None, "n_shared_experts": 2, "norm_topk_prob": False, "routed_scaling_factor": 1.5},
         topk_method="group_limited_greedy", rope_parameters=_YARN)),
 }
+
+
+# families whose checkpoints store their (1 + w) norms' w: centred at 0 so every norm scales by about 1
+UNIT_OFFSET_NORMS = ("qwen3_next", "qwen3_5_moe")
+# family -> its vision-language wrapper's config class (the hub checkpoints' layout)
+VL_CONFIGS: dict[str, type] = {"qwen3_5_moe": transformers.Qwen3_5MoeConfig}
 
 
 def _spread(model: torch.nn.Module, seed: int, norm_center: float) -> None:
@@ -93,19 +107,40 @@ def _save(model: torch.nn.Module, path: Path, tokenizer, seed: int, norm_center:
     return path
 
 
+def _norm_center(family: str) -> float:
+    return 0.0 if family in UNIT_OFFSET_NORMS else 1.0
+
+
 def write_hf_checkpoint(path: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
     """`family`'s tiny checkpoint; `overrides` replace its config's keyword arguments (e.g. rope_parameters)."""
     tokenizer = train_tokenizer()
     config = _text_config(family, tokenizer, overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Qwen3-Next stores its (1 + w) norms' w: centre those at 0 so every norm scales by about 1
-    return _save(model, path, tokenizer, seed, norm_center=0.0 if family == "qwen3_next" else 1.0)
+    return _save(model, path, tokenizer, seed, _norm_center(family))
+
+
+# a tiny vision tower: transformers builds and saves the whole vision-language model, ktlite reads its text part
+_TINY_QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, patch_size=4,
+                         temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+
+
+def write_hf_vl_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
+    """`family`'s tiny text model inside its vision-language model (the hub layout: `text_config`,
+    `model.language_model.*`, `model.visual.*`), written by transformers' ConditionalGeneration class."""
+    tokenizer = train_tokenizer()
+    text = _text_config(family, tokenizer, {}).to_dict()
+    config = VL_CONFIGS[family](text_config=text,
+                                vision_config={**_TINY_QWEN_VISION, "out_hidden_size": text["hidden_size"]},
+                                tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    return _save(model, path, tokenizer, seed, _norm_center(family))
 
 
 # the smallest MoonViT transformers' Kimi-K2.5 class builds (its vision tower is written, never served)
-_TINY_VISION = dict(patch_size=2, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
-                    num_hidden_layers=1, hidden_size=16, intermediate_size=32)
+_TINY_MOONVIT = dict(patch_size=2, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
+                     num_hidden_layers=1, hidden_size=16, intermediate_size=32)
 
 
 def write_hf_kimi_k25(path: Path, seed: int = 0, **wrapper: Any) -> Path:
@@ -113,8 +148,8 @@ def write_hf_kimi_k25(path: Path, seed: int = 0, **wrapper: Any) -> Path:
     vision tower; `wrapper` sets the wrapper config's fields (e.g. tie_word_embeddings)."""
     tokenizer = train_tokenizer()
     text = _text_config("deepseek_v3", tokenizer, {})
-    config = transformers.Kimi_K25Config(text_config=text.to_dict(), vision_config=_TINY_VISION,
-                                         projection_hidden_size=_TINY_VISION["hidden_size"], **wrapper)
+    config = transformers.Kimi_K25Config(text_config=text.to_dict(), vision_config=_TINY_MOONVIT,
+                                         projection_hidden_size=_TINY_MOONVIT["hidden_size"], **wrapper)
     torch.manual_seed(seed)
     return _save(transformers.Kimi_K25ForConditionalGeneration(config), path, tokenizer, seed)
 
@@ -124,13 +159,35 @@ def hf_model(path, auto: type = transformers.AutoModelForCausalLM) -> torch.nn.M
 
 
 @torch.no_grad()
+def hf_generate(ref: torch.nn.Module, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """transformers' n greedy tokens after each row of ids [B, T] (no EOS stop) -> [B, n]."""
+    return ref.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[:, ids.shape[1]:]
+
+
+def hf_greedy_each(ref: torch.nn.Module, batch: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' n greedy tokens for prompts of different lengths, one at a time."""
+    return [hf_generate(ref, torch.tensor([ids]), n)[0].tolist() for ids in batch]
+
+
+@torch.no_grad()
+def hf_step_logits(ref: torch.nn.Module, ids: torch.Tensor, first: int) -> torch.Tensor:
+    """transformers' cached decode: the first `first` tokens at once, then one at a time -> logits [B, T, vocab]."""
+    out = ref(ids[:, :first], use_cache=True)
+    steps, cache = [out.logits], out.past_key_values
+    for i in range(first, ids.shape[1]):
+        out = ref(ids[:, i : i + 1], cache=cache, use_cache=True)
+        steps.append(out.logits)
+        cache = out.past_key_values
+    return torch.cat(steps, dim=1)
+
+
+@torch.no_grad()
 def hf_last_logits_and_greedy(ref: torch.nn.Module, batch: list[list[int]], n: int) -> tuple[torch.Tensor, list[list[int]]]:
     """transformers' reference for prompts one at a time: last-token logits [B, vocab] and n greedy tokens each
     (no EOS stop)."""
     logits = torch.cat([ref(torch.tensor([ids])).logits[0, -1:] for ids in batch])
-    tokens = [ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist() for ids in batch]
-    return logits, tokens
+    return logits, hf_greedy_each(ref, batch, n)
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_checkpoints import hf_model
+from hf_checkpoints import hf_greedy_each, hf_model
 from test_tensor_parallel import logits_of
 
 from ktlite import Engine
@@ -23,14 +23,7 @@ def prompts(vocab: int, lengths=(5, 17, 9, 30)) -> list[list[int]]:
 
 
 def hf_greedy(path, batch: list[list[int]], n: int) -> list[list[int]]:
-    ref = hf_model(path)
-    out = []
-    with torch.no_grad():
-        for ids in batch:
-            gen = ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)
-            out.append(gen[0, len(ids):].tolist())
-    return out
+    return hf_greedy_each(hf_model(path), batch, n)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_checkpoints import hf_model
+from hf_checkpoints import hf_generate, hf_model, hf_step_logits
 from test_gqa_engine import EXACT, GREEDY, hf_greedy
 from test_tensor_parallel import logits_of
 
@@ -48,26 +48,21 @@ def test_step_by_step_decode_matches_transformers_decode(tiny_qwen3_next):
     ids = ids_of(ours.config.vocab_size, 2, 24, seed=1)
     with torch.no_grad():
         prefill = ref(ids).logits
-        out = ref(ids[:, :5], use_cache=True)
-        steps, cache = [out.logits], out.past_key_values
-        for i in range(5, 24):
-            out = ref(ids[:, i : i + 1], cache=cache, use_cache=True)
-            steps.append(out.logits)
-            cache = out.past_key_values
-    ref_steps = torch.cat(steps, dim=1)
-    ours_cache = ours.new_cache(2, 24)
-    got = torch.cat([ours(ids[:, :5], ours_cache)] + [ours(ids[:, i : i + 1], ours_cache) for i in range(5, 24)], 1)
-    assert (got - ref_steps).abs().max().item() <= TOL
+    got = step_logits(ours, ids, 5)
+    assert (got - hf_step_logits(ref, ids, 5)).abs().max().item() <= TOL
     assert (got - prefill).abs().max().item() <= 5e-4
+
+
+def step_logits(ours, ids: torch.Tensor, first: int) -> torch.Tensor:
+    """Our cached decode: the first `first` tokens at once, then one at a time -> logits [B, T, vocab]."""
+    cache = ours.new_cache(ids.shape[0], ids.shape[1])
+    return torch.cat([ours(ids[:, :first], cache)] + [ours(ids[:, i : i + 1], cache) for i in range(first, ids.shape[1])], 1)
 
 
 def test_greedy_tokens_equal_generate(tiny_qwen3_next):
     ours, ref = models.load(tiny_qwen3_next), hf_model(tiny_qwen3_next)
     ids = ids_of(ours.config.vocab_size, 2, 9, seed=3)
-    with torch.no_grad():
-        expected = ref.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)[:, ids.shape[1]:]
-    assert torch.equal(ours.generate_greedy(ids, 32), expected)
+    assert torch.equal(ours.generate_greedy(ids, 32), hf_generate(ref, ids, 32))
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import pytest
 import torch
 from hf_checkpoints import FAMILIES, hf_model, write_hf_checkpoint
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ktlite.runtime import models
 from ktlite.runtime.models.config import parse_config
@@ -29,8 +30,9 @@ TOL = 1e-4
 # no family's default theta, and a yarn whose every field differs from its default
 ROPE = {"rope_type": "yarn", "rope_theta": 30000.0, "factor": 3.0, "original_max_position_embeddings": 16,
         "beta_fast": 8.0, "beta_slow": 2.0, "mscale": 0.8, "mscale_all_dim": 0.9}
-# the families with partial rotary, each off its default (Qwen3-Next 0.25, GLM-4.5 0.5, MiniMax-M2 its rotary_dim)
-PARTIAL = {"qwen3_next": 0.5, "glm4_moe": 0.25, "minimax_m2": 0.75}
+# the families with partial rotary, each off its default (Qwen3-Next and Qwen3.5 0.25, GLM-4.5 0.5, MiniMax-M2 its
+# rotary_dim)
+PARTIAL = {"qwen3_next": 0.5, "qwen3_5_moe": 0.5, "glm4_moe": 0.25, "minimax_m2": 0.75}
 HEAD_DIM = 16  # the GQA families' tiny head
 MLA = ("deepseek_v32", "glm_moe_dsa", "deepseek_v3", "deepseek_v2")  # hub rope_scaling spells `type`
 
@@ -95,7 +97,7 @@ def test_non_default_rope_matches_transformers(dialects, dialect):
 def _resaved_dict(family: str, rope: dict[str, Any]) -> dict[str, Any]:
     config_class, kwargs = FAMILIES[family]
     config = config_class(**copy.deepcopy({**kwargs, "rope_parameters": rope, **_rotary_dim(family)})).to_dict()
-    config["architectures"] = [config_class.__name__.replace("Config", "ForCausalLM")]
+    config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]]  # transformers' class name
     return json.loads(json.dumps(config))
 
 

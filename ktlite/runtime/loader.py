@@ -167,7 +167,7 @@ the checkpoint's through `model.checkpoint_name` (families whose hub names diffe
     for name, target in tqdm(targets.items(), desc="loading weights", unit="tensor", disable=not progress):
         source = checkpoint_name(name)
         if name == "lm_head.weight" and tied and source not in reader:
-            source = "model.embed_tokens.weight"
+            source = checkpoint_name("model.embed_tokens.weight")
         weight_of = name.removesuffix(SCALE_SUFFIX) if name.endswith(SCALE_SUFFIX) else None
         shard = shards.get(weight_of if weight_of is not None else name)
         if shard is not None:  # a tensor-parallel rank reads only its part

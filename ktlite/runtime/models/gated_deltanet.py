@@ -1,14 +1,17 @@
-"""Gated DeltaNet: the linear-attention layer of Qwen3-Next (transformers' `Qwen3NextGatedDeltaNet`).
+"""Gated DeltaNet: the linear-attention layer of Qwen3-Next and Qwen3.5 (transformers' `Qwen3NextGatedDeltaNet`,
+`Qwen3_5MoeGatedDeltaNet`).
 
-Per token: one projection gives q, k (per key head), v and the output gate z (per value head), another
-beta and the decay input a; q, k, v go through a causal depthwise conv (width
+Per token: projections give q, k (per key head), v and the output gate z (per value head), beta and the decay
+input a. Qwen3-Next fuses them in two, grouped per key head (`in_proj_qkvz`, `in_proj_ba`); Qwen3.5 keeps four
+(`in_proj_qkv` as [q | k | v], `in_proj_z`, `in_proj_b`, `in_proj_a`): `LinearAttentionSpec.split_projections`.
+q, k, v go through a causal depthwise conv (width
 `linear_conv_kernel_dim`, SiLU) that continues the request's rolling conv state; the gated delta rule
 (`kernels.attention.gated_delta_rule`) reads and updates the request's recurrent state
 [value heads, k_dim, v_dim]; a gated RMSNorm (norm, then times silu(z)) and `out_proj` follow. Both
 states live in the state pool at the request's row and start from zeros at position 0.
 
-The three projections are linear layers like any other: a block-FP8 checkpoint's stay FP8 on the device
-unless its `modules_to_not_convert` keeps them in bf16 (e.g. the small `in_proj_ba`).
+The projections are linear layers like any other: a block-FP8 checkpoint's stay FP8 on the device
+unless its `modules_to_not_convert` keeps them in bf16 (e.g. the small `in_proj_ba`, `in_proj_b`, `in_proj_a`).
 
 Under tensor parallelism the layer is replicated (its weights are small next to the MoE); each rank
 returns its output divided by the rank count, so the runner's all-reduce of partial sums restores it.
@@ -36,6 +39,7 @@ class LinearAttentionSpec:
     value_dim: int
     conv_width: int
     eps: float
+    split_projections: bool = False  # Qwen3.5's four projections instead of Qwen3-Next's two fused ones
 
     @property
     def conv_channels(self) -> int:  # q, k and v go through the conv together
@@ -76,8 +80,14 @@ class GatedDeltaNet(nn.Module):
         s = self.spec = spec
         self.ranks = 1  # tensor-parallel ranks that compute this replicated layer
         kv, vv = s.key_heads * s.key_dim, s.value_heads * s.value_dim
-        self.in_proj_qkvz = nn.Linear(s.hidden, 2 * kv + 2 * vv, bias=False)
-        self.in_proj_ba = nn.Linear(s.hidden, 2 * s.value_heads, bias=False)
+        if s.split_projections:
+            self.in_proj_qkv = nn.Linear(s.hidden, s.conv_channels, bias=False)
+            self.in_proj_z = nn.Linear(s.hidden, vv, bias=False)
+            self.in_proj_b = nn.Linear(s.hidden, s.value_heads, bias=False)
+            self.in_proj_a = nn.Linear(s.hidden, s.value_heads, bias=False)
+        else:
+            self.in_proj_qkvz = nn.Linear(s.hidden, 2 * kv + 2 * vv, bias=False)
+            self.in_proj_ba = nn.Linear(s.hidden, 2 * s.value_heads, bias=False)
         self.conv1d = nn.Conv1d(s.conv_channels, s.conv_channels, s.conv_width, groups=s.conv_channels, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(s.value_heads))
         self.A_log = nn.Parameter(torch.zeros(s.value_heads))
@@ -88,9 +98,13 @@ class GatedDeltaNet(nn.Module):
         self.ranks = tp.size
 
     def _split(self, h: torch.Tensor):
-        """h [N, hidden] -> the conv input [N, channels], z [N, Hv, dv], b, a [N, Hv]. The projections are
-        grouped per key head: [q, k, v of its value heads, z of its value heads] and [b..., a...]."""
+        """h [N, hidden] -> the conv input [N, channels], z [N, Hv, dv], b, a [N, Hv]. Split projections give
+        them as they are; fused ones are grouped per key head: [q, k, v of its value heads, z of its value heads]
+        and [b..., a...]."""
         s, n = self.spec, h.shape[0]
+        if s.split_projections:
+            z = self.in_proj_z(h).view(n, s.value_heads, s.value_dim)
+            return self.in_proj_qkv(h), z, self.in_proj_b(h), self.in_proj_a(h)
         per_key = s.value_heads // s.key_heads
         qkvz = self.in_proj_qkvz(h).view(n, s.key_heads, -1)
         q, k, v, z = qkvz.split([s.key_dim, s.key_dim, per_key * s.value_dim, per_key * s.value_dim], dim=-1)

@@ -7,6 +7,9 @@ sigmoid(shared_expert_gate(x)).
 Full-attention layers cache K and V per token in the KV pool; linear layers keep per-request conv and
 recurrent state in the state pool (`state_cache.py`). A token prefix cannot restore that state, so
 these models skip the prefix cache.
+
+Qwen3.5-MoE (`qwen3_5_moe.py`) is this model with the Gated DeltaNet projections split and a MoE in every layer
+(`parse_hybrid`), its text model named under `model.language_model.` in the hub's VL checkpoints (`text_prefix`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Qwen3NextConfig(ModelConfig):
     shared_intermediate_size: int
     moe_layer_ids: tuple[int, ...]
     router: RouterSpec
+    text_prefix: str = "model."  # the decoder's checkpoint names ("model.language_model." in a VL checkpoint)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx in self.moe_layer_ids
@@ -65,7 +69,7 @@ class Qwen3NextConfig(ModelConfig):
         self.attention.check_tensor_parallel(tp_size)
 
     def expert_weight_name(self, layer: int, expert: int, proj: str) -> str:
-        return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
+        return f"{self.text_prefix}layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
 
 
 def _full_attention_layers(f: Fields, layers: int) -> tuple[int, ...]:
@@ -80,17 +84,26 @@ def _full_attention_layers(f: Fields, layers: int) -> tuple[int, ...]:
 
 
 def parse_config(raw: dict[str, Any]) -> Qwen3NextConfig:
+    return parse_hybrid(raw, ARCHITECTURES[0])
+
+
+def parse_hybrid(raw: dict[str, Any], architecture: str, split_projections: bool = False, every_layer_moe: bool = False,
+                 text_prefix: str = "model.") -> Qwen3NextConfig:
+    """The config of this hybrid in its variants: Qwen3.5 splits the Gated DeltaNet projections
+    (`split_projections`) and has a MoE in every layer (no `decoder_sparse_step` / `mlp_only_layers`)."""
     f = Fields(raw, {"max_position_embeddings": 262144, "decoder_sparse_step": 1,
                      "mlp_only_layers": [], "norm_topk_prob": True, "attention_bias": False,
                      "linear_conv_kernel_dim": 4})
-    common = f.common(ARCHITECTURES[0], n_routed_experts=int(f.get("num_experts", 0)))
+    # a MoE in every layer: no dense MLP, and Qwen3.5's files state no intermediate_size
+    dense = {"intermediate_size": int(f.get("intermediate_size", 0))} if every_layer_moe else {}
+    common = f.common(architecture, n_routed_experts=int(f.get("num_experts", 0)), **dense)
     heads, layers, hidden = common["num_attention_heads"], common["num_hidden_layers"], common["hidden_size"]
     head_dim = int(f.get("head_dim") or hidden // heads)
     experts, top_k = common["n_routed_experts"], common["num_experts_per_tok"]
     step, dense_only = int(f.values["decoder_sparse_step"]), set(f.values["mlp_only_layers"])
     linear = LinearAttentionSpec(hidden, int(f.need("linear_num_key_heads")), int(f.need("linear_num_value_heads")),
                                  int(f.need("linear_key_head_dim")), int(f.need("linear_value_head_dim")),
-                                 int(f.values["linear_conv_kernel_dim"]), common["rms_norm_eps"])
+                                 int(f.values["linear_conv_kernel_dim"]), common["rms_norm_eps"], split_projections)
     if linear.value_heads % linear.key_heads:
         raise ConfigError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
     return Qwen3NextConfig(
@@ -101,9 +114,11 @@ def parse_config(raw: dict[str, Any]) -> Qwen3NextConfig:
         linear=linear,
         full_attention_layers=_full_attention_layers(f, layers),
         shared_intermediate_size=int(f.get("shared_expert_intermediate_size", 0)),
-        moe_layer_ids=tuple(i for i in range(layers) if experts and i not in dense_only and (i + 1) % step == 0),
+        moe_layer_ids=tuple(i for i in range(layers) if experts and (every_layer_moe or (
+            i not in dense_only and (i + 1) % step == 0))),
         router=RouterSpec(experts, top_k, "softmax", normalize=bool(f.values["norm_topk_prob"])),
         rope=f.rope(head_dim, theta=10000000.0, interleave=False, partial_rotary_factor=0.25),
+        text_prefix=text_prefix,
     )
 
 
@@ -145,8 +160,9 @@ class Qwen3NextForCausalLM(CausalLM):
         m = re.match(r"model\.layers\.(\d+)\.self_attn\.", name)
         if m and int(m.group(1)) not in self.config.full_attention_layers:
             name = name.replace(".self_attn.", ".linear_attn.", 1)
-        return name.replace(".mlp.shared_experts.expert.", ".mlp.shared_expert.").replace(
+        name = name.replace(".mlp.shared_experts.expert.", ".mlp.shared_expert.").replace(
             ".mlp.shared_experts.gate.", ".mlp.shared_expert_gate.")
+        return self.config.text_prefix + name.removeprefix("model.") if name.startswith("model.") else name
 
 
 Model = Qwen3NextForCausalLM
