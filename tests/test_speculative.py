@@ -1,0 +1,249 @@
+"""Speculative decoding (NGRAM drafts, verified in one forward): lossless greedy output, the target distribution kept
+under sampling, acceptance counted, every batch shape the scheduler builds.
+
+Random tiny checkpoints rarely repeat themselves, so NGRAM drafts on them are mostly rejected (which exercises the
+rollback); a "copying" checkpoint (its next token is a fixed function of the current one, cycling through blocks of
+PERIOD ids) makes a prompt's continuation repeat it, and an oracle drafter (the known greedy continuation with every
+third draft corrupted) gives partial acceptance, with runs ending inside the accepted tokens.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ktlite import Engine
+from ktlite.config import EngineConfig
+from ktlite.errors import ConfigError
+from ktlite.runtime.sampling import SamplerState, SamplingParams, target_probs
+from ktlite.runtime.speculative import Speculation, accept_drafts
+from ktlite.runtime.speculative.ngram import NgramDrafter
+from ktlite.server.metrics import Metrics
+
+EXACT = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 4096, "chunked_prefill_size": 512,
+         "gpu_memory": "1GiB"}
+GREEDY = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
+PERIOD = 8  # the copying checkpoint's cycle length
+BLOCK = 40  # its first cycle starts at this id (clear of the special tokens)
+
+
+def prompts(vocab: int, lengths: Sequence[int] = (5, 17, 9, 30, 1)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def cycle(block: int, n: int) -> list[int]:
+    """n tokens of the copying checkpoint's cycle of ids BLOCK + PERIOD * block .. + PERIOD - 1."""
+    start = BLOCK + PERIOD * block
+    return [start + i % PERIOD for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def copying(tiny_v3, tmp_path_factory) -> Path:
+    """tiny_v3 with its layers' outputs scaled down and lm_head rows set to the (permuted) embeddings: the argmax
+    after token t is its successor in t's cycle, while attention and experts still run (and add a little)."""
+    path = tmp_path_factory.mktemp("spec") / "copying"
+    shutil.copytree(tiny_v3, path)
+    tensors = load_file(path / "model.safetensors")
+    for name, t in tensors.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = t * 0.02
+    embed = tensors["model.embed_tokens.weight"]
+    ids = torch.arange(embed.shape[0])
+    successor = ids.clone()
+    cyclic = ids[BLOCK:BLOCK + PERIOD * ((embed.shape[0] - BLOCK) // PERIOD)]
+    successor[cyclic] = BLOCK + (cyclic - BLOCK) // PERIOD * PERIOD + (cyclic - BLOCK + 1) % PERIOD
+    head = torch.zeros_like(embed)
+    head[successor] = embed / embed.norm(dim=1, keepdim=True)  # row successor(t) points along t's embedding
+    tensors["lm_head.weight"] = head.contiguous()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+class OracleDrafter:
+    """Proposes the known continuation of whichever expected sequence its tokens begin, every third draft corrupted."""
+
+    def __init__(self, sequences: list[list[int]], vocab: int):
+        self.sequences, self.vocab, self.tokens = sequences, vocab, []
+
+    @property
+    def seen(self) -> int:
+        return len(self.tokens)
+
+    def propose(self, new_tokens: Sequence[int], k: int) -> list[int]:
+        self.tokens += new_tokens
+        n = len(self.tokens)
+        seq = next(s for s in self.sequences if s[:n] == self.tokens)
+        drafts = seq[n:n + k]
+        return [(t + 1) % self.vocab if (n + i) % 3 == 2 else t for i, t in enumerate(drafts)]
+
+
+def run(path: Path, batch: list[list[int]], params: dict, oracle: bool = False, **flags):
+    """-> (results, scheduler, its /metrics page) of one engine; with `oracle`, drafts come from plain decoding's
+    output."""
+    expected = None
+    if oracle:
+        with Engine(str(path), **EXACT) as eng:
+            expected = [p + r.token_ids for p, r in zip(batch, eng.generate(input_ids=batch, sampling_params=params))]
+    with Engine(str(path), **{**EXACT, "speculative_algorithm": "NGRAM", **flags}) as eng:
+        if oracle:
+            vocab = eng.runtime.vocab_size
+            eng.scheduler.speculation = Speculation(eng.scheduler.speculation.num_drafts,
+                                                    lambda: OracleDrafter(expected, vocab))
+        results = eng.generate(input_ids=batch, sampling_params=params)
+        pool = eng.runtime.runner.kv_pool
+        assert pool.free_tokens == pool.num_slots and pool.free_rows == pool.max_requests  # rejected slots freed
+        return results, eng.scheduler, Metrics("tiny").render(eng)
+
+
+def plain(path: Path, batch: list[list[int]], params: dict):
+    with Engine(str(path), **EXACT) as eng:
+        return eng.generate(input_ids=batch, sampling_params=params)
+
+
+def same(a, b) -> None:
+    assert [(r.token_ids, r.text, r.finish_reason) for r in a] == [(r.token_ids, r.text, r.finish_reason) for r in b]
+
+
+# ---- drafter and verifier units ---------------------------------------------------------------------------------
+def test_ngram_drafts_follow_the_latest_longest_match():
+    d = NgramDrafter(max_match=3, min_match=1)
+    assert d.propose([5, 6, 7, 8, 1, 2, 5, 6, 7, 9, 5, 6], 2) == [7, 9]  # "5 6" last followed by 7 9
+    assert d.seen == 12
+    assert d.propose([7], 3) == [9, 5, 6]  # "5 6 7" matches: its latest occurrence wins over the first
+    assert d.propose([1, 2, 3], 2) == []  # "3" occurred nowhere before
+    assert d.propose([], 0) == []
+
+
+def test_ngram_drafts_run_past_the_end_of_a_periodic_sequence():
+    d = NgramDrafter()
+    assert d.propose([1, 2, 3, 1, 2, 3, 1], 5) == [2, 3, 1, 2, 3]
+
+
+def test_greedy_verification_keeps_drafts_while_they_are_the_argmax():
+    logits = torch.full((4, 6), -1.0)
+    logits[0, 2] = logits[1, 4] = logits[2, 1] = logits[3, 5] = 1.0
+    params, state = SamplingParams(temperature=0.0), SamplerState([0])
+    assert accept_drafts(logits, [2, 4, 1], params, state) == [2, 4, 1, 5]
+    assert accept_drafts(logits, [2, 3, 1], params, state) == [2, 4]
+    assert accept_drafts(logits, [0, 4, 1], params, state) == [2]
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Chi-square over the first two output tokens of 20k verifies on a 4-token vocabulary: each drawn as the target
+    distribution says (the second conditioned on the first being the accepted draft)."""
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.6], [0.1, 0.9, 0.3, -1.0], [0.0, 0.0, 0.4, 1.2]])
+    params = SamplingParams(temperature=0.8, top_k=3, seed=5)
+    state = SamplerState([0], params.seed)
+    p = target_probs(logits, [params] * 3)
+    assert p[0, 2] == 0 and torch.allclose(p.sum(dim=1), torch.ones(3))  # top_k dropped token 2 of row 0
+    drafts, n = [3, 1], 20000
+    first, second = torch.zeros(4), torch.zeros(4)
+    for _ in range(n):
+        out = accept_drafts(logits, drafts, params, state)
+        first[out[0]] += 1
+        if out[0] == drafts[0]:
+            second[out[1]] += 1
+
+    def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+        keep = probs > 0
+        assert counts[~keep].sum() == 0  # nothing outside the target's support
+        expected = probs[keep] * counts.sum()
+        return float(((counts[keep] - expected) ** 2 / expected).sum())
+
+    # 99.9th percentiles of chi-square with 2 and 3 degrees of freedom: 13.8 and 16.3
+    assert chi2(first, p[0]) < 13.8
+    assert chi2(second, p[1]) < 16.3
+    assert 0.2 < second.sum() / n < 0.5  # the first draft was accepted with p[0, 3] (~0.3)
+
+
+# ---- flags ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flags, match", [
+    ({"speculative_algorithm": "NEXTN"}, "MTP layers are not built yet"),
+    ({"speculative_algorithm": "eagle"}, "MTP layers are not built yet"),
+    ({"speculative_algorithm": "MEDUSA"}, "must be one of"),
+    ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4}, "only 1"),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 2, "speculative_num_draft_tokens": 5}, r"\+ 1 \(3\)"),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, ">= 2"),
+    ({"speculative_num_steps": 3}, "give --speculative-algorithm NGRAM"),
+])
+def test_speculative_flags_are_checked(tmp_path, flags, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig.from_kwargs(str(tmp_path), **flags)
+
+
+@pytest.mark.parametrize("flags, drafts", [
+    ({}, 0),
+    ({"speculative_algorithm": "ngram"}, 3),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 5, "speculative_eagle_topk": 1}, 5),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 2}, 1),
+])
+def test_drafts_per_step_follow_the_flags(tmp_path, flags, drafts):
+    assert EngineConfig.from_kwargs(str(tmp_path), **flags).speculative_drafts == drafts
+
+
+def test_recurrent_models_refuse_speculation(tiny_qwen3_next):
+    with pytest.raises(ConfigError, match="recurrent"):
+        Engine(str(tiny_qwen3_next), **EXACT, speculative_algorithm="NGRAM")
+
+
+# ---- engine: greedy output unchanged ----------------------------------------------------------------------------
+def test_random_checkpoints_mla_and_gqa_give_the_same_greedy_output(tiny_v2, hf_gqa_checkpoints):
+    for path in (tiny_v2, hf_gqa_checkpoints["qwen3_moe"], hf_gqa_checkpoints["deepseek_v32"]):
+        batch = prompts(1000)
+        got, sched, _ = run(path, batch, GREEDY)
+        same(got, plain(path, batch, GREEDY))
+        assert sched.drafted_tokens > 0  # drafts were verified (and mostly rejected)
+
+
+@pytest.mark.parametrize("flags", [
+    {},
+    {"chunked_prefill_size": 7, "enable_mixed_chunk": True},
+    {"max_total_tokens": 60, "chunked_prefill_size": 16},
+])
+def test_oracle_drafts_in_batches_chunks_and_preemption_give_the_same_greedy_output(tiny_v3, flags):
+    batch = prompts(1000)
+    got, sched, _ = run(tiny_v3, batch, GREEDY, oracle=True, **flags)
+    same(got, plain(tiny_v3, batch, GREEDY))
+    assert 0.4 < sched.accepted_tokens / sched.drafted_tokens < 0.9  # partial acceptance
+    if "max_total_tokens" in flags:
+        assert sched.preemptions > 0
+
+
+def test_a_continuation_that_repeats_the_prompt_is_accepted(copying):
+    batch = [cycle(0, 2 * PERIOD), cycle(1, 2 * PERIOD + 3), prompts(1000, [11])[0]]
+    got, sched, page = run(copying, batch, {**GREEDY, "max_tokens": 40})
+    assert got[0].token_ids == cycle(0, 2 * PERIOD + 40)[2 * PERIOD:]  # the checkpoint copies as built
+    same(got, plain(copying, batch, {**GREEDY, "max_tokens": 40}))
+    assert sched.accepted_tokens / sched.drafted_tokens > 0.8
+    assert f"ktlite_spec_draft_tokens_total {sched.drafted_tokens}" in page
+    assert f"ktlite_spec_accepted_tokens_total {sched.accepted_tokens}" in page
+
+
+def test_endings_inside_an_accepted_run_are_honoured(copying):
+    """max_tokens, stop_token_ids, EOS-like ids and stop strings landing inside a run of accepted drafts end the
+    output exactly where plain decoding ends it."""
+    batch = [cycle(2, 2 * PERIOD)]
+    text = plain(copying, batch, GREEDY)[0].text
+    stop_text = text[len(text) // 2:len(text) // 2 + 2]
+    variants = [{"max_tokens": 13}, {"stop_token_ids": [cycle(2, PERIOD)[5]]}, {"stop": [stop_text]}]
+    for v in variants:
+        params = {**GREEDY, **v}
+        got, sched, _ = run(copying, batch, params)
+        same(got, plain(copying, batch, params))
+        assert sched.accepted_tokens > 0
+        assert got[0].finish_reason == ("length" if "max_tokens" in v else "stop")
+
+
+def test_sampling_with_drafts_finishes_and_frees_the_pool(copying):
+    params = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 30, "ignore_eos": True, "seed": 3}
+    batch = [cycle(3, 2 * PERIOD), cycle(4, 2 * PERIOD)]
+    got, sched, _ = run(copying, batch, params)
+    again, _, _ = run(copying, batch, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in again]  # seeded: reproducible
+    assert all(r.completion_tokens == 30 for r in got) and sched.accepted_tokens > 0
