@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from ktlite import Engine
+from ktlite.cli import main
 from ktlite.config import EngineConfig
 from ktlite.errors import ConfigError
 from ktlite.runtime.sampling import SamplerState, SamplingParams, target_probs
@@ -190,6 +192,12 @@ def test_speculative_flags_are_checked(tmp_path, flags, match):
 ])
 def test_drafts_per_step_follow_the_flags(tmp_path, flags, drafts):
     assert EngineConfig.from_kwargs(str(tmp_path), **flags).speculative_drafts == drafts
+
+
+def test_cli_flags_reach_the_engine(tiny_v3):
+    result = CliRunner().invoke(main, ["generate", "Hello", "--model-path", str(tiny_v3), "--max-tokens", "2",
+                                       "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2"])
+    assert result.exit_code == 1 and "MTP layers are not built yet" in result.output
 
 
 def test_recurrent_models_refuse_speculation(tiny_qwen3_next):
