@@ -262,3 +262,16 @@ def test_sampling_with_drafts_finishes_and_frees_the_pool(copying):
     again, _, _ = run(copying, batch, params)
     assert [r.token_ids for r in got] == [r.token_ids for r in again]  # seeded: reproducible
     assert all(r.completion_tokens == 30 for r in got) and sched.accepted_tokens > 0
+
+
+def test_verifying_drafts_compiles_nothing_after_start_up(copying):
+    """The verify forwards (an extend of 1 + k tokens after the computed ones) are among those warmed at start-up."""
+    from test_warm_start import FLAGS, specialisations
+
+    with Engine(str(copying), **FLAGS, speculative_algorithm="NGRAM") as eng:
+        before = specialisations()
+        eng.generate(input_ids=[cycle(0, 12), cycle(1, 20), [9]], sampling_params={**GREEDY, "max_tokens": 8})
+        after = specialisations()
+        assert eng.scheduler.drafted_tokens > 0
+    grown = {name: (before.get(name, 0), n) for name, n in after.items() if n != before.get(name, 0)}
+    assert grown == {}, f"compiled or loaded during the requests: {grown}"
