@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from ktlite.cli import main
 from ktlite.config import EngineConfig
 from ktlite.errors import ConfigError
 from ktlite.runtime.sampling import SamplerState, SamplingParams, target_probs
+from ktlite.runtime.scheduler import Scheduler
 from ktlite.runtime.speculative import Speculation, accept_drafts
 from ktlite.runtime.speculative.ngram import NgramDrafter
 from ktlite.server.metrics import Metrics
@@ -85,9 +87,16 @@ class OracleDrafter:
         return [(t + 1) % self.vocab if (n + i) % 3 == 2 else t for i, t in enumerate(drafts)]
 
 
-def run(path: Path, batch: list[list[int]], params: dict, oracle: bool = False, **flags):
-    """-> (results, scheduler, its /metrics page) of one engine; with `oracle`, drafts come from plain decoding's
-    output."""
+@dataclass
+class Run:
+    results: list
+    scheduler: Scheduler
+    metrics: str  # its /metrics page
+    mixed_drafts: int  # steps that verified drafts beside a prefill chunk
+
+
+def run(path: Path, batch: list[list[int]], params: dict, oracle: bool = False, **flags) -> Run:
+    """One engine with NGRAM drafts (with `oracle`, drafts from plain decoding's output) on the batch."""
     expected = None
     if oracle:
         with Engine(str(path), **EXACT) as eng:
@@ -97,10 +106,17 @@ def run(path: Path, batch: list[list[int]], params: dict, oracle: bool = False, 
             vocab = eng.runtime.vocab_size
             eng.scheduler.speculation = Speculation(eng.scheduler.speculation.num_drafts,
                                                     lambda: OracleDrafter(expected, vocab))
+        mixed, build = [0], eng.scheduler._build_batch
+
+        def spy(plan):
+            mixed[0] += any(r.drafts for r, _ in plan) and any(r.remaining > 1 for r, _ in plan)
+            return build(plan)
+
+        eng.scheduler._build_batch = spy
         results = eng.generate(input_ids=batch, sampling_params=params)
         pool = eng.runtime.runner.kv_pool
         assert pool.free_tokens == pool.num_slots and pool.free_rows == pool.max_requests  # rejected slots freed
-        return results, eng.scheduler, Metrics("tiny").render(eng)
+        return Run(results, eng.scheduler, Metrics("tiny").render(eng), mixed[0])
 
 
 def plain(path: Path, batch: list[list[int]], params: dict):
@@ -209,9 +225,9 @@ def test_recurrent_models_refuse_speculation(tiny_qwen3_next):
 def test_random_checkpoints_mla_and_gqa_give_the_same_greedy_output(tiny_v2, hf_gqa_checkpoints):
     for path in (tiny_v2, hf_gqa_checkpoints["qwen3_moe"], hf_gqa_checkpoints["deepseek_v32"]):
         batch = prompts(1000)
-        got, sched, _ = run(path, batch, GREEDY)
-        same(got, plain(path, batch, GREEDY))
-        assert sched.drafted_tokens > 0  # drafts were verified (and mostly rejected)
+        got = run(path, batch, GREEDY)
+        same(got.results, plain(path, batch, GREEDY))
+        assert got.scheduler.drafted_tokens > 0  # drafts were verified (and mostly rejected)
 
 
 @pytest.mark.parametrize("flags", [
@@ -221,21 +237,24 @@ def test_random_checkpoints_mla_and_gqa_give_the_same_greedy_output(tiny_v2, hf_
 ])
 def test_oracle_drafts_in_batches_chunks_and_preemption_give_the_same_greedy_output(tiny_v3, flags):
     batch = prompts(1000)
-    got, sched, _ = run(tiny_v3, batch, GREEDY, oracle=True, **flags)
-    same(got, plain(tiny_v3, batch, GREEDY))
-    assert 0.4 < sched.accepted_tokens / sched.drafted_tokens < 0.9  # partial acceptance
+    got = run(tiny_v3, batch, GREEDY, oracle=True, **flags)
+    same(got.results, plain(tiny_v3, batch, GREEDY))
+    assert 0.4 < got.scheduler.accepted_tokens / got.scheduler.drafted_tokens < 0.9  # partial acceptance
     if "max_total_tokens" in flags:
-        assert sched.preemptions > 0
+        assert got.scheduler.preemptions > 0
+    if flags.get("enable_mixed_chunk"):
+        assert got.mixed_drafts > 0
 
 
 def test_a_continuation_that_repeats_the_prompt_is_accepted(copying):
     batch = [cycle(0, 2 * PERIOD), cycle(1, 2 * PERIOD + 3), prompts(1000, [11])[0]]
-    got, sched, page = run(copying, batch, {**GREEDY, "max_tokens": 40})
-    assert got[0].token_ids == cycle(0, 2 * PERIOD + 40)[2 * PERIOD:]  # the checkpoint copies as built
-    same(got, plain(copying, batch, {**GREEDY, "max_tokens": 40}))
+    got = run(copying, batch, {**GREEDY, "max_tokens": 40})
+    assert got.results[0].token_ids == cycle(0, 2 * PERIOD + 40)[2 * PERIOD:]  # the checkpoint copies as built
+    same(got.results, plain(copying, batch, {**GREEDY, "max_tokens": 40}))
+    sched = got.scheduler
     assert sched.accepted_tokens / sched.drafted_tokens > 0.8
-    assert f"ktlite_spec_draft_tokens_total {sched.drafted_tokens}" in page
-    assert f"ktlite_spec_accepted_tokens_total {sched.accepted_tokens}" in page
+    assert f"ktlite_spec_draft_tokens_total {sched.drafted_tokens}" in got.metrics
+    assert f"ktlite_spec_accepted_tokens_total {sched.accepted_tokens}" in got.metrics
 
 
 def test_endings_inside_an_accepted_run_are_honoured(copying):
@@ -258,10 +277,9 @@ def test_endings_inside_an_accepted_run_are_honoured(copying):
 def test_sampling_with_drafts_finishes_and_frees_the_pool(copying):
     params = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 30, "ignore_eos": True, "seed": 3}
     batch = [cycle(3, 2 * PERIOD), cycle(4, 2 * PERIOD)]
-    got, sched, _ = run(copying, batch, params)
-    again, _, _ = run(copying, batch, params)
-    assert [r.token_ids for r in got] == [r.token_ids for r in again]  # seeded: reproducible
-    assert all(r.completion_tokens == 30 for r in got) and sched.accepted_tokens > 0
+    got, again = run(copying, batch, params), run(copying, batch, params)
+    assert [r.token_ids for r in got.results] == [r.token_ids for r in again.results]  # seeded: reproducible
+    assert all(r.completion_tokens == 30 for r in got.results) and got.scheduler.accepted_tokens > 0
 
 
 def test_verifying_drafts_compiles_nothing_after_start_up(copying):

@@ -27,7 +27,7 @@ Policy:
   max_tokens 0 it only prefills: it finishes ("length") when the prompt is computed, sampling nothing.
 - Speculative decoding (ktlite/runtime/speculative/, --speculative-algorithm): a decoding request's drafter proposes
   up to k tokens; they ride behind its last token in the same step (an extend of 1 + k tokens, so any batch carries
-  them) while KV slots and the step's token budget (--chunked-prefill-size) last. The kept tokens (accepted drafts
+  them) while free KV slots and the tokens the memory plan sizes a forward for last. The kept tokens (accepted drafts
   plus the model's own) go through the same finish checks one by one as plain decoding's would; the rejected
   drafts' slots are freed and `computed` moves past the kept ones only. Drafting never preempts anyone.
 
@@ -314,14 +314,16 @@ class Scheduler:
                 self._preempt(victim)
             decoding = [r for r in decoding if r is not victim]
         chunk = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else 1 << 62
-        self._draft(decoding, min(chunk, self.pool.free_tokens - len(decoding)))
+        self._draft(decoding, chunk, len(decoding))
         return [(r, 1) for r in decoding]
 
-    def _draft(self, decoding: list[Request], spare: int) -> None:
-        """Give decoding requests drafts to verify behind their last token, while `spare` more tokens (free KV slots
-        and the step's token budget) last."""
+    def _draft(self, decoding: list[Request], budget: int, reserved: int) -> None:
+        """Give decoding requests drafts to verify behind their last token. The memory plan sizes a forward for a
+        prefill chunk plus a token per running request: drafts take the prefill `budget` this step leaves and the
+        rows the decodes leave, within the free KV slots beyond the `reserved` ones."""
         if self.speculation is None:
             return
+        spare = min(budget + self.config.max_running_requests - len(decoding), self.pool.free_tokens - reserved)
         for req in decoding:
             limit = min(self.speculation.num_drafts, spare,
                         req.params.max_tokens - len(req.output_ids) - 1,  # the model's own token follows the drafts
@@ -374,7 +376,7 @@ class Scheduler:
             self._finish(prefilling[0], "length")  # cannot happen when the prompt fits the pool
         if not plan:
             return []
-        self._draft(decoding, min(budget, self.pool.free_tokens - reserved))
+        self._draft(decoding, budget, reserved)
         return plan + [(r, 1) for r in decoding]
 
     @staticmethod
