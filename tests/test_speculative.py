@@ -9,6 +9,7 @@ third draft corrupted) gives partial acceptance, with runs ending inside the acc
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -293,3 +294,24 @@ def test_verifying_drafts_compiles_nothing_after_start_up(copying):
         assert eng.scheduler.drafted_tokens > 0
     grown = {name: (before.get(name, 0), n) for name, n in after.items() if n != before.get(name, 0)}
     assert grown == {}, f"compiled or loaded during the requests: {grown}"
+
+
+def test_requests_that_cannot_draft_share_the_batch(copying):
+    """A json_schema request (grammar mask rows) and a logprobs request decode plainly beside drafting ones."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    asks = [(cycle(5, 2 * PERIOD), GREEDY), (cycle(6, 12), {**GREEDY, "json_schema": schema, "max_tokens": 12}),
+            (cycle(7, 2 * PERIOD), {**GREEDY, "logprobs": True}), (cycle(8, 2 * PERIOD), GREEDY)]
+
+    def together(eng: Engine) -> list:
+        async def all_at_once():
+            return await asyncio.gather(*(eng.async_generate(input_ids=p, sampling_params=s) for p, s in asks))
+
+        return asyncio.run(all_at_once())
+
+    with Engine(str(copying), **EXACT) as eng:
+        expected = together(eng)
+    with Engine(str(copying), **EXACT, speculative_algorithm="NGRAM") as eng:
+        got = together(eng)
+        assert eng.scheduler.accepted_tokens > 0
+    same(got, expected)
+    assert got[1].text.startswith('{"a":')  # the grammar held
