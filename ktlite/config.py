@@ -20,6 +20,10 @@ from ktlite.kernels.cpu.quant import int8_activations, normalize_activations
 AUTO_KNOBS = frozenset({"tensor_parallel_size", "kt_num_gpu_experts", "max_total_tokens", "chunked_prefill_size",
                         "kt_cpuinfer", "kt_threadpool_count"})
 CPU_DENSE_METHODS = ("auto", "INT8", "INT4", "none")  # --cpu-dense-method values (any case)
+SPECULATIVE_ALGORITHMS = ("NGRAM", "NEXTN", "EAGLE")  # --speculative-algorithm values (any case)
+# drafts verified per request per step when the caller sets neither --speculative-num-steps nor
+# --speculative-num-draft-tokens (to be chosen from a measured cost curve later)
+DEFAULT_SPECULATIVE_DRAFTS = 3
 # an agent session needs one or two (its prompt's end, its last reply's end); more serve sessions side by side
 DEFAULT_STATE_SNAPSHOTS = 8
 
@@ -73,6 +77,11 @@ class EngineConfig:
     record_expert_distribution: str | None = None
     kt_max_deferred_experts_per_token: int = 0
     tensor_parallel_size: int = 1
+    # speculative decoding (SGLang names): drafts proposed per request, verified in one forward of the target model
+    speculative_algorithm: str | None = None  # NGRAM (prompt lookup); NEXTN/EAGLE (MTP layers) not built yet
+    speculative_num_steps: int | None = None  # drafts per step (an MTP chain's length)
+    speculative_num_draft_tokens: int | None = None  # tokens a verify holds per request: the last one + drafts
+    speculative_eagle_topk: int | None = None  # draft branches per step: only 1 (a chain)
     # the flags the caller gave (from_kwargs); None: every value is final (a config built directly, or
     # one returned by knobs.choose_knobs, which fills in the AUTO_KNOBS the caller left out)
     user_set: frozenset[str] | None = field(default=None, repr=False)
@@ -124,6 +133,49 @@ class EngineConfig:
         if self.disable_radix_cache and (self.hicache_size or self.schedule_policy == "lpm"):
             raise ConfigError("--hicache-size and --schedule-policy lpm work on the prefix cache: "
                               "drop --disable-radix-cache or them")
+        self._validate_speculative()
+
+    def _validate_speculative(self) -> None:
+        tuning = {"--speculative-num-steps": self.speculative_num_steps,
+                  "--speculative-num-draft-tokens": self.speculative_num_draft_tokens,
+                  "--speculative-eagle-topk": self.speculative_eagle_topk}
+        if self.speculative_algorithm is None:
+            given = [flag for flag, value in tuning.items() if value is not None]
+            if given:
+                raise ConfigError(f"{', '.join(given)} tune speculative decoding: give --speculative-algorithm NGRAM too")
+            return
+        algorithm = str(self.speculative_algorithm).upper()
+        if algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ConfigError(f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, "
+                              f"got {self.speculative_algorithm!r}")
+        if algorithm != "NGRAM":
+            raise ConfigError(f"--speculative-algorithm {algorithm}: drafts from the model's MTP layers are not built "
+                              "yet; --speculative-algorithm NGRAM (prompt lookup) is")
+        self.speculative_algorithm = algorithm
+        if self.speculative_eagle_topk not in (None, 1):
+            raise ConfigError(f"--speculative-eagle-topk: only 1 (one chain of drafts) is supported, "
+                              f"got {self.speculative_eagle_topk}")
+        if self.speculative_num_steps is not None and self.speculative_num_steps < 1:
+            raise ConfigError(f"--speculative-num-steps must be >= 1, got {self.speculative_num_steps}")
+        if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
+            raise ConfigError("--speculative-num-draft-tokens counts the last token and its drafts: it must be >= 2, "
+                              f"got {self.speculative_num_draft_tokens}")
+        if (self.speculative_num_steps is not None and self.speculative_num_draft_tokens is not None
+                and self.speculative_num_draft_tokens != self.speculative_num_steps + 1):
+            raise ConfigError(f"with --speculative-eagle-topk 1, --speculative-num-draft-tokens must be "
+                              f"--speculative-num-steps + 1 ({self.speculative_num_steps + 1}), "
+                              f"got {self.speculative_num_draft_tokens}")
+
+    @property
+    def speculative_drafts(self) -> int:
+        """Drafts proposed and verified per request per decode step (0: no speculative decoding)."""
+        if self.speculative_algorithm is None:
+            return 0
+        if self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        if self.speculative_num_draft_tokens is not None:
+            return self.speculative_num_draft_tokens - 1
+        return DEFAULT_SPECULATIVE_DRAFTS
 
     def state_snapshots(self, recurrent: bool) -> int:
         """Recurrent-state snapshots the prefix cache keeps for a model with per-request recurrent state:

@@ -26,6 +26,7 @@ from ktlite.runtime.radix_cache import RadixCache, prefix_cache_enabled
 from ktlite.runtime.sampling import SamplingParams
 from ktlite.runtime.state_cache import StateSnapshots
 from ktlite.runtime.scheduler import Scheduler, SchedulerConfig, StreamEvent
+from ktlite.runtime.speculative import speculation_for
 from ktlite.runtime.tokenizer import Tokenizer
 from ktlite.runtime.verify import verify_plan, warm_paths
 
@@ -64,7 +65,9 @@ class Engine:
         self.config = EngineConfig.from_kwargs(model_path, **flags)
         # every knob the caller left out, chosen from the plan and the hardware (logged as one table);
         # before the tensor-parallel branch, since the rank count is one of them
-        self.config, self.knobs = choose_knobs(self.config, load_config(self.config.model_path))
+        model_config = load_config(self.config.model_path)
+        self.config, self.knobs = choose_knobs(self.config, model_config)
+        speculation = speculation_for(self.config, bool(model_config.request_state_specs()))  # before allocating
         self.tokenizer = Tokenizer(self.config.model_path)
         self._failure: EngineFailure | None = None  # set when the scheduler stops on an error or a TP rank dies
         if self.config.tensor_parallel_size > 1:  # ranks 1..N-1 in their own processes
@@ -87,6 +90,7 @@ class Engine:
             ),
             after_step=self.runtime.after_step,
             prefix_cache=self._prefix_cache(),
+            speculation=speculation,
         )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ktlite-engine", daemon=True)

@@ -32,16 +32,16 @@ class ForwardBatch:
         slots: list[torch.Tensor],
         want_logits: list[bool],
         device: torch.device,
-        prompt_rows: list[range] | None = None,
+        extra_rows: list[range] | None = None,
     ) -> "ForwardBatch":
         """From per-request new tokens, prefix lengths, pool rows and freshly allocated slots.
-        want_logits[i]: the logits of request i's last new token; prompt_rows[i]: offsets into its
-        chunk whose logits come before that one (prompt logprobs)."""
+        want_logits[i]: the logits of request i's last new token; extra_rows[i]: offsets into its
+        chunk whose logits come before that one (prompt logprobs, speculative drafts to verify)."""
         extend = [len(c) for c in token_chunks]
         positions = [p + i for p, n in zip(prefix_lens, extend) for i in range(n)]
         logit_rows, start = [], 0
-        for i, n in enumerate(extend):  # request order: its prompt rows, then its last token's
-            logit_rows += [start + k for k in (prompt_rows[i] if prompt_rows else ())]
+        for i, n in enumerate(extend):  # request order: its extra rows, then its last token's
+            logit_rows += [start + k for k in (extra_rows[i] if extra_rows else ())]
             logit_rows += [start + n - 1] if want_logits[i] else []
             start += n
 

@@ -146,6 +146,12 @@ class KVPool:
         self.free_slots(self._row_slots.pop(row))
         self._free_rows.append(row)
 
+    def truncate(self, row: int, n: int) -> None:
+        """Keep request `row`'s first n positions and free the slots after them (rejected speculative drafts)."""
+        slots = self._row_slots[row]
+        self.free_slots(slots[n:])
+        del slots[n:]
+
     def free_slots(self, slots: list[int]) -> None:
         self._free_slots.extend(reversed(slots))
 

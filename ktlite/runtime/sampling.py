@@ -245,8 +245,9 @@ def apply_penalties(
     return out
 
 
-def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState]) -> torch.Tensor:
-    """Draw one token per row of logits [N, V] with temperature, top_k, top_p and min_p."""
+def _filtered(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of logits [N, V] -> (probabilities after temperature, top_k, top_p and min_p, in descending order with
+    the dropped ones 0 and the rest not renormalised; the token ids of that order), both [N, V]."""
     vocab, device = logits.shape[1], logits.device
     x = logits / _column([p.temperature for p in params], device)
     # Filters work on the descending order; stable so ties break by token id on every device.
@@ -260,7 +261,22 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], states: lis
     drop = probs.cumsum(dim=-1) - probs >= top_p
     # min_p: relative to the top probability (a ratio, so unaffected by top_k/top_p renormalising).
     drop |= probs < _column([p.min_p for p in params], device) * probs[:, :1]
-    cdf = probs.masked_fill_(drop, 0.0).cumsum(dim=-1)
+    return probs.masked_fill_(drop, 0.0), order
+
+
+def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution a non-greedy row of logits [N, V] is sampled from (no penalties or masks): [N, V] float32,
+    in token order, each row summing to 1 (speculative decoding's rejection sampling needs it whole)."""
+    probs, order = _filtered(logits.to(torch.float32), params)
+    out = torch.zeros_like(probs).scatter_(1, order, probs)
+    return out / out.sum(dim=-1, keepdim=True)
+
+
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState]) -> torch.Tensor:
+    """Draw one token per row of logits [N, V] with temperature, top_k, top_p and min_p."""
+    probs, order = _filtered(logits, params)
+    device = logits.device
+    cdf = probs.cumsum(dim=-1)
     # Inverse CDF with target in (0, total]: the first cdf >= target has a nonzero probability.
     u = torch.cat([torch.rand(1, generator=s.generator) for s in states]).to(device)
     target = (1.0 - u[:, None]) * cdf[:, -1:]

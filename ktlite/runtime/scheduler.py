@@ -25,6 +25,11 @@ Policy:
   for a logits row per prompt position (at most `prompt_logit_rows` such rows a step, counting every
   request's, but at least one per request), and its first event carries the prompt's values. With
   max_tokens 0 it only prefills: it finishes ("length") when the prompt is computed, sampling nothing.
+- Speculative decoding (ktlite/runtime/speculative/, --speculative-algorithm): a decoding request's drafter proposes
+  up to k tokens; they ride behind its last token in the same step (an extend of 1 + k tokens, so any batch carries
+  them) while free KV slots and the tokens the memory plan sizes a forward for last. The kept tokens (accepted drafts
+  plus the model's own) go through the same finish checks one by one as plain decoding's would; the rejected
+  drafts' slots are freed and `computed` moves past the kept ones only. Drafting never preempts anyone.
 
 Prefix cache (ktlite/runtime/radix_cache.py, unless --disable-radix-cache): an admitted request starts
 with `computed` = its longest cached prefix; each prefill chunk's tokens are indexed as soon as they are
@@ -55,6 +60,7 @@ from ktlite.runtime.logprobs import TokenLogprob, gather, prompt_logit_rows
 from ktlite.runtime.model_runner import ForwardBatch, ModelRunner
 from ktlite.runtime.radix_cache import Node, RadixCache
 from ktlite.runtime.sampling import SamplerState, SamplingParams, sample
+from ktlite.runtime.speculative import Drafter, Speculation, accept_drafts, can_speculate
 from ktlite.runtime.stop import StopStringMatcher, finish_reason
 from ktlite.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -87,8 +93,8 @@ class StreamEvent:
 class StepOutput:
     """What a step's forward and sampling produced."""
 
-    ids: list[int]  # a token per sampling request
-    sampled: list[TokenLogprob | None]  # their logprobs (requests with params.logprobs)
+    ids: list[list[int]]  # the tokens each sampling request keeps: one, or its accepted drafts and one more
+    sampled: list[TokenLogprob | None]  # their logprobs (requests with params.logprobs, which never draft)
     prompt: list[list[TokenLogprob]]  # per plan entry: the prompt logprobs its chunk gave
 
 
@@ -115,6 +121,8 @@ class Request:
     grammar: GrammarState | None = None  # params.json_schema: where the output is in its grammar
     prompt_lp: list[TokenLogprob] = field(default_factory=list)  # params.prompt_logprobs: of prompt tokens 1..
     prompt_lp_sent: bool = False
+    drafter: Drafter | None = None  # speculative decoding: proposes its drafts
+    drafts: list[int] = field(default_factory=list)  # this step's drafts, verified behind its last token
 
     @property
     def sequence_len(self) -> int:
@@ -162,8 +170,10 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: SchedulerConfig,
-                 after_step: Callable[[], None] | None = None, prefix_cache: RadixCache | None = None):
+                 after_step: Callable[[], None] | None = None, prefix_cache: RadixCache | None = None,
+                 speculation: Speculation | None = None):
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
+        self.speculation = speculation
         self.pool: KVPool = runner.kv_pool
         self.cache = prefix_cache
         self.waiting: list[Request] = []
@@ -180,6 +190,8 @@ class Scheduler:
         self._closed = False
         self.steps = 0
         self.preemptions = 0
+        self.drafted_tokens = 0  # speculative decoding: drafts verified, and those the model accepted
+        self.accepted_tokens = 0
 
     # ---- submission -------------------------------------------------------------------------
     def check_prompt(self, prompt_len: int, params: SamplingParams) -> None:
@@ -217,6 +229,7 @@ class Scheduler:
             sampler=SamplerState(prompt_ids, params.seed), detok=self.tokenizer.detokenizer(prompt_ids),
             stops=StopStringMatcher(params.stop), order=next(self._counter),
             grammar=self.grammars.state(params.json_schema) if params.json_schema else None,
+            drafter=self.speculation.new_drafter() if self.speculation is not None else None,
         )
         self.waiting.append(req)
         self._wake()
@@ -300,7 +313,24 @@ class Scheduler:
             else:
                 self._preempt(victim)
             decoding = [r for r in decoding if r is not victim]
+        chunk = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else 1 << 62
+        self._draft(decoding, chunk, len(decoding))
         return [(r, 1) for r in decoding]
+
+    def _draft(self, decoding: list[Request], budget: int, reserved: int) -> None:
+        """Give decoding requests drafts to verify behind their last token. The memory plan sizes a forward for a
+        prefill chunk plus a token per running request: drafts take the prefill `budget` this step leaves and the
+        rows the decodes leave, within the free KV slots beyond the `reserved` ones."""
+        if self.speculation is None:
+            return
+        spare = min(budget + self.config.max_running_requests - len(decoding), self.pool.free_tokens - reserved)
+        for req in decoding:
+            limit = min(self.speculation.num_drafts, spare,
+                        req.params.max_tokens - len(req.output_ids) - 1,  # the model's own token follows the drafts
+                        self.config.context_length - req.sequence_len - 1, self.pool.max_context - req.sequence_len)
+            if limit > 0 and can_speculate(req.params, req.sampler):
+                req.drafts = req.drafter.propose(req.tokens(req.drafter.seen, req.sequence_len), limit)
+                spare -= len(req.drafts)
 
     def _schedule_prefill(self, prefilling: list[Request], decoding: list[Request]) -> list[tuple[Request, int]]:
         budget = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else 1 << 62
@@ -344,7 +374,10 @@ class Scheduler:
                 self._preempt(max(others, key=lambda r: r.order))
                 return self._schedule_prefill([r for r in prefilling if r.row is not None], [])
             self._finish(prefilling[0], "length")  # cannot happen when the prompt fits the pool
-        return plan + [(r, 1) for r in decoding] if plan else []
+        if not plan:
+            return []
+        self._draft(decoding, budget, reserved)
+        return plan + [(r, 1) for r in decoding]
 
     @staticmethod
     def _cap_prompt_rows(req: Request, n: int, rows: int) -> tuple[int, int]:
@@ -419,24 +452,25 @@ class Scheduler:
     def _build_batch(self, plan: list[tuple[Request, int]]) -> tuple[ForwardBatch, list[Request]]:
         chunks, prefix, rows, slots = [], [], [], []
         for req, n in plan:
-            chunks.append(req.tokens(req.computed, req.computed + n))
+            chunks.append(req.tokens(req.computed, req.computed + n) + req.drafts)
             prefix.append(req.computed)
             rows.append(req.row)
-            slots.append(self.pool.alloc_tokens(req.row, n))
+            slots.append(self.pool.alloc_tokens(req.row, n + len(req.drafts)))
         want = [req.wants_sample(n) for req, n in plan]
-        prompt_rows = [req.prompt_rows(n) for req, n in plan]
+        # logits rows before the last token's: prompt logprobs, or (with drafts) the rows that verify them
+        extra = [range(len(req.drafts)) if req.drafts else req.prompt_rows(n) for req, n in plan]
         batch = ForwardBatch.build(chunks, prefix, rows, slots, want, self.runner.device,
-                                   prompt_rows if any(prompt_rows) else None)
+                                   extra if any(extra) else None)
         return batch, [req for (req, _), w in zip(plan, want) if w]
 
     def _forward_and_sample(self, batch: ForwardBatch, plan: list[tuple[Request, int]],
                             sample_reqs: list[Request]) -> StepOutput:
-        rows = [i for i, r in enumerate(sample_reqs) if r.grammar is not None]
+        plain = [r for r in sample_reqs if not r.drafts]  # sampled one token as usual (the drafting ones verify)
+        rows = [i for i, r in enumerate(plain) if r.grammar is not None]
         masks: Future[TokenMasks] | None = None
         if rows:  # fill the grammar masks while the device runs the forward
-            masks = self._mask_executor.submit(self.grammars.masks, [sample_reqs[i].grammar for i in rows], rows,
-                                               len(sample_reqs))
-        logits = self.runner.forward(batch)  # [R, vocab]: per plan entry its prompt rows, then its sampling row
+            masks = self._mask_executor.submit(self.grammars.masks, [plain[i].grammar for i in rows], rows, len(plain))
+        logits = self.runner.forward(batch)  # [R, vocab]: per plan entry its extra rows, then its sampling row
         prompt, sample_at, at = [], [], 0
         for req, n in plan:
             offsets = req.prompt_rows(n)  # contiguous rows: a view, no copy of the logits
@@ -444,15 +478,25 @@ class Scheduler:
                                  [req.params.top_logprobs] * len(offsets)))
             at += len(offsets)
             if req.wants_sample(n):
-                sample_at.append(at)
-                at += 1
+                sample_at.append(at)  # with drafts: the first of its 1 + k rows
+                at += 1 + len(req.drafts)
         if not sample_reqs:
             return StepOutput([], [], prompt)
-        if len(sample_at) < logits.shape[0]:
-            logits = logits[sample_at]
-        ids = sample(logits, [r.params for r in sample_reqs], [r.sampler for r in sample_reqs],
+        plain_at = [a for a, r in zip(sample_at, sample_reqs) if not r.drafts]
+        plain_logits = logits[plain_at] if len(plain_at) < logits.shape[0] else logits
+        ids = sample(plain_logits, [r.params for r in plain], [r.sampler for r in plain],
                      eos_token_ids=self.tokenizer.eos_token_ids, masks=masks.result() if masks else None).tolist()
-        return StepOutput(ids, self._sampled_logprobs(logits, sample_reqs, ids), prompt)
+        plain_out = iter(zip(ids, self._sampled_logprobs(plain_logits, plain, ids)))
+        kept, logprobs = [], []
+        for req, a in zip(sample_reqs, sample_at):
+            if req.drafts:
+                kept.append(accept_drafts(logits[a:a + 1 + len(req.drafts)], req.drafts, req.params, req.sampler))
+                logprobs.append(None)
+            else:
+                token, lp = next(plain_out)
+                kept.append([token])
+                logprobs.append(lp)
+        return StepOutput(kept, logprobs, prompt)
 
     @staticmethod
     def _sampled_logprobs(logits: torch.Tensor, reqs: list[Request], ids: list[int]) -> list[TokenLogprob | None]:
@@ -477,27 +521,49 @@ class Scheduler:
                     self.cache.save_state(req.prefix, req.row)
             if req.params.max_tokens == 0 and req.computed >= len(req.prompt_ids) and req.finish_reason is None:
                 self._finish(req, "length")  # prefill only: the prompt's logprobs are the reply
-        for req, token, lp in zip(sample_reqs, out.ids, out.sampled):
+        for req, tokens, lp in zip(sample_reqs, out.ids, out.sampled):
+            drafts, req.drafts = req.drafts, []
             if req.finish_reason is not None:
                 continue
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            req.output_ids.append(token)
-            req.sampler.append(token)
-            reason = finish_reason(req.params, token, len(req.output_ids), self.tokenizer.eos_token_ids)
-            if req.grammar is not None and reason is None:
-                reason = self._advance_grammar(req, token)
-            if reason is None and req.sequence_len >= self.config.context_length:
-                reason = "length"
-            text = "" if self._is_hidden(req, reason) else req.detok.push(token)
-            emit, hit = req.stops.feed(text)
+            kept, emit, reason, hit = [], "", None, False
+            for token in tokens:  # one by one, as plain decoding would have taken them
+                kept.append(token)
+                reason, text, hit = self._append(req, token)
+                emit += text
+                if reason is not None or hit:
+                    break
+            if drafts:
+                self._settle_drafts(req, len(drafts), len(tokens) - 1)
             if hit:
                 reason = "stop"
             elif reason is not None:
                 emit += self._drain(req)
-            self._emit(req, emit, [token], reason, [lp] if lp is not None else [])
+            self._emit(req, emit, kept, reason, [lp] if lp is not None else [])
             if reason is not None:
                 self._finish(req, reason, notify=False)
+
+    def _append(self, req: Request, token: int) -> tuple[str | None, str, bool]:
+        """Add a token to req's output -> (finish reason, text to emit, whether a stop string was hit)."""
+        req.output_ids.append(token)
+        req.sampler.append(token)
+        reason = finish_reason(req.params, token, len(req.output_ids), self.tokenizer.eos_token_ids)
+        if req.grammar is not None and reason is None:
+            reason = self._advance_grammar(req, token)
+        if reason is None and req.sequence_len >= self.config.context_length:
+            reason = "length"
+        text = "" if self._is_hidden(req, reason) else req.detok.push(token)
+        emit, hit = req.stops.feed(text)
+        return reason, emit, hit
+
+    def _settle_drafts(self, req: Request, drafted: int, accepted: int) -> None:
+        """After a verify: the last token and the accepted drafts are computed (up to where the output ended), the
+        rejected drafts' slots go back to the pool."""
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        req.computed = min(req.computed + accepted, req.sequence_len)
+        self.pool.truncate(req.row, req.computed)
 
     @staticmethod
     def _advance_grammar(req: Request, token: int) -> str | None:

@@ -33,7 +33,8 @@ device's compiled decode plans, torch's first calls. The modules choose their ke
 (a dense layer's row dots below its threshold and a GEMM above, a MoE layer's one fused call where no expert can
 reach the matmul path, tile kernels from 2 or 3 tokens, ...) and by its kind (prefill or decode), so it runs a
 prefill of one request and a decode step of that many requests at every size of `reach_sizes` below the two passes
-above: 1, 2, 3, then powers of two. Any threshold on the forward's token count has a forward on each side of it,
+above: 1, 2, 3, then powers of two, and one extend of two tokens after a computed one (a prefill's later chunk, a
+speculative verify: attention over a prefix and the new tokens). Any threshold on the forward's token count has a forward on each side of it,
 without a list of kernels or thresholds here. Thresholds on one expert's tokens are crossed where the dummy prompts'
 routing crosses them (CPUMoE.warmup also runs both expert paths on synthetic inputs). It costs about one more
 chunk of prefill and a decode step per size (a tiny model: well under a second).
@@ -210,7 +211,7 @@ def reach_sizes(limit: int) -> list[int]:
 
 def warm_paths(runtime) -> float:
     """Run a prefill of one request and a decode step of that many requests at each reach_sizes size below the
-    verified passes' (see the module docstring); returns the seconds spent."""
+    verified passes', and an extend after a prefix (see the module docstring); returns the seconds spent."""
     runner, pool, plan = runtime.runner, runtime.runner.kv_pool, runtime.plan
     requests = max(1, min(plan.inputs.max_running_requests, pool.free_rows, pool.free_tokens // 2))
     chunk = max(1, min(plan.chunk_tokens, runtime.context_length, pool.free_tokens))
@@ -221,6 +222,11 @@ def warm_paths(runtime) -> float:
                 row, slots = p.request(n)
                 runner.forward(ForwardBatch.build([_dummy_ids(n, runtime.vocab_size)], [0], [row], [slots], [True],
                                                   runner.device))
+        if pool.free_tokens >= 3:
+            with _Pass(pool) as p:  # new tokens after computed ones: a prefill's later chunks, a verify of drafts
+                row, slots = p.request(3)
+                runner.forward(ForwardBatch.build([_dummy_ids(2, runtime.vocab_size)], [1], [row], [slots[1:]], [True],
+                                                  runner.device, [range(1)]))
         for n in reach_sizes(requests):
             with _Pass(pool) as p:  # each request with one prefix position and its new token
                 rows, slots = zip(*(p.request(2) for _ in range(n)))

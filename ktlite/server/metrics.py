@@ -96,11 +96,21 @@ class Metrics:
                [({}, float(pool.used_tokens / pool.num_slots if pool.num_slots else 0.0))])
         metric("preemptions_total", "counter", "Requests preempted because the KV pool was full.",
                [({}, getattr(sched, "preemptions", 0))])
+        if sched.speculation is not None:
+            self._render_speculation(metric, sched)
         cache = sched.cache
         if cache is not None:
             self._render_cache(metric, cache)
         metric("info", "gauge", "Served model.", [({"model": self.model_name}, 1)])
         return "\n".join(out) + "\n"
+
+    @staticmethod
+    def _render_speculation(metric, sched) -> None:
+        metric("spec_draft_tokens_total", "counter", "Draft tokens verified by the model (--speculative-algorithm).",
+               [({}, sched.drafted_tokens)])
+        metric("spec_accepted_tokens_total", "counter", "Draft tokens the model accepted.", [({}, sched.accepted_tokens)])
+        metric("spec_accept_rate", "gauge", "Fraction of verified draft tokens accepted.",
+               [({}, float(sched.accepted_tokens / sched.drafted_tokens if sched.drafted_tokens else 0.0))])
 
     @staticmethod
     def _render_cache(metric, cache) -> None:

@@ -1,0 +1,44 @@
+"""The drafter seam: what proposes draft tokens for one request, and the engine's speculation settings.
+
+A drafter belongs to one request and sees its sequence (prompt + output) grow: each call hands it the tokens added
+since the previous call, and it proposes up to k tokens to follow. The scheduler verifies them with the target model
+(ktlite/runtime/speculative/verify.py), so a drafter only affects speed, never the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ktlite.config import EngineConfig
+from ktlite.errors import ConfigError
+from ktlite.runtime.speculative.ngram import NgramDrafter
+
+
+class Drafter(Protocol):
+    @property
+    def seen(self) -> int:
+        """Tokens of the request's sequence handed to `propose` so far."""
+
+    def propose(self, new_tokens: Sequence[int], k: int) -> list[int]:
+        """new_tokens: the sequence's tokens from position `seen` to its end; -> at most k tokens to follow it."""
+
+
+@dataclass(frozen=True)
+class Speculation:
+    num_drafts: int  # k: the most drafts a request verifies per decode step
+    new_drafter: Callable[[], Drafter]  # one per request
+
+
+def speculation_for(config: EngineConfig, has_recurrent_state: bool) -> Speculation | None:
+    """The engine's speculation from its flags (None: off). A model with per-request recurrent state (Gated DeltaNet)
+    is refused: a verify forward advances that state over drafts that may be rejected, and rolling it back is not
+    built yet."""
+    if config.speculative_algorithm is None:
+        return None
+    if has_recurrent_state:
+        raise ConfigError(f"--speculative-algorithm {config.speculative_algorithm}: this model has recurrent "
+                          "(linear-attention) layers, whose state a rejected draft would leave advanced; speculative "
+                          "decoding does not roll that state back yet: leave the flag out for this model")
+    return Speculation(config.speculative_drafts, NgramDrafter)
