@@ -12,7 +12,8 @@ from typing import Any
 
 from ktlite.errors import ConfigError
 
-FAMILY_MODULES = ("deepseek", "deepseek_v32", "glm_moe_dsa", "qwen3_moe", "qwen3_next", "minimax_m2", "glm4_moe")
+FAMILY_MODULES = ("deepseek", "deepseek_v32", "glm_moe_dsa", "qwen3_moe", "qwen3_next", "minimax_m2", "glm4_moe",
+                 "gpt_oss")
 
 
 def _module(name: str) -> ModuleType:
