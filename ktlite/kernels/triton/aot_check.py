@@ -94,13 +94,14 @@ def configs(dt: str = "bf16") -> list[KernelConfig]:
     out += linear_attn_configs(dt)
     for bits, w_ty, s_ty in ((16, dt, dt), (8, "i8", "fp16"), (4, "u8", "fp16")):
         for gated in (True, False):
-            for block_m in (16, 64):
+            for block_m, bias in ((16, False), (64, False), (16, True)):  # biased experts: gpt-oss
                 ptrs = {"A": f"*{dt}", "W": f"*{w_ty}", "Scales": f"*{s_ty}", "Out": f"*{dt}", "SortedIds": "*i32",
-                        "ExpertIds": "*i32", "NumPadded": "*i32", "TopkWeights": "*fp32"}
-                consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, WEIGHTED=not gated, BITS=bits,
+                        "ExpertIds": "*i32", "NumPadded": "*i32", "TopkWeights": "*fp32", "Bias": f"*{dt}"}
+                consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, HAS_BIAS=bias, WEIGHTED=not gated, BITS=bits,
                               BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64 if bits == 16 else 128)
-                label = f"moe {'gate_up' if gated else 'down'} bits={bits} BM={block_m}"
-                out.append(KernelConfig("moe", label, moe._moe_gemm_kernel, ptrs, consts, num_stages=3))
+                label = f"moe {'gate_up' if gated else 'down'} bits={bits} BM={block_m}{' bias' if bias else ''}"
+                out.append(KernelConfig("moe", label, moe._moe_gemm_kernel, ptrs, consts, num_stages=3,
+                                        floats=("alpha", "limit", "up_offset")))
     for mode, min_arch in (("weight-only", 89), ("e4m3-bits", 80), ("w8a8", 89)):
         for block_m in (16, 64):
             ptrs = {"X": "*fp8e4nv" if mode == "w8a8" else f"*{dt}", "XScale": "*fp32",
