@@ -55,3 +55,67 @@ def test_greedy_32_equals_generate(pair):
     ids = random_ids(2, 7, ours.config.vocab_size, seed=3)
     _, expected = hf_last_logits_and_greedy(ref, ids.tolist(), 32)
     assert ours.generate_greedy(ids, 32).tolist() == expected
+
+
+# ---- the Engine -------------------------------------------------------------------------------------------------
+
+GREEDY = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True}
+EXACT = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 2048, "chunked_prefill_size": 256,
+         "gpu_memory": "1GiB", "max_running_requests": 8}
+N_EXPERTS = 8
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_gpt_oss, pair):
+    """Prompts of 5..30 tokens (the window of 4 drops keys in all but the first) and transformers' greedy tokens and
+    last-token logits."""
+    g = torch.Generator().manual_seed(7)
+    batch = [torch.randint(4, pair[0].config.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    logits, tokens = hf_last_logits_and_greedy(pair[1], batch, GREEDY["max_tokens"])
+    return batch, tokens, logits
+
+
+def test_engine_cpu_experts_equal_transformers(tiny_gpt_oss, expected):
+    from test_tensor_parallel import logits_of
+
+    from ktlite import Engine
+
+    batch, tokens, logits = expected
+    with Engine(str(tiny_gpt_oss), **EXACT) as eng:
+        assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == tokens
+        assert (logits_of(eng, batch) - logits).abs().max().item() <= TOL
+
+
+def test_half_gpu_experts_chunk_5_and_preemption(tiny_gpt_oss, expected):
+    from ktlite import Engine
+
+    batch, tokens, _ = expected
+    # 4 requests need 15..40 tokens each at the end (101 in all); 48 slots force preemption
+    flags = {**EXACT, "kt_num_gpu_experts": N_EXPERTS // 2, "chunked_prefill_size": 5, "max_total_tokens": 48}
+    with Engine(str(tiny_gpt_oss), **flags) as eng:
+        assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == tokens
+        assert eng.scheduler.preemptions > 0
+        assert all(len(v) == N_EXPERTS // 2 for v in eng.runtime.placement().values())
+
+
+def test_layerwise_prefill_runs_every_expert_on_the_device(tiny_gpt_oss, expected):
+    from ktlite import Engine
+
+    batch, tokens, _ = expected
+    flags = {**EXACT, "kt_num_gpu_experts": 2, "kt_gpu_prefill_token_threshold": 8}
+    with Engine(str(tiny_gpt_oss), **flags) as eng:
+        assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == tokens
+
+
+@pytest.mark.parametrize("method,bound", [("INT8", 0.02), ("INT4", 0.2)])
+def test_quantized_cpu_experts_close_to_transformers(tiny_gpt_oss, expected, method, bound):
+    """ktlite quantizes the bf16 experts (de-interleaved from gate_up_proj) at load: the logits stay close."""
+    from test_tensor_parallel import logits_of
+
+    from ktlite import Engine
+
+    batch, _, logits = expected
+    with Engine(str(tiny_gpt_oss), **{**EXACT, "kt_method": method}) as eng:
+        got = logits_of(eng, batch)
+    rel = (torch.linalg.norm(got - logits) / torch.linalg.norm(logits)).item()
+    assert 0 < rel < bound, rel

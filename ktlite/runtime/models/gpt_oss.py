@@ -107,7 +107,7 @@ class GptOssMoE(MoE):
 
     def expert_biases(self) -> tuple[torch.Tensor, torch.Tensor]:
         gate_up = self.experts.gate_up_proj_bias
-        return torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1), self.experts.down_proj_bias
+        return torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1).detach(), self.experts.down_proj_bias.detach()
 
     def routed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """The reference: each chosen expert on its tokens, from the stacked weights."""
