@@ -413,7 +413,7 @@ moe_kernels.moe_rows(np.zeros((1, gu.kp), np.float32), np.zeros(1, np.int64), np
                      np.zeros(1, np.int64), np.ones(1, np.float32), gu.qweight, gu.scales, dn.qweight, dn.scales,
                      gu.group_shift, dn.group_shift, q8,
                      np.zeros((2, 2, max(gu.kp, dn.kp)), np.float32), np.zeros((1, dn.kp), np.float32),
-                     np.zeros((1, 64), np.float32))
+                     np.zeros((1, 64), np.float32), moe_kernels.PLAIN)
 print("parallel")
 """
 
