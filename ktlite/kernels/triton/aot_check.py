@@ -126,15 +126,18 @@ def gqa_configs(dt: str) -> list[KernelConfig]:
     pools = ((dt, dt, dt, False, 80), ("fp8", "fp8e4nv", "fp32", True, 89), ("fp8 bytes", "u8", "fp32", True, 80))
     for pool, kv_ty, scale_ty, packed, min_arch in pools:
         ptrs = {"Q": f"*{dt}", "K": f"*{kv_ty}", "V": f"*{kv_ty}", "KScale": f"*{scale_ty}", "VScale": f"*{scale_ty}",
-                "ReqToToken": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "Out": f"*{dt}", **ints}
-        kinds = dict(PACKED=packed, E4M3_BITS=kv_ty == "u8")
-        out += [
-            KernelConfig("gqa", f"gqa decode stage1 {pool} pool", gqa_decode_attn._gqa_decode_stage1, ptrs,
-                         dict(dims, BLOCK_H=16, BLOCK_N=64, **kinds), min_arch=min_arch, floats=floats),
-            KernelConfig("gqa", f"gqa extend {pool} pool", gqa_extend_attn._gqa_extend_kernel, ptrs,
-                         dict(dims, BLOCK_T=8, BLOCK_H=8, BLOCK_N=64, **kinds), min_arch=min_arch,
-                         floats=floats),
-        ]
+                "ReqToToken": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "Out": f"*{dt}", "Sinks": "*fp32", **ints}
+        # sinks (gpt-oss) on the plain pool only: the pool kind and the sinks touch different lines
+        for sinks in (False, True) if pool == dt else (False,):
+            kinds = dict(PACKED=packed, E4M3_BITS=kv_ty == "u8", HAS_SINKS=sinks)
+            label = f"{pool} pool{', sinks' if sinks else ''}"
+            out += [
+                KernelConfig("gqa", f"gqa decode stage1 {label}", gqa_decode_attn._gqa_decode_stage1, ptrs,
+                             dict(dims, BLOCK_H=16, BLOCK_N=64, **kinds), min_arch=min_arch, floats=floats),
+                KernelConfig("gqa", f"gqa extend {label}", gqa_extend_attn._gqa_extend_kernel, ptrs,
+                             dict(dims, BLOCK_T=8, BLOCK_H=8, BLOCK_N=64, **kinds), min_arch=min_arch,
+                             floats=floats),
+            ]
     return out
 
 
