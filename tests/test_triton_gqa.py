@@ -253,15 +253,14 @@ def test_gqa_kernels_compile_for_gpu() -> None:
 
 # windows: 1 (only itself), 5 (inside a tile), 40 (across tiles of 32 and splits); prefixes longer than each
 WINDOWS = [1, 5, 40]
-WINDOW_PREFIX, WINDOW_EXTEND = [0, 45, 70, 9], [23, 17, 1, 50]
+WINDOW_PREFIX, WINDOW_EXTEND = [0, 41, 50, 9], [13, 9, 1, 30]
 
 
 def sinks_for(heads: int) -> torch.Tensor:
     return torch.randn(heads, generator=torch.Generator().manual_seed(4)) * 2
 
 
-@pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("with_sinks", [False, True], ids=["no_sinks", "sinks"])
+@pytest.mark.parametrize("window, with_sinks", [(1, False), (5, True), (40, True)])
 def test_window_and_sinks_twin_matches_dense(window: int, with_sinks: bool) -> None:
     kv_heads, group, head_d = 2, 3, 64
     pool = Pool([p + e for p, e in zip(WINDOW_PREFIX, WINDOW_EXTEND)], kv_heads, head_d, torch.float32)
@@ -273,8 +272,8 @@ def test_window_and_sinks_twin_matches_dense(window: int, with_sinks: bool) -> N
     torch.testing.assert_close(twin.double(), dense, atol=1e-5, rtol=1e-6)
 
 
-@pytest.mark.parametrize("window", [0, *WINDOWS])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window, dtype", [(0, torch.bfloat16), (1, torch.float32), (5, torch.float32),
+                                           (40, torch.bfloat16)])
 def test_window_and_sinks_triton_matches_twin(window: int, dtype: torch.dtype) -> None:
     """Ragged batches whose prefixes are longer than the window, extend (tiles of 32 keys, 8 tokens x 4 heads) and
     decode (3 splits), with sinks."""
