@@ -119,3 +119,28 @@ def test_quantized_cpu_experts_close_to_transformers(tiny_gpt_oss, expected, met
         got = logits_of(eng, batch)
     rel = (torch.linalg.norm(got - logits) / torch.linalg.norm(logits)).item()
     assert 0 < rel < bound, rel
+
+
+def test_tp2_equals_tp1_and_each_rank_allocates_its_plan(tiny_gpt_oss, expected):
+    """Heads and their sinks split over 2 ranks, the o bias added once, GPU experts split (expert parallel); the KV
+    pool keeps every token of the sliding layers too (as planned: K and V per kv head, 3 layers)."""
+    from test_tensor_parallel import logits_of
+
+    from ktlite import Engine
+
+    batch, tokens, logits = expected
+    flags = {**EXACT, "kt_num_gpu_experts": 3}
+    results = {}
+    for tp in (1, 2):
+        with Engine(str(tiny_gpt_oss), **flags, tensor_parallel_size=tp) as eng:
+            got = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+            results[tp] = (got, logits_of(eng, batch), eng.runtime.plan, getattr(eng.runtime, "allocated_per_rank", {}))
+    assert results[1][0] == results[2][0] == tokens
+    torch.testing.assert_close(results[2][1], logits, atol=TOL, rtol=TOL)
+    plan, allocated = results[2][2], results[2][3]
+    assert sorted(allocated) == [0, 1]
+    for rank, got in allocated.items():
+        assert plan.mismatches(got, rank) == {}, rank
+        for component in ("embeddings", "lm_head", "attention", "kv_pool", "norms_router"):
+            assert got[component] == plan.bytes(component, rank) > 0, (rank, component)
+    assert plan.kv_bytes_per_token == 3 * 2 * 1 * 16 * 4  # each rank: 1 of the 2 kv heads, fp32

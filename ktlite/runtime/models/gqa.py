@@ -12,7 +12,7 @@ windowed layer (the attention kernels skip the keys outside the window).
 Tensor parallelism: query heads (and their sinks) split evenly; kv heads split when there are at least as many as
 ranks, else every rank computes all kv heads and keeps the one its query heads read (so the
 per-layer k norm sees every head). A per-layer norm over split heads all-reduces its sum of squares. The o bias
-is added by rank 0 only (the ranks' outputs are summed).
+is rank 0's (the ranks' outputs are summed): the other ranks hold zeros, so every rank has the same shapes.
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ class GQAttention(nn.Module):
             keep = tp.rank * s.kv_heads // tp.size
             self.kv_keep = (keep, keep + 1)
         row(self, "o_proj", prefix, s.heads * d, tp, shards)
-        if s.o_bias and tp.rank:  # the partial outputs are summed: one rank adds the bias
-            self.o_proj = nn.Linear(self.o_proj.in_features, s.hidden, bias=False, dtype=self.o_proj.weight.dtype)
+        if s.o_bias and tp.rank:  # the partial outputs are summed: rank 0 adds the bias, the others read none (zeros)
+            shards[prefix + "o_proj.bias"] = (0, 0, 0)
         if s.sinks:
             _, lo, hi = split(s.heads, tp)
             self.sinks = nn.Parameter(torch.empty(hi - lo, dtype=self.sinks.dtype))
