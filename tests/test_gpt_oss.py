@@ -144,3 +144,20 @@ def test_tp2_equals_tp1_and_each_rank_allocates_its_plan(tiny_gpt_oss, expected)
         for component in ("embeddings", "lm_head", "attention", "kv_pool", "norms_router"):
             assert got[component] == plan.bytes(component, rank) > 0, (rank, component)
     assert plan.kv_bytes_per_token == 3 * 2 * 1 * 16 * 4  # each rank: 1 of the 2 kv heads, fp32
+
+
+def test_tiny_model_cli_writes_what_transformers_reads(tmp_path):
+    """`ktlite tiny-model --arch gpt_oss` writes the checkpoint names and config fields transformers reads: its
+    GptOssForCausalLM gives ktlite's logits on it."""
+    from click.testing import CliRunner
+
+    from ktlite.cli import main
+
+    result = CliRunner().invoke(main, ["tiny-model", str(tmp_path / "g"), "--arch", "gpt_oss"])
+    assert result.exit_code == 0, result.output
+    ours, ref = models.load(tmp_path / "g"), hf_model(tmp_path / "g")
+    assert ours.config.windows == (4, 0, 4) and ref.config.layer_types[0] == "sliding_attention"
+    ids = random_ids(1, 12, ours.config.vocab_size, seed=5)
+    with torch.no_grad():
+        expected = ref(ids).logits
+    assert (ours(ids) - expected).abs().max().item() <= TOL
