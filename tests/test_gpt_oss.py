@@ -8,14 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_checkpoints import hf_last_logits_and_greedy, hf_model
+from test_gqa_families import random_ids
 
 from ktlite.runtime import models
 
 TOL = 1e-4
-
-
-def random_ids(batch: int, length: int, vocab: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +158,31 @@ def test_tiny_model_cli_writes_what_transformers_reads(tmp_path):
     with torch.no_grad():
         expected = ref(ids).logits
     assert (ours(ids) - expected).abs().max().item() <= TOL
+
+
+def test_engine_on_triton_kernels_matches_torch_twins(tiny_gpt_oss):
+    """GQA with sinks and a window of 4 (a 9-token prompt in chunks of 5), and the fused MoE with the clamped
+    activation and biases for half the experts, through the interpreted Triton kernels."""
+    from test_triton_engine import run
+
+    triton, twin = run(tiny_gpt_oss, True), run(tiny_gpt_oss, False)
+    assert triton["triton"] and not twin["triton"]
+    assert triton["tokens"] == twin["tokens"]
+
+
+def test_convert_reads_the_stacked_experts(tiny_gpt_oss, expected, tmp_path):
+    """`ktlite convert` takes each expert's de-interleaved columns of gate_up_proj / down_proj: serving the converted
+    INT8 experts with --kt-weight-path equals quantizing them at load."""
+    from test_tensor_parallel import logits_of
+
+    from ktlite import Engine
+    from ktlite.runtime.convert import convert_checkpoint
+
+    batch = expected[0]
+    convert_checkpoint(tiny_gpt_oss, tmp_path / "int8", "INT8", progress=False)
+    flags = {**EXACT, "kt_method": "INT8"}
+    with Engine(str(tiny_gpt_oss), **flags, kt_weight_path=str(tmp_path / "int8")) as eng:
+        converted = logits_of(eng, batch)
+    with Engine(str(tiny_gpt_oss), **flags) as eng:
+        at_load = logits_of(eng, batch)
+    assert torch.equal(converted, at_load)

@@ -127,8 +127,8 @@ class StackedExpert:
     start: int = 0
     step: int = 1
 
-    def take(self, stacked: np.ndarray, expert: int) -> np.ndarray:
-        """[out, in] (a view) of expert `expert` in the stacked tensor [E, in, out * step]."""
+    def take(self, stacked: np.ndarray | torch.Tensor, expert: int) -> np.ndarray | torch.Tensor:
+        """[out, in] (a view) of expert `expert` in the stacked tensor [E, in, out * step] (numpy or torch)."""
         return stacked[expert][:, self.start::self.step].T
 
 
