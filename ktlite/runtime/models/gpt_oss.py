@@ -35,6 +35,10 @@ from ktlite.runtime.models.rope import RotaryEmbedding
 ARCHITECTURES = ("GptOssForCausalLM",)
 MODEL_TYPES = ("gpt_oss",)
 LAYER_TYPES = ("sliding_attention", "full_attention")
+# transformers' rope for a gpt-oss config without rope_parameters / rope_scaling (GptOssConfig's default): YaRN x32
+# over 4096 (a top-level rope_theta still applies)
+DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +60,8 @@ def parse_config(raw: dict[str, Any]) -> GptOssConfig:
     quant = raw.get("quantization_config") or {}
     if quant.get("quant_method") == "mxfp4":  # the experts' format, the expert source's business; the rest is bf16
         raw = {k: v for k, v in raw.items() if k != "quantization_config"}
+    if raw.get("rope_parameters") is None and raw.get("rope_scaling") is None:  # as GptOssConfig.__post_init__
+        raw = {**raw, "rope_parameters": DEFAULT_ROPE}
     f = Fields(raw, {"max_position_embeddings": 131072, "attention_bias": True, "sliding_window": 128,
                      "swiglu_limit": 7.0, "swiglu_alpha": 1.702, "rms_norm_eps": 1e-5})
     common = f.common(ARCHITECTURES[0], intermediate_size=0,  # no dense layers
