@@ -583,8 +583,8 @@ class CPUMoE:
 
     def _run_matmul(self, layer: ExpertLayer, w: _PoolWork, x: torch.Tensor, out: torch.Tensor) -> None:
         """Experts with many tokens, a batch of experts at a time: their tokens gathered grouped by expert,
-        gate_up per expert into one [pairs, 2I] buffer, one SiLU * mul over the batch, down per expert, one
-        weighted scatter-add. Batching the element-wise work and the scatter (instead of small torch ops
+        gate_up per expert into one [pairs, 2I] buffer, one activation over the batch (SiLU * mul in place; other
+        activations and biases: expert_activation.py), down per expert, one weighted scatter-add. Batching the element-wise work and the scatter (instead of small torch ops
         per expert, interleaved with numba's parallel regions) made them ~3x cheaper."""
         gu, dn = layer.gate_up, layer.down
         inter, hidden, dtype = layer.inter, layer.hidden, self.prefill_dtype
