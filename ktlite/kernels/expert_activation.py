@@ -15,13 +15,13 @@ expert next to the activation); a down bias after the down projection, weighted 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 KINDS = ("swiglu", "swiglu_oai")
+NO_LIMIT = 3.0e38  # the clamp of an activation without a limit: past any fp32 activation, finite (fastmath kernels)
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,8 @@ class ExpertActivation:
         return self.kind == "swiglu" and self.limit is None and self.alpha == 1.0
 
     def params(self) -> tuple[np.float32, np.float32, np.float32]:
-        """(alpha, limit, up_offset) as the compiled kernels take them (limit inf: no clamp)."""
-        limit = math.inf if self.limit is None else self.limit
+        """(alpha, limit, up_offset) as the kernels take them (NO_LIMIT: no clamp)."""
+        limit = NO_LIMIT if self.limit is None else self.limit
         return np.float32(self.alpha), np.float32(limit), np.float32(self.up_offset)
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -45,21 +45,17 @@ ensure_threadsafe_layer()  # before the first parallel region of the process
 
 def activation_args(activation: ExpertActivation, biases: tuple[np.ndarray, np.ndarray] | None,
                     slot_expert: np.ndarray) -> tuple:
-    """moe_rows' `activation`: (alpha, limit, up_offset, gate_up bias [E, 2I], down bias [E, H], slot_expert [S]):
-    the biases fp32 by global expert id (empty: none), slot_expert the expert of each slot."""
+    """moe_rows' `activation`: (plain, alpha, limit, up_offset, gate_up bias [E, 2I], down bias [E, H], slot_expert
+    [S]): plain = SiLU(gate) * up without biases (the only activation the VNNI / AMX tiles compute; the row kernels
+    then run their unclamped loop as before); the biases fp32 by global expert id (empty: none), slot_expert the
+    expert of each slot."""
     gu_b, d_b = (_NO_BIAS, _NO_BIAS) if biases is None else biases
-    return (*activation.params(), gu_b, d_b, slot_expert)
+    plain = activation.plain and biases is None
+    return (plain, *activation.params(), gu_b, d_b, slot_expert)
 
 
 _NO_BIAS = np.zeros((0, 0), np.float32)
 PLAIN = activation_args(SWIGLU, None, np.zeros(0, np.int64))  # SiLU(gate) * up, no biases: most families' layers
-
-
-@njit(inline="always")
-def _plain(activation) -> bool:
-    """SiLU(gate) * up without biases: the only activation the VNNI / AMX tiles compute."""
-    alpha, limit, up_offset, gu_b, d_b, _ = activation
-    return alpha == 1.0 and limit == np.inf and up_offset == 0.0 and gu_b.shape[0] == 0 and d_b.shape[0] == 0
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
@@ -73,8 +69,7 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, 
     allocating them inside prange page-faulted and ran up to 20x slower; `threads` is also the number of parallel
     tasks, each a share of the rows); act [P, Kp(inter)] fp32 scratch, zero beyond I (only act[:, :I] is
     written); out [T, H] fp32, accumulated into; activation: activation_args (the tiles run only the plain one)."""
-    alpha, limit, up_offset, gu_b, d_b, slot_expert = activation
-    tiled = _plain(activation)
+    plain, alpha, limit, up_offset, gu_b, d_b, slot_expert = activation
     hidden = out.shape[1]
     inter = gu_q.shape[1] // 2
     kp_h = x.shape[1]
@@ -94,7 +89,7 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, 
         r_lo, r_hi = task * share, min(inter, (task + 1) * share)
         for m in range(n_experts):
             e = slots[m]
-            if tiled and runs_as_tiles(q8, gu_q, tok_ptr[m + 1] - tok_ptr[m]):
+            if plain and runs_as_tiles(q8, gu_q, tok_ptr[m + 1] - tok_ptr[m]):
                 gate_up_tiles(gu_q[e], gu_s[e], r_lo, r_hi, xq, xd, tok_idx, tok_ptr[m], tok_ptr[m + 1], gu_shift,
                                tiles[tid], act)
                 continue
@@ -116,12 +111,15 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, 
                     else:
                         g = row_dot(gq, gsc, x[t], xs[t], gu_shift)
                         u = row_dot(uq, usc, x[t], xs[t], gu_shift)
-                    if gu_b.shape[0]:
-                        g += gu_b[slot_expert[e], i]
-                        u += gu_b[slot_expert[e], inter + i]
-                    g = min(g, limit)  # an inf limit: no clamp
-                    u = max(min(u, limit), -limit)
-                    act[p, i] = g / (np.float32(1.0) + np.exp(-alpha * g)) * (u + up_offset)
+                    if plain:
+                        act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * u
+                    else:
+                        if gu_b.shape[0]:
+                            g += gu_b[slot_expert[e], i]
+                            u += gu_b[slot_expert[e], inter + i]
+                        g = min(g, limit)  # limit: finite, past any activation without one (fastmath: no inf)
+                        u = max(min(u, limit), -limit)
+                        act[p, i] = g / (np.float32(1.0) + np.exp(-alpha * g)) * (u + up_offset)
     acts, aq, ad, ao = activation_views(act, q8)
     pairs = np.arange(act.shape[0])  # the tiles' row indices into aq / ad
     share = (hidden + threads - 1) // threads
@@ -132,7 +130,7 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, 
         for m in range(n_experts):
             e = slots[m]
             p_lo, p_hi = tok_ptr[m], tok_ptr[m + 1]
-            if tiled and runs_as_tiles(q8, d_q, p_hi - p_lo):
+            if plain and runs_as_tiles(q8, d_q, p_hi - p_lo):
                 tile = tiles[tid, 0]
                 for h0 in range(h_lo, h_hi, TILE_ROWS):
                     for p0 in range(p_lo, p_hi, TILE_TOKENS):

@@ -160,10 +160,6 @@ def _weight_args(w: torch.Tensor | QuantizedWeight, block_k: int) -> tuple[torch
     return w, w, 16, block_k  # scales unused for dense weights
 
 
-# the clamp of an activation without a limit: no fp32 value exceeds it
-_NO_LIMIT = 3.0e38
-
-
 def _launch(
     a: torch.Tensor, w: torch.Tensor | QuantizedWeight, out: torch.Tensor, align: tuple, topk_weights: torch.Tensor,
     n: int, gated: bool, a_row_div: int, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
@@ -173,10 +169,10 @@ def _launch(
     tensor, scales, bits, block_k = _weight_args(w, block_k)
     k = a.shape[1]
     grid = (expert_ids.numel(), triton.cdiv(n, block_n))
-    limit = _NO_LIMIT if activation.limit is None else activation.limit
+    alpha, limit, up_offset = (float(v) for v in activation.params())
     _moe_gemm_kernel[grid](
         a, tensor, scales, out, sorted_ids, expert_ids, num_padded, topk_weights, out if bias is None else bias,
-        n, k, topk_weights.numel(), n, activation.alpha, limit, activation.up_offset,
+        n, k, topk_weights.numel(), n, alpha, limit, up_offset,
         a.stride(0), tensor.stride(0), tensor.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
         0 if bias is None else bias.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, HAS_BIAS=bias is not None, WEIGHTED=not gated, BITS=bits,
