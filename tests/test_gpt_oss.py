@@ -83,17 +83,21 @@ def test_engine_cpu_experts_equal_transformers(tiny_gpt_oss, expected):
         assert (logits_of(eng, batch) - logits).abs().max().item() <= TOL
 
 
-def test_half_gpu_experts_chunk_5_preemption_and_layerwise_prefill(tiny_gpt_oss, expected):
+def test_half_gpu_experts_chunk_5_preemption_layerwise_prefill_and_dynamic_placement(tiny_gpt_oss, expected):
     """Chunks of 5 tokens run every expert on the device (threshold 4: the layerwise path, biases by expert id), decode
-    steps split them between GPU (biases by GPU slot) and CPU experts; 48 KV slots force preemption."""
+    steps split them between GPU (biases by GPU slot) and CPU experts, and the placement moves every 2 steps (the
+    biases follow the experts); 48 KV slots force preemption."""
     from ktlite import Engine
 
     batch, tokens, _ = expected
     flags = {**EXACT, "kt_num_gpu_experts": N_EXPERTS // 2, "chunked_prefill_size": 5, "max_total_tokens": 48,
-             "kt_gpu_prefill_token_threshold": 4}
+             "kt_gpu_prefill_token_threshold": 4, "kt_enable_dynamic_expert_update": True,
+             "kt_expert_update_interval": 2}
     with Engine(str(tiny_gpt_oss), **flags) as eng:
+        initial = eng.runtime.placement()
         assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == tokens
         assert eng.scheduler.preemptions > 0
+        assert eng.runtime.placement() != initial
         assert all(len(v) == N_EXPERTS // 2 for v in eng.runtime.placement().values())
 
 
