@@ -74,3 +74,12 @@ def tiny_dsa(request, hf_gqa_checkpoints) -> Path:
 def tiny_qwen3_next(hf_gqa_checkpoints) -> Path:
     """Qwen3-Next (3 Gated DeltaNet layers + 1 gated attention layer), written by transformers."""
     return hf_gqa_checkpoints["qwen3_next"]
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss(tmp_path_factory) -> Path:
+    """gpt-oss written by transformers: sliding window 4 on layers 0 and 2, full attention on layer 1, sinks, 8
+    experts top-2 with biases and a clamp limit of 1 (tests/hf_checkpoints.py)."""
+    from hf_checkpoints import write_hf_checkpoint
+
+    return write_hf_checkpoint(tmp_path_factory.mktemp("hf_gpt_oss") / "gpt_oss", "gpt_oss", seed=11)

@@ -60,6 +60,13 @@ FAMILIES: dict[str, tuple[type, dict[str, Any]]] = {
         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                          "mrope_section": [1, 1, 0], "mrope_interleaved": True})),
+    # a window of 4 drops keys from 5-token prompts on; a clamp limit of 1 clamps many gate/up values
+    "gpt_oss": (transformers.GptOssConfig, dict(
+        **{**_COMMON, "intermediate_size": 32, "rms_norm_eps": 1e-5}, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"], swiglu_limit=1.0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False})),
     "deepseek_v3": (transformers.DeepseekV3Config, dict(**_MLA, rope_parameters=_YARN)),
     # V2's router (transformers): softmax, best groups by their top expert, always times routed_scaling_factor
     "deepseek_v2": (transformers.DeepseekV2Config, dict(
@@ -80,7 +87,9 @@ def _spread(model: torch.nn.Module, seed: int, norm_center: float) -> None:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") and "indexer" not in name:
                 value = norm_center + 0.1 * torch.randn(p.shape, generator=gen)
-            elif name.endswith("gate.weight"):  # routers
+            elif name.endswith("sinks"):  # attention sinks (gpt-oss): logits of the scores' size
+                value = torch.randn(p.shape, generator=gen)
+            elif name.endswith(("gate.weight", "router.weight")):  # routers
                 value = 0.5 * torch.randn(p.shape, generator=gen)
             elif p.dim() == 1:  # biases
                 value = 0.05 * torch.randn(p.shape, generator=gen)

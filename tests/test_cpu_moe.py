@@ -413,7 +413,7 @@ moe_kernels.moe_rows(np.zeros((1, gu.kp), np.float32), np.zeros(1, np.int64), np
                      np.zeros(1, np.int64), np.ones(1, np.float32), gu.qweight, gu.scales, dn.qweight, dn.scales,
                      gu.group_shift, dn.group_shift, q8,
                      np.zeros((2, 2, max(gu.kp, dn.kp)), np.float32), np.zeros((1, dn.kp), np.float32),
-                     np.zeros((1, 64), np.float32))
+                     np.zeros((1, 64), np.float32), moe_kernels.PLAIN)
 print("parallel")
 """
 
@@ -427,3 +427,35 @@ def test_row_kernel_loops_stay_parallel(method, q8, tmp_path):
     res = subprocess.run([sys.executable, "-c", _PARALLEL_SCRIPT, method, "1" if q8 else "0"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.split()[-1] == "parallel", res.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def biased_activation():
+    """gpt-oss's clamped SwiGLU (limit 0.5: most values are clamped) with gate_up and down biases."""
+    from ktlite.kernels.expert_activation import ExpertActivation
+
+    g = torch.Generator().manual_seed(9)
+    return ExpertActivation("swiglu_oai", limit=0.5, alpha=1.702), (0.3 * torch.randn(E, 2 * I, generator=g),
+                                                                     0.3 * torch.randn(E, H, generator=g))
+
+
+@pytest.mark.parametrize("t", [1, 5, 40])  # 1, 5: the row kernels (forward's one compiled call, submit's pools); 40: matmul
+def test_activation_and_biases_in_every_path(moe, biased_activation, t):
+    activation, (b13, b2) = biased_activation
+    layer = moe.layers[0]
+    moe.set_activation(0, activation, (b13, b2))
+    try:
+        x, ids, w = routing(t, seed=3)
+        gate, up, down = stored(moe)
+        want = torch.zeros(t, H, dtype=torch.float64)
+        for tok in range(t):
+            for j in range(K):
+                e = int(ids[tok, j])
+                g = (gate[e].double() @ x[tok].double() + b13[e, :I].double()).clamp(max=0.5)
+                u = (up[e].double() @ x[tok].double() + b13[e, I:].double()).clamp(-0.5, 0.5)
+                want[tok] += float(w[tok, j]) * (down[e].double() @ (g * torch.sigmoid(1.702 * g) * (u + 1))
+                                                 + b2[e].double())
+        assert relative_error(moe.forward(0, x, ids, w), want.float()) < 1e-5
+        assert relative_error(moe.submit(0, x, ids, w).wait(), want.float()) < 1e-5
+    finally:
+        layer.activation, layer.biases = moe_module.SWIGLU, None

@@ -25,6 +25,7 @@ KV_BYTES = {
     "minimax-m2": 62 * 2 * 8 * 128 * 2,
     "glm-4.5": 92 * 2 * 8 * 128 * 2,
     "deepseek-v3": 61 * 576 * 2,
+    "gpt-oss-120b": 36 * 2 * 8 * 64 * 2,  # sliding layers keep every token too (tests/data/gpt-oss-120b/README.md)
 }
 
 
@@ -42,7 +43,7 @@ def test_kv_heads_split_over_ranks_and_replicate_below_one_per_rank():
         assert plan.kv_bytes_per_token == 48 * 2 * heads * 128 * 2, tp
 
 
-@pytest.mark.parametrize("name", ["qwen3-235b-a22b", "minimax-m2", "glm-4.5"])
+@pytest.mark.parametrize("name", ["qwen3-235b-a22b", "minimax-m2", "glm-4.5", "gpt-oss-120b"])
 def test_cli_plan_answers_from_config_alone(name, tmp_path):
     result = CliRunner().invoke(main, ["plan", "--model", str(DATA / name), "--gpu-memory", "16GiB",
                                        "--tensor-parallel-size", "2"])

@@ -88,18 +88,22 @@ def queries(num_tokens: int, heads: int, head_d: int, dtype: torch.dtype, seed: 
 
 
 def dense_attention(q: torch.Tensor, pool: Pool, prefix_lens: list[int], extend_lens: list[int],
-                    sm_scale: float) -> torch.Tensor:
-    """float64 [N, Hq, D]: each query token attends to its request's positions 0..its own."""
+                    sm_scale: float, sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+    """float64 [N, Hq, D]: each query token attends to its request's positions 0..its own (the last `window` of
+    them when window > 0); sinks [Hq]: a logit per head with value 0, in the softmax's denominator only."""
     heads, group = q.shape[1], q.shape[1] // pool.k_buffer.shape[1]
     out = torch.zeros(q.shape[0], heads, q.shape[2], dtype=torch.float64)
     start = 0
     for row, prefix, n in zip(pool.req_pool_indices.tolist(), prefix_lens, extend_lens):
         k = pool.real(pool.k_buffer, row, prefix + n)
         v = pool.real(pool.v_buffer, row, prefix + n)
-        future = torch.arange(prefix + n)[None, :] > torch.arange(prefix, prefix + n)[:, None]  # [n, L]
+        pos_k, pos_q = torch.arange(prefix + n)[None, :], torch.arange(prefix, prefix + n)[:, None]
+        hidden = (pos_k > pos_q) | ((pos_k <= pos_q - window) if window else False)  # [n, L]
         for h in range(heads):
-            scores = q[start : start + n, h].double() @ k[:, h // group].T * sm_scale
-            out[start : start + n, h] = scores.masked_fill(future, float("-inf")).softmax(-1) @ v[:, h // group]
+            scores = (q[start : start + n, h].double() @ k[:, h // group].T * sm_scale).masked_fill(hidden, float("-inf"))
+            sink = float("-inf") if sinks is None else float(sinks[h])
+            probs = torch.cat([scores, torch.full((n, 1), sink, dtype=torch.float64)], -1).softmax(-1)[:, :-1]
+            out[start : start + n, h] = probs @ v[:, h // group]
         start += n
     return out
 
@@ -244,4 +248,47 @@ def test_gqa_kernels_compile_for_gpu() -> None:
         env=env, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("ok ") == 7, proc.stdout  # stage 2 + (decode, extend) x 3 pool kinds
+    assert proc.stdout.count("ok ") == 9, proc.stdout  # stage 2 + (decode, extend) x (3 pool kinds + sinks)
+
+
+# windows: 1 (only itself), 5 (inside a tile), 40 (across tiles of 32 and splits); prefixes longer than each
+WINDOWS = [1, 5, 40]
+WINDOW_PREFIX, WINDOW_EXTEND = [0, 41, 50, 9], [13, 9, 1, 30]
+
+
+def sinks_for(heads: int) -> torch.Tensor:
+    return torch.randn(heads, generator=torch.Generator().manual_seed(4)) * 2
+
+
+@pytest.mark.parametrize("window, with_sinks", [(1, False), (5, True), (40, True)])
+def test_window_and_sinks_twin_matches_dense(window: int, with_sinks: bool) -> None:
+    kv_heads, group, head_d = 2, 3, 64
+    pool = Pool([p + e for p, e in zip(WINDOW_PREFIX, WINDOW_EXTEND)], kv_heads, head_d, torch.float32)
+    q = queries(sum(WINDOW_EXTEND), kv_heads * group, head_d, torch.float32)
+    sinks = sinks_for(kv_heads * group) if with_sinks else None
+    twin = gqa_extend_torch(q, *pool.args(), torch.tensor(WINDOW_PREFIX), torch.tensor(WINDOW_EXTEND), SCALE,
+                            sinks=sinks, window=window)
+    dense = dense_attention(q, pool, WINDOW_PREFIX, WINDOW_EXTEND, SCALE, sinks, window)
+    torch.testing.assert_close(twin.double(), dense, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("window, dtype", [(0, torch.bfloat16), (1, torch.float32), (5, torch.float32),
+                                           (40, torch.bfloat16)])
+def test_window_and_sinks_triton_matches_twin(window: int, dtype: torch.dtype) -> None:
+    """Ragged batches whose prefixes are longer than the window, extend (tiles of 32 keys, 8 tokens x 4 heads) and
+    decode (3 splits), with sinks."""
+    kv_heads, group, head_d = 2, 4, 64
+    pool = Pool([p + e for p, e in zip(WINDOW_PREFIX, WINDOW_EXTEND)], kv_heads, head_d, dtype)
+    q = queries(sum(WINDOW_EXTEND), kv_heads * group, head_d, dtype)
+    lens = torch.tensor(WINDOW_PREFIX), torch.tensor(WINDOW_EXTEND)
+    sinks = sinks_for(kv_heads * group)
+    twin = gqa_extend_torch(q, *pool.args(), *lens, SCALE, sinks=sinks, window=window)
+    tri = gqa_extend_triton(q, *pool.args(), *lens, SCALE, sinks=sinks, window=window, block_t=8, block_h=4,
+                            block_n=32)
+    assert_close(tri, twin, dtype)
+    seq_lens = lens[0] + lens[1]
+    q_dec = q[: len(seq_lens)]
+    twin_dec = gqa_decode_torch(q_dec, *pool.args(), seq_lens, SCALE, sinks=sinks, window=window)
+    tri_dec = gqa_decode_triton(q_dec, *pool.args(), seq_lens, SCALE, sinks=sinks, window=window, num_kv_splits=3,
+                                block_n=16)
+    assert_close(tri_dec, twin_dec, dtype)

@@ -180,3 +180,31 @@ def test_kernels_compile_for_gpu() -> None:
         env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamped_swiglu_with_biases_matches_twin_and_naive(dtype: torch.dtype) -> None:
+    """gpt-oss's experts: (clamp(up) + 1) * g * sigmoid(1.702 g), g = min(gate, limit), with gate/up and down
+    biases; a limit of 0.5 clamps most gate/up values here."""
+    from ktlite.kernels.expert_activation import ExpertActivation
+
+    hidden, w13, w2, ids, weights = make_moe(dtype, seed=5)
+    g = torch.Generator().manual_seed(6)
+    biases = ((0.3 * torch.randn(E, 2 * INTER, generator=g)).to(dtype), (0.3 * torch.randn(E, H, generator=g)).to(dtype))
+    act = ExpertActivation("swiglu_oai", limit=0.5, alpha=1.702)
+    twin = fused_moe_torch(hidden, w13, w2, ids, weights, MASK, act, biases)
+    tri = fused_moe_triton(hidden, w13, w2, ids, weights, MASK, act, biases, **BLOCKS)
+    torch.testing.assert_close(tri.float(), twin.float(), atol=TOL[dtype], rtol=0)
+    if dtype == torch.float32:
+        naive = torch.zeros(T, H, dtype=torch.float64)
+        for t in range(T):
+            for j in range(TOP_K):
+                e = int(ids[t, j])
+                if not MASK[e]:
+                    continue
+                gu = w13[e].double() @ hidden[t].double() + biases[0][e].double()
+                gate, up = gu[:INTER].clamp(max=0.5), gu[INTER:].clamp(-0.5, 0.5)
+                y = w2[e].double() @ (gate * torch.sigmoid(1.702 * gate) * (up + 1)) + biases[1][e].double()
+                naive[t] += weights[t, j].double() * y
+        torch.testing.assert_close(twin.double(), naive, atol=1e-5, rtol=0)
+        assert not torch.allclose(twin, fused_moe_torch(hidden, w13, w2, ids, weights, MASK), atol=1e-2)

@@ -147,7 +147,8 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
             mlp = model.model.layers[l].mlp
             moe_layers[l] = HybridMoE(l, mlp.gate, mlp.shared_experts, mine, w13, w2, cpu, source,
                                       config.kt_gpu_prefill_token_threshold, layerwise, observers,
-                                      remote_gpu_experts=others, packed_source=experts.gpu_weights)
+                                      remote_gpu_experts=others, packed_source=experts.gpu_weights,
+                                      activation=mlp.activation, biases=mlp.expert_biases())
 
         context = plan.context_length
         # what the family caches per token on this rank (a full MLA latent, or this rank's kv heads), in the

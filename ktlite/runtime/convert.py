@@ -122,8 +122,9 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, method: st
     for layer in todo:
         gate_up = empty_quantized(method, group_size, (n_experts,), 2 * inter, hidden)
         down = empty_quantized(method, group_size, (n_experts,), hidden, inter)
+        stacks: dict[str, torch.Tensor] = {}  # a checkpoint that stacks the layer's experts: each tensor read once
         for e in range(n_experts):
-            gate, up, dn = (_source_tensor(reader, cfg.expert_weight_name(layer, e, p)) for p in _PROJS)
+            gate, up, dn = (_expert_matrix(reader, cfg, layer, e, p, stacks) for p in _PROJS)
             if gate.shape != (inter, hidden) or up.shape != (inter, hidden) or dn.shape != (hidden, inter):
                 raise CheckpointError(f"layer {layer} expert {e}: shapes {tuple(gate.shape)}, {tuple(up.shape)}, "
                                       f"{tuple(dn.shape)} do not match config ({inter}, {hidden}) / ({hidden}, {inter})")
@@ -143,6 +144,18 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, method: st
     manifest["complete"] = True
     _write_json_atomic(manifest_path, manifest)
     return manifest_path
+
+
+def _expert_matrix(reader: CheckpointReader, cfg, layer: int, expert: int, proj: str,
+                   stacks: dict[str, torch.Tensor]) -> torch.Tensor:
+    """An expert's [out, in] matrix as stored: its own tensor, or its columns of a stacked one (cfg.stacked_expert,
+    read once into `stacks`)."""
+    stacked = cfg.stacked_expert(layer, expert, proj)
+    if stacked is None:
+        return _source_tensor(reader, cfg.expert_weight_name(layer, expert, proj))
+    if stacked.name not in stacks:
+        stacks[stacked.name] = _source_tensor(reader, stacked.name)
+    return stacked.take(stacks[stacked.name], expert).contiguous()
 
 
 def _source_tensor(reader: CheckpointReader, name: str) -> torch.Tensor:

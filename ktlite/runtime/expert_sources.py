@@ -246,7 +246,18 @@ class HFSource(Source):
         return t.view(torch.bfloat16) if dtype == "BF16" else t
 
     def weights(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(self._tensor(self.cfg.expert_weight_name(layer, expert, p)) for p in PROJS)
+        return tuple(self._matrix(layer, expert, p) for p in PROJS)
+
+    def _matrix(self, layer: int, expert: int, proj: str) -> torch.Tensor:
+        """One expert's [out, in] matrix: its own tensor, or its columns of a stacked one (cfg.stacked_expert)."""
+        stacked = self.cfg.stacked_expert(layer, expert, proj)
+        if stacked is None:
+            return self._tensor(self.cfg.expert_weight_name(layer, expert, proj))
+        if self.tensors.dtype(stacked.name) not in ("BF16", "F16", "F32"):
+            raise CheckpointError(f"tensor {stacked.name!r} is {self.tensors.dtype(stacked.name)}: stacked experts are "
+                                  "read from bf16/fp16/fp32 checkpoints")
+        t = torch.from_numpy(np.ascontiguousarray(stacked.take(self.tensors.array(stacked.name), expert)))
+        return t.view(torch.bfloat16) if self.tensors.dtype(stacked.name) == "BF16" else t
 
     def fill_native(self, layer: int, expert: int, gate_up: QuantizedWeight, down: QuantizedWeight) -> None:
         inter = self.cfg.moe_intermediate_size

@@ -19,6 +19,7 @@ from torch import nn
 from ktlite.kernels.cpu import moe_block
 from ktlite.kernels.cpu.dense_linear import swiglu_weights
 from ktlite.kernels.cpu.quant import RAWINT4_GROUP
+from ktlite.kernels.expert_activation import SWIGLU, ExpertActivation
 from ktlite.kernels.triton import QuantizedWeight, fused_moe
 from ktlite.kernels.triton.quant import expert_weight
 from ktlite.runtime.compiled_decode import Block
@@ -84,6 +85,8 @@ class HybridMoE:
         observers: list[Callable[[int, torch.Tensor], None]] | None = None,
         remote_gpu_experts: list[int] = (),  # tensor parallel: GPU experts other ranks hold
         packed_source: PackedSource | None = None,  # fills INT4 stacks
+        activation: ExpertActivation = SWIGLU,  # the routed experts' (MoE.activation)
+        biases: tuple[torch.Tensor, torch.Tensor] | None = None,  # MoE.expert_biases(): by expert id, on the device
     ):
         self.layer_idx = layer_idx
         self.router, self.shared_experts = router, shared_experts
@@ -94,7 +97,11 @@ class HybridMoE:
         self.layerwise_buffers = layerwise_buffers
         self.observers = observers or []
         device = w13.device
+        self.activation, self.biases = activation, biases
+        if cpu is not None and (biases is not None or not activation.plain):
+            cpu.set_activation(layer_idx, activation, biases)
         self.slot_of = torch.full((self.num_experts,), -1, dtype=torch.int64, device=device)
+        self.expert_of = torch.zeros(len(gpu_experts), dtype=torch.int64, device=device)  # GPU slot -> expert id
         self.gpu_experts: list[int] = []
         for slot, e in enumerate(gpu_experts):
             self._install(slot, e)
@@ -112,6 +119,7 @@ class HybridMoE:
             self.w13[slot] = torch.cat((gate, up), dim=0).to(self.w13.dtype)
             self.w2[slot] = down.to(self.w2.dtype)
         self.slot_of[expert] = slot
+        self.expert_of[slot] = expert
         if slot < len(self.gpu_experts):
             self.gpu_experts[slot] = expert
         else:
@@ -159,6 +167,8 @@ class HybridMoE:
         form for them; else None."""
         if not (self.cpu is not None and not (self.gpu_experts or self.has_remote) and plain_norm(norm)):
             return None
+        if self.router.bias is not None or self.biases is not None or not self.activation.plain:
+            return None  # the compiled router and block have neither a logit bias nor expert biases
         shared = None
         if self.shared_experts is not None:
             mlp = self.shared_experts
@@ -205,7 +215,10 @@ class HybridMoE:
                 deferred = self.cpu.submit(self.layer_idx, x_cpu, later_ids.cpu(), w_cpu, mask_cpu)
         # Slots index the compact GPU stack; experts held elsewhere are slot -1, which fused_moe
         # skips (ids outside [0, E) are "not on this device").
-        out = fused_moe(x, self.w13, self.w2, self.slot_of[topk_ids], topk_weights) if self.gpu_experts else None
+        out = None
+        if self.gpu_experts:
+            biases = None if self.biases is None else tuple(b[self.expert_of] for b in self.biases)  # by GPU slot
+            out = fused_moe(x, self.w13, self.w2, self.slot_of[topk_ids], topk_weights, None, self.activation, biases)
         if handle is not None:
             cpu_out = handle.wait()
         if cpu_out is not None:
@@ -224,4 +237,4 @@ class HybridMoE:
             else:
                 # the CPU store's own (dequantized) weights, so results match the hybrid path
                 w13_all[e], w2_all[e] = self.cpu.dequantized_expert(self.layer_idx, e, w13_all.dtype)
-        return fused_moe(x, w13_all, w2_all, topk_ids, topk_weights, needed)
+        return fused_moe(x, w13_all, w2_all, topk_ids, topk_weights, needed, self.activation, self.biases)

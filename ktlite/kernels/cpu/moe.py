@@ -15,6 +15,7 @@ API (what the runtime calls):
     moe.native_fill = fn(layer_idx, expert, gate_up, down)  # refills a slot on dynamic placement
     out = moe.forward(layer_idx, hidden[T, H], topk_ids[T, k], topk_weights[T, k], skip_mask[E])
     handle = moe.submit(...same args...);  ...GPU work...;  out = handle.wait()
+    moe.set_activation(layer_idx, activation, biases)       # the experts' (kernels/expert_activation.py), if not SiLU * up
     moe.warmup(); moe.nbytes(); moe.close()
     moe.swap_expert(layer_idx, new, old, gate, up, down)   # dynamic placement: new -> GPU, old -> CPU
     moe.dequantized_expert(layer_idx, expert, dtype)       # (gate_up [2I, H], down [H, I]) as stored
@@ -83,6 +84,7 @@ from ktlite.kernels.cpu.quant import (
 )
 from ktlite.kernels.cpu.target import bf16_gemm_wins
 from ktlite.kernels.cpu.threads import ExpertPools, pinned_threads
+from ktlite.kernels.expert_activation import SWIGLU, ExpertActivation
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +151,8 @@ class ExpertLayer:
     pool_of: np.ndarray  # [S] pool that owns each slot
     gate_up: QuantizedWeight  # [S, 2I, H]: gate rows then up rows
     down: QuantizedWeight  # [S, H, I]
+    activation: ExpertActivation = SWIGLU
+    biases: tuple[np.ndarray, np.ndarray] | None = None  # fp32 gate_up [E, 2I], down [E, H] by expert id
     # moe_kernels.fold_steps of gate_up / down per slot, and whether each slot's scales fold; slots written since the
     # last check are checked again (a dynamic placement swap re-checks one slot, not the layer)
     _steps: list[np.ndarray] = field(default_factory=list)
@@ -159,6 +163,15 @@ class ExpertLayer:
 
     def nbytes(self) -> int:
         return self.gate_up.nbytes() + self.down.nbytes()
+
+    @property
+    def plain(self) -> bool:
+        """SiLU(gate) * up without biases: the AMX / VNNI tiles run only this."""
+        return self.activation.plain and self.biases is None
+
+    def activation_args(self) -> tuple:
+        """The activation as moe_kernels.moe_rows takes it (the slots' experts read in place: swaps update them)."""
+        return moe_kernels.activation_args(self.activation, self.biases, self.experts)
 
     def fold_steps(self) -> tuple[np.ndarray, np.ndarray]:
         """The steps (moe_kernels.fold_steps) of gate_up and of down where every slot's INT4 scales fold, else NO_STEPS
@@ -387,6 +400,15 @@ class CPUMoE:
             quantize_into(layer.gate_up, (slot, slice(layer.inter, 2 * layer.inter)), up)
             quantize_into(layer.down, (slot,), down)
 
+    def set_activation(self, layer_idx: int, activation: ExpertActivation,
+                       biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """The layer's experts compute `activation` (default SiLU(gate) * up) with these biases (gate_up [E, 2I] gate
+        then up, down [E, H], by expert id; None: none)."""
+        layer = self._layer(layer_idx)
+        layer.activation = activation
+        layer.biases = None if biases is None else tuple(
+            np.ascontiguousarray(b.detach().to("cpu", torch.float32).numpy()) for b in biases)
+
     def slot_views(self, layer_idx: int, expert: int) -> tuple[QuantizedWeight, QuantizedWeight] | None:
         """(gate_up [2I, H], down [H, I]) storage of an expert's slot, to fill in place; None if not on CPU."""
         layer = self._layer(layer_idx)
@@ -474,7 +496,7 @@ class CPUMoE:
         return (layer.slot_of, layer.pool_of, self.pools.count, gu.qweight, gu.scales, dn.qweight, dn.scales,
                 gu.group_shift, dn.group_shift, gu.kp, dn.kp, self._int8_dots(layer), self._scratch(layer),
                 tokens + 1 if tiles_from is None else tiles_from, numba.config.NUMBA_NUM_THREADS, *layer.fold_steps(),
-                self._buffer("fused_act", tokens * top_k * dn.kp, torch.float32).numpy())
+                self._buffer("fused_act", tokens * top_k * dn.kp, torch.float32).numpy(), layer.activation_args())
 
     def run_here(self, fn: Callable, *args):
         """fn(*args) on the calling thread with every pool's numba threads (ExpertPools.run_here)."""
@@ -526,7 +548,8 @@ class CPUMoE:
 
     def _amx_tokens(self, layer: ExpertLayer) -> int | None:
         """Tokens per expert from which the layer's experts run on AMX tiles (moe_kernels.moe_amx); None: never here."""
-        return AMX_MIN_TOKENS[layer.gate_up.method] if self._int8_dots(layer) and amx_fits(layer) else None
+        return (AMX_MIN_TOKENS[layer.gate_up.method] if self._int8_dots(layer) and amx_fits(layer) and layer.plain
+                else None)
 
     def _run_pool(self, layer: ExpertLayer, work: _PoolWork, x: torch.Tensor) -> torch.Tensor:
         """One pool's share (in the pool's thread, or the caller's for `forward`): experts with fewer than prefill_threshold
@@ -546,7 +569,7 @@ class CPUMoE:
                 act = self._act_buffer(rows.tok_idx.size, layer)
                 moe_kernels.moe_rows(xp, rows.slots, rows.tok_ptr, rows.tok_idx, rows.tok_w, gu.qweight, gu.scales,
                                  dn.qweight, dn.scales, gu.group_shift, dn.group_shift, q8, self._scratch(layer), act,
-                                 out.numpy())
+                                 out.numpy(), layer.activation_args())
             if tiles.any():
                 on_amx = light.select(tiles)
                 act = self._act_buffer(on_amx.tok_idx.size, layer)
@@ -560,8 +583,8 @@ class CPUMoE:
 
     def _run_matmul(self, layer: ExpertLayer, w: _PoolWork, x: torch.Tensor, out: torch.Tensor) -> None:
         """Experts with many tokens, a batch of experts at a time: their tokens gathered grouped by expert,
-        gate_up per expert into one [pairs, 2I] buffer, one SiLU * mul over the batch, down per expert, one
-        weighted scatter-add. Batching the element-wise work and the scatter (instead of small torch ops
+        gate_up per expert into one [pairs, 2I] buffer, one activation over the batch (SiLU * mul in place; other
+        activations and biases: expert_activation.py), down per expert, one weighted scatter-add. Batching the element-wise work and the scatter (instead of small torch ops
         per expert, interleaved with numba's parallel regions) made them ~3x cheaper."""
         gu, dn = layer.gate_up, layer.down
         inter, hidden, dtype = layer.inter, layer.hidden, self.prefill_dtype
@@ -573,14 +596,28 @@ class CPUMoE:
             xs = torch.index_select(x, 0, idx, out=self._buffer("x", pairs * hidden).view(pairs, hidden))
             h = self._buffer("gate_up", pairs * 2 * inter).view(pairs, 2 * inter)
             self._per_expert_matmul(layer, batch, gu, xs, h, scratch, weight)
-            gate = torch.nn.functional.silu(h[:, :inter], inplace=True)  # in place: no fresh [pairs, I] array
-            act = torch.mul(gate, h[:, inter:], out=self._buffer("act", pairs * inter).view(pairs, inter))
+            self._add_biases(layer, batch, h, 0)
+            if layer.activation.plain:
+                gate = torch.nn.functional.silu(h[:, :inter], inplace=True)  # in place: no fresh [pairs, I] array
+                act = torch.mul(gate, h[:, inter:], out=self._buffer("act", pairs * inter).view(pairs, inter))
+            else:
+                act = layer.activation(h[:, :inter], h[:, inter:])
             ys = self._buffer("down", pairs * hidden).view(pairs, hidden)
             self._per_expert_matmul(layer, batch, dn, act, ys, scratch, weight)
+            self._add_biases(layer, batch, ys, 1)
             if dtype == torch.bfloat16:  # straight from the bf16 rows: no fp32 copy of ys
                 moe_kernels.scatter_add_bf16(gemm.numpy_bits(ys), batch.tok_idx, batch.tok_w, out.numpy())
             else:
                 out.index_add_(0, idx, ys * torch.from_numpy(batch.tok_w)[:, None])
+
+    @staticmethod
+    def _add_biases(layer: ExpertLayer, batch: _PoolWork, rows: torch.Tensor, which: int) -> None:
+        """Each expert's rows += its bias (`which`: 0 gate_up, 1 down), where the layer has biases."""
+        if layer.biases is None:
+            return
+        bias = torch.from_numpy(layer.biases[which])
+        for m, slot in enumerate(batch.slots.tolist()):
+            rows[batch.tok_ptr[m]:batch.tok_ptr[m + 1]] += bias[layer.experts[slot]].to(rows.dtype)
 
     def _per_expert_matmul(self, layer: ExpertLayer, batch: _PoolWork, qw: QuantizedWeight, inp: torch.Tensor,
                            res: torch.Tensor, scratch: np.ndarray, weight: torch.Tensor | None) -> None:

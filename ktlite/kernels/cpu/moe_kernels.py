@@ -2,8 +2,9 @@
 
 `moe_rows` is the fused routed-expert MLP for few tokens (per-expert GEMV, parallel over output
 rows). One call runs every selected expert of one layer (one pool's share) in two parallel regions:
-  1. gate/up rows: act[p, i] = SiLU(gate_i . x_t) * (up_i . x_t) for each (token t, expert) pair p;
-  2. down rows:    out[t, h] += w_p * (down_h . act[p]).
+  1. gate/up rows: act[p, i] = A(gate_i . x_t, up_i . x_t) for each (token t, expert) pair p, A the experts'
+     activation (kernels/expert_activation.py: SiLU(gate) * up, or its clamped forms, after the gate/up bias);
+  2. down rows:    out[t, h] += w_p * (down_h . act[p] (+ the down bias)).
 Each row is dotted straight from its stored bytes with every token routed to that expert (the row
 stays in L1 between tokens, so weights stream from RAM once per call however many tokens share an
 expert); an expert with DECODE_ONCE_TOKENS or more tokens decodes each row once into an fp32
@@ -23,6 +24,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ktlite.kernels.cpu.activations import activation_views, padded_rows, pair_rows
+from ktlite.kernels.expert_activation import SWIGLU, ExpertActivation
 from ktlite.kernels.cpu.amx_kernels import moe_amx
 from ktlite.kernels.cpu.amx_tiles import AMX
 from ktlite.kernels.cpu.int8_dots import TILE_ROWS, TILE_TOKENS, gate_up_tiles, row_dot_q8, runs_as_tiles, tile_dot_q8
@@ -41,8 +43,24 @@ from ktlite.kernels.cpu.int8_dots import INT_TILES  # noqa: F401
 ensure_threadsafe_layer()  # before the first parallel region of the process
 
 
+def activation_args(activation: ExpertActivation, biases: tuple[np.ndarray, np.ndarray] | None,
+                    slot_expert: np.ndarray) -> tuple:
+    """moe_rows' `activation`: (plain, alpha, limit, up_offset, gate_up bias [E, 2I], down bias [E, H], slot_expert
+    [S]): plain = SiLU(gate) * up without biases (the only activation the VNNI / AMX tiles compute; the row kernels
+    then run their unclamped loop as before); the biases fp32 by global expert id (empty: none), slot_expert the
+    expert of each slot."""
+    gu_b, d_b = (_NO_BIAS, _NO_BIAS) if biases is None else biases
+    plain = activation.plain and biases is None
+    return (plain, *activation.params(), gu_b, d_b, slot_expert)
+
+
+_NO_BIAS = np.zeros((0, 0), np.float32)
+PLAIN = activation_args(SWIGLU, None, np.zeros(0, np.int64))  # SiLU(gate) * up, no biases: most families' layers
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, q8, scratch, act, out):
+def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, q8, scratch, act, out,
+             activation):
     """x [T, Kp(hidden)] fp32, zero beyond hidden; slots [M] expert slots into the stacked weights;
     pairs tok_ptr[m]:tok_ptr[m+1] of expert m are tokens tok_idx[p] with weights tok_w[p];
     gu_q/gu_s [E, 2I, ...] (gate rows then up rows), d_q/d_s [E, H, ...], each in its own storage format
@@ -50,7 +68,8 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, 
     row_dot_q8) instead of fp32 ones; scratch [threads, 2, >= max Kp] fp32 row buffers (one pair per thread:
     allocating them inside prange page-faulted and ran up to 20x slower; `threads` is also the number of parallel
     tasks, each a share of the rows); act [P, Kp(inter)] fp32 scratch, zero beyond I (only act[:, :I] is
-    written); out [T, H] fp32, accumulated into."""
+    written); out [T, H] fp32, accumulated into; activation: activation_args (the tiles run only the plain one)."""
+    plain, alpha, limit, up_offset, gu_b, d_b, slot_expert = activation
     hidden = out.shape[1]
     inter = gu_q.shape[1] // 2
     kp_h = x.shape[1]
@@ -70,7 +89,7 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, 
         r_lo, r_hi = task * share, min(inter, (task + 1) * share)
         for m in range(n_experts):
             e = slots[m]
-            if runs_as_tiles(q8, gu_q, tok_ptr[m + 1] - tok_ptr[m]):
+            if plain and runs_as_tiles(q8, gu_q, tok_ptr[m + 1] - tok_ptr[m]):
                 gate_up_tiles(gu_q[e], gu_s[e], r_lo, r_hi, xq, xd, tok_idx, tok_ptr[m], tok_ptr[m + 1], gu_shift,
                                tiles[tid], act)
                 continue
@@ -92,7 +111,15 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, 
                     else:
                         g = row_dot(gq, gsc, x[t], xs[t], gu_shift)
                         u = row_dot(uq, usc, x[t], xs[t], gu_shift)
-                    act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * u
+                    if plain:
+                        act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * u
+                    else:
+                        if gu_b.shape[0]:
+                            g += gu_b[slot_expert[e], i]
+                            u += gu_b[slot_expert[e], inter + i]
+                        g = min(g, limit)  # limit: finite, past any activation without one (fastmath: no inf)
+                        u = max(min(u, limit), -limit)
+                        act[p, i] = g / (np.float32(1.0) + np.exp(-alpha * g)) * (u + up_offset)
     acts, aq, ad, ao = activation_views(act, q8)
     pairs = np.arange(act.shape[0])  # the tiles' row indices into aq / ad
     share = (hidden + threads - 1) // threads
@@ -103,7 +130,7 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, 
         for m in range(n_experts):
             e = slots[m]
             p_lo, p_hi = tok_ptr[m], tok_ptr[m + 1]
-            if runs_as_tiles(q8, d_q, p_hi - p_lo):
+            if plain and runs_as_tiles(q8, d_q, p_hi - p_lo):
                 tile = tiles[tid, 0]
                 for h0 in range(h_lo, h_hi, TILE_ROWS):
                     for p0 in range(p_lo, p_hi, TILE_TOKENS):
@@ -129,6 +156,8 @@ def moe_rows(x, slots, tok_ptr, tok_idx, tok_w, gu_q, gu_s, d_q, d_s, gu_shift, 
                             v = row_dot_q8(dq, dsc, act[p], acts[p], aq[p], ad[p], ao[p], d_shift)
                         else:
                             v = row_dot(dq, dsc, act[p], acts[p], d_shift)
+                        if d_b.shape[0]:
+                            v += d_b[slot_expert[e], h]
                         out[tok_idx[p], h] += tok_w[p] * v
 
 
@@ -224,11 +253,12 @@ def moe_rows_routed(x, ids, weights, skip, experts):  # pragma: no cover - compi
     pool's in one list), x [T, H] padded to kp_h, the experts with amx_from or more pairs through moe_amx and the
     others through moe_rows, as CPUMoE._run_pool splits them -> (out [T, H] fp32, the id of an expert neither stored
     nor skipped, else -1: nothing is computed then). experts = (slot_of, pool_of, n_pools, gu_q, gu_s, d_q, d_s,
-    gu_shift, d_shift, kp_h, kp_i, q8, scratch, amx_from, threads, gu_steps, d_steps, work): CPUMoE.decode_experts;
+    gu_shift, d_shift, kp_h, kp_i, q8, scratch, amx_from, threads, gu_steps, d_steps, work, activation):
+    CPUMoE.decode_experts (activation: activation_args; a layer with another than the plain one never reaches AMX);
     work: >= T * k * kp_i fp32, the fused kernels' intermediate rows (reused across calls: a fresh one page-faults,
     ~10 % of a 512-token V3 layer)."""
     (slot_of, pool_of, n_pools, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, kp_h, kp_i, q8, scratch, amx_from, threads,
-     gu_steps, d_steps, work) = experts
+     gu_steps, d_steps, work, activation) = experts
     slots, tok_ptr, tok_idx, tok_w, _, missing = group_pairs(ids, weights, slot_of, pool_of, skip, n_pools)
     out = np.zeros((x.shape[0], x.shape[1]), np.float32)
     if missing >= 0 or slots.size == 0:
@@ -239,7 +269,8 @@ def moe_rows_routed(x, ids, weights, skip, experts):  # pragma: no cover - compi
     if not tiles.all():
         r_slots, r_ptr, r_idx, r_w = _selected_slots(slots, tok_ptr, tok_idx, tok_w, ~tiles)
         act = pair_rows(work, r_idx.shape[0], kp_i, inter)
-        moe_rows(xp, r_slots, r_ptr, r_idx, r_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, q8, scratch, act, out)
+        moe_rows(xp, r_slots, r_ptr, r_idx, r_w, gu_q, gu_s, d_q, d_s, gu_shift, d_shift, q8, scratch, act, out,
+                 activation)
     if tiles.any():
         a_slots, a_ptr, a_idx, a_w = _selected_slots(slots, tok_ptr, tok_idx, tok_w, tiles)
         act = pair_rows(work, a_idx.shape[0], kp_i, inter)

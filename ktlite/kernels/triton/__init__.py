@@ -22,6 +22,7 @@ from types import ModuleType
 
 import torch
 
+from ktlite.kernels.expert_activation import SWIGLU, ExpertActivation
 from ktlite.kernels.triton.quant import QuantizedWeight, dequantize_expert, quantize_weight
 from ktlite.kernels.triton.reference import fp8_dequantize, fp8_linear_torch, fused_moe_torch
 
@@ -78,15 +79,19 @@ def fused_moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     expert_mask: torch.Tensor | None = None,
+    activation: ExpertActivation = SWIGLU,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed experts on this device. hidden [T, H], w13 [E, 2I, H] (gate rows then up rows),
     w2 [E, H, I] (dense bf16/fp16 or QuantizedWeight INT8/INT4), topk_ids/topk_weights [T, k],
     expert_mask [E] bool (True = computed here) -> [T, H] in hidden's dtype. Ids outside [0, E)
     (e.g. -1) are skipped like masked ones, so a compact stack of just this device's experts with
-    remapped ids works without a mask."""
+    remapped ids works without a mask. activation: the experts' gated activation (SiLU(gate) * up by default);
+    biases: (gate_up [E, 2I], down [E, H]) indexed as w13 / w2, or None."""
     if use_triton(hidden):
-        return _kernels("moe").fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, expert_mask)
-    return fused_moe_torch(hidden, w13, w2, topk_ids, topk_weights, expert_mask)
+        return _kernels("moe").fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, expert_mask, activation,
+                                                biases)
+    return fused_moe_torch(hidden, w13, w2, topk_ids, topk_weights, expert_mask, activation, biases)
 
 
 def fp8_linear(

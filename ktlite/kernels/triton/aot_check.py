@@ -94,13 +94,14 @@ def configs(dt: str = "bf16") -> list[KernelConfig]:
     out += linear_attn_configs(dt)
     for bits, w_ty, s_ty in ((16, dt, dt), (8, "i8", "fp16"), (4, "u8", "fp16")):
         for gated in (True, False):
-            for block_m in (16, 64):
+            for block_m, bias in ((16, False), (64, False), (16, True)):  # biased experts: gpt-oss
                 ptrs = {"A": f"*{dt}", "W": f"*{w_ty}", "Scales": f"*{s_ty}", "Out": f"*{dt}", "SortedIds": "*i32",
-                        "ExpertIds": "*i32", "NumPadded": "*i32", "TopkWeights": "*fp32"}
-                consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, WEIGHTED=not gated, BITS=bits,
+                        "ExpertIds": "*i32", "NumPadded": "*i32", "TopkWeights": "*fp32", "Bias": f"*{dt}"}
+                consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, HAS_BIAS=bias, WEIGHTED=not gated, BITS=bits,
                               BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64 if bits == 16 else 128)
-                label = f"moe {'gate_up' if gated else 'down'} bits={bits} BM={block_m}"
-                out.append(KernelConfig("moe", label, moe._moe_gemm_kernel, ptrs, consts, num_stages=3))
+                label = f"moe {'gate_up' if gated else 'down'} bits={bits} BM={block_m}{' bias' if bias else ''}"
+                out.append(KernelConfig("moe", label, moe._moe_gemm_kernel, ptrs, consts, num_stages=3,
+                                        floats=("alpha", "limit", "up_offset")))
     for mode, min_arch in (("weight-only", 89), ("e4m3-bits", 80), ("w8a8", 89)):
         for block_m in (16, 64):
             ptrs = {"X": "*fp8e4nv" if mode == "w8a8" else f"*{dt}", "XScale": "*fp32",
@@ -125,15 +126,18 @@ def gqa_configs(dt: str) -> list[KernelConfig]:
     pools = ((dt, dt, dt, False, 80), ("fp8", "fp8e4nv", "fp32", True, 89), ("fp8 bytes", "u8", "fp32", True, 80))
     for pool, kv_ty, scale_ty, packed, min_arch in pools:
         ptrs = {"Q": f"*{dt}", "K": f"*{kv_ty}", "V": f"*{kv_ty}", "KScale": f"*{scale_ty}", "VScale": f"*{scale_ty}",
-                "ReqToToken": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "Out": f"*{dt}", **ints}
-        kinds = dict(PACKED=packed, E4M3_BITS=kv_ty == "u8")
-        out += [
-            KernelConfig("gqa", f"gqa decode stage1 {pool} pool", gqa_decode_attn._gqa_decode_stage1, ptrs,
-                         dict(dims, BLOCK_H=16, BLOCK_N=64, **kinds), min_arch=min_arch, floats=floats),
-            KernelConfig("gqa", f"gqa extend {pool} pool", gqa_extend_attn._gqa_extend_kernel, ptrs,
-                         dict(dims, BLOCK_T=8, BLOCK_H=8, BLOCK_N=64, **kinds), min_arch=min_arch,
-                         floats=floats),
-        ]
+                "ReqToToken": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "Out": f"*{dt}", "Sinks": "*fp32", **ints}
+        # sinks (gpt-oss) on the plain pool only: the pool kind and the sinks touch different lines
+        for sinks in (False, True) if pool == dt else (False,):
+            kinds = dict(PACKED=packed, E4M3_BITS=kv_ty == "u8", HAS_SINKS=sinks)
+            label = f"{pool} pool{', sinks' if sinks else ''}"
+            out += [
+                KernelConfig("gqa", f"gqa decode stage1 {label}", gqa_decode_attn._gqa_decode_stage1, ptrs,
+                             dict(dims, BLOCK_H=16, BLOCK_N=64, **kinds), min_arch=min_arch, floats=floats),
+                KernelConfig("gqa", f"gqa extend {label}", gqa_extend_attn._gqa_extend_kernel, ptrs,
+                             dict(dims, BLOCK_T=8, BLOCK_H=8, BLOCK_N=64, **kinds), min_arch=min_arch,
+                             floats=floats),
+            ]
     return out
 
 

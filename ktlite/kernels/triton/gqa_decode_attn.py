@@ -7,6 +7,9 @@ and the group is padded to BLOCK_H rows (>= 16 on a GPU) so QK^T and PV run as t
 Stage 2 is MLA decode's merge kernel (decode_attn._decode_stage2): the partial results have the
 same [B, H, splits, width] layout, and merging by log-sum-exp does not care where they came from.
 
+Sliding window: the chunks split only the last `window` keys. Sinks: split 0 starts its online softmax from the
+head's sink logit (running max = sink, sum = 1, nothing accumulated), so the merge counts the sink once in the
+denominator and it adds nothing to the output.
 Packed FP8 pools (kv_fp8.head_rows, a scale per token and kv head) are read through head_tile: key scales
 go on the scores, value tiles are dequantized in registers, codes decode with integer ops before sm89.
 """
@@ -24,17 +27,19 @@ from ktlite.kernels.triton.head_tile import head_operands, key_tile, scaled_scor
 logger = logging.getLogger(__name__)
 
 _LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30  # the kernels' window without one: more keys than any sequence has
 
 
 @triton.jit
 def _gqa_decode_stage1(
-    Q, K, V, KScale, VScale, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
-    qk_scale, group, num_splits,
+    Q, K, V, KScale, VScale, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse, Sinks,
+    qk_scale, group, num_splits, window,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
     stride_kss, stride_ksh, stride_vss, stride_vsh, stride_rt,
     stride_mob, stride_moh, stride_mos, stride_lb, stride_lh,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PACKED: tl.constexpr, E4M3_BITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -51,9 +56,10 @@ def _gqa_decode_stage1(
 
     seq_len = tl.load(SeqLens + b)
     req = tl.load(ReqPoolIdx + b).to(tl.int64)
+    kv_start = tl.maximum(seq_len - window, 0)  # the window's first key (window: a huge value without one)
     # chunk length rounded to BLOCK_N so every chunk but the last issues full tiles
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    split_len = tl.cdiv(tl.cdiv(seq_len - kv_start, num_splits), BLOCK_N) * BLOCK_N
+    start = kv_start + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     q_ptr = Q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :]
@@ -65,6 +71,10 @@ def _gqa_decode_stage1(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
+    if HAS_SINKS:
+        if split == 0:  # the sink joins the softmax once: in split 0, as a key with value 0 (log2 units)
+            m_i = tl.load(Sinks + offs_h, mask=mask_h, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i = tl.full([BLOCK_H], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -116,8 +126,6 @@ def gqa_decode_triton(
     for tl.dot on a GPU, at most 64); num_kv_splits defaults to decode_attn.default_num_kv_splits();
     e4m3_bits is head_tile.head_operands'.
     """
-    if sinks is not None or window:  # not yet in the Triton kernel: select() never sends them here
-        raise NotImplementedError("attention sinks / sliding window in the Triton GQA kernel")
     batch, num_heads, head_d = q.shape
     kv = head_operands(k_buffer, v_buffer, e4m3_bits)
     num_kv_heads, head_dv = kv.k.shape[1], kv.v.shape[2]
@@ -137,11 +145,12 @@ def gqa_decode_triton(
     block_dv = triton.next_power_of_2(head_dv)
     _gqa_decode_stage1[(batch, head_blocks, splits)](
         q, *kv.pointers, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-        sm_scale * _LOG2E, group, splits,
+        mid_lse if sinks is None else sinks.float().contiguous(), sm_scale * _LOG2E, group, splits,
+        window if window > 0 else NO_WINDOW,
         q.stride(0), q.stride(1), *kv.strides, req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=dot_width(head_d), BLOCK_DV=block_dv,
-        BLOCK_H=block_h, BLOCK_N=block_n, **kv.constexprs,
+        BLOCK_H=block_h, BLOCK_N=block_n, **kv.constexprs, HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     _decode_stage2[(batch, num_heads)](

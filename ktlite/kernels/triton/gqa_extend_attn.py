@@ -6,6 +6,8 @@ group), and streams that kv head's K/V (the cached prefix and the chunk's own to
 addressed through req_to_token) in BLOCK_N tiles with an online softmax. Flattening the group
 into the rows lets one K/V tile serve every query head that reads it, and with short chunks
 (e.g. decode-sized mixed chunks) it keeps the causal frontier tight.
+Sliding window: a row sees keys q_pos - window + 1 .. q_pos, and the tile's loop starts at its first row's window.
+Sinks: each row's online softmax starts from its head's sink logit (max = sink, sum = 1, nothing accumulated).
 Packed FP8 pools are read through head_tile, as in gqa_decode_attn.
 """
 
@@ -16,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ktlite.kernels.triton.common import dot, dot_width
+from ktlite.kernels.triton.gqa_decode_attn import NO_WINDOW
 from ktlite.kernels.triton.head_tile import head_operands, key_tile, scaled_scores, value_tile
 
 logger = logging.getLogger(__name__)
@@ -25,13 +28,13 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _gqa_extend_kernel(
-    Q, K, V, KScale, VScale, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart, Out,
-    qk_scale, group,
+    Q, K, V, KScale, VScale, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart, Out, Sinks,
+    qk_scale, group, window,
     stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
     stride_kss, stride_ksh, stride_vss, stride_vsh, stride_rt, stride_on, stride_oh,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PACKED: tl.constexpr,
-    E4M3_BITS: tl.constexpr,
+    E4M3_BITS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     t_block = tl.program_id(1)
@@ -65,11 +68,16 @@ def _gqa_extend_kernel(
     q_pos = prefix + offs_t  # absolute position of each row's token
     # keys up to the tile's last token; one loop with the causal mask everywhere keeps the kernel small
     kv_end = prefix + tl.minimum((t_block + 1) * BLOCK_T, ext_len)
+    # the first tile holding a key of the tile's first row's window (window: a huge value without one)
+    kv_lo = tl.maximum(prefix + t_block * BLOCK_T - window + 1, 0) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_T * BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_T * BLOCK_H], tl.float32)
+    if HAS_SINKS:  # in log2 units, as the scores
+        m_i = tl.load(Sinks + offs_h, mask=mask_m, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_T * BLOCK_H], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_DV], tl.float32)
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_lo, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
         slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -77,9 +85,11 @@ def _gqa_extend_kernel(
                     mask=mask_d[:, None] & mask_n[None, :], other=0.0)  # [BD, BN]
         s = dot(q, key_tile(k, q, E4M3_BITS), tl.zeros([BLOCK_T * BLOCK_H, BLOCK_N], tl.float32)) * qk_scale
         s = scaled_scores(s, ks_base, slot, stride_kss, mask_n, PACKED, E4M3_BITS)
-        s = tl.where(mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
-        # every row (padded ones too) sees key 0 in the first tile, so m_new is finite: no NaN guard
+        seen = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window)
+        s = tl.where(mask_n[None, :] & seen, s, float("-inf"))
+        # a row whose window starts past this tile has seen nothing yet: keep its max finite (0), so no NaN
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -121,8 +131,6 @@ def gqa_extend_triton(
     query rows (>= 16 for tl.dot on a GPU); default: the group padded to a power of two (at most
     16 heads) times enough tokens for 64 rows.
     """
-    if sinks is not None or window:  # not yet in the Triton kernel: select() never sends them here
-        raise NotImplementedError("attention sinks / sliding window in the Triton GQA kernel")
     num_tokens, num_heads, head_d = q.shape
     kv = head_operands(k_buffer, v_buffer, e4m3_bits)
     num_kv_heads, head_dv = kv.k.shape[1], kv.v.shape[2]
@@ -143,12 +151,13 @@ def gqa_extend_triton(
     grid = (extend_lens.shape[0], triton.cdiv(max_extend_len, block_t), head_blocks)
     _gqa_extend_kernel[grid](
         q, *kv.pointers, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc, out,
-        sm_scale * _LOG2E, group,
+        out if sinks is None else sinks.float().contiguous(), sm_scale * _LOG2E, group,
+        window if window > 0 else NO_WINDOW,
         q.stride(0), q.stride(1), *kv.strides, req_to_token.stride(0),
         out.stride(0), out.stride(1),
         HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=dot_width(head_d),
         BLOCK_DV=triton.next_power_of_2(head_dv),
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_N=block_n, **kv.constexprs,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_N=block_n, **kv.constexprs, HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

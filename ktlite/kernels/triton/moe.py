@@ -4,8 +4,9 @@
    expert and each expert's run is padded to BLOCK_M, so every BLOCK_M rows share one expert;
    done with torch ops on the device and no host sync (CUDA-graph friendly), sized by the
    worst case T*k + min(E, T*k) * (BLOCK_M - 1) rows.
-2. gate+up GEMM with SiLU(gate) * up fused in the epilogue -> act [T*k, I].
-3. down GEMM with the routing weight applied in the epilogue -> per-pair rows [T*k, H] (pairs of
+2. gate+up GEMM with the experts' gated activation fused in the epilogue (kernels/expert_activation.py: SiLU(gate)
+   * up, or its clamped forms; the gate/up bias added first where the experts have one) -> act [T*k, I].
+3. down GEMM with the down bias and the routing weight applied in the epilogue -> per-pair rows [T*k, H] (pairs of
    disabled experts stay 0), summed over k.
 Weights: dense bf16/fp16, or QuantizedWeight INT8/INT4 (quant.py) dequantized in-kernel: one
 K tile is one quantization group, so each tile's partial product is scaled once per column.
@@ -17,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ktlite.kernels.expert_activation import SWIGLU, ExpertActivation
 from ktlite.kernels.triton.common import cast_like, dot
 from ktlite.kernels.triton.quant import QuantizedWeight
 from ktlite.kernels.triton.reference import local_pairs
@@ -26,11 +28,12 @@ logger = logging.getLogger(__name__)
 
 @triton.jit
 def _moe_gemm_kernel(
-    A, W, Scales, Out, SortedIds, ExpertIds, NumPadded, TopkWeights,
-    N, K, num_pairs, gate_offset,
-    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    A, W, Scales, Out, SortedIds, ExpertIds, NumPadded, TopkWeights, Bias,
+    N, K, num_pairs, gate_offset, alpha, limit, up_offset,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_be,
     A_ROW_DIV: tl.constexpr,  # top_k when A is hidden (row = token), 1 when A is act (row = pair)
-    GATED: tl.constexpr,  # True: out = silu(A @ W[:N]^T) * (A @ W[gate_offset:]^T)
+    GATED: tl.constexpr,  # True: out = act(A @ W[:N]^T, A @ W[gate_offset:]^T) (expert_activation.py)
+    HAS_BIAS: tl.constexpr,  # Bias [E, N (x2 when GATED)] is added to the products
     WEIGHTED: tl.constexpr,  # True: out *= routing weight of the pair
     BITS: tl.constexpr,  # 16 (dense), 8 or 4
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -87,8 +90,15 @@ def _moe_gemm_kernel(
                         a_lo, a_hi, w_up + k0 // 2, half, mask_n, BLOCK_M, BLOCK_N
                     ) * s_up.to(tl.float32)[None, :]
 
-    if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
+    if HAS_BIAS:
+        b_ptr = Bias + expert * stride_be + offs_n
+        acc += tl.load(b_ptr, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b_ptr + gate_offset, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if GATED:  # g * sigmoid(alpha g) * (u + up_offset), g and u clamped by limit (inf-like: no clamp)
+        g = tl.minimum(acc, limit)
+        u = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        acc = g / (1.0 + tl.exp(-alpha * g)) * (u + up_offset)
     if WEIGHTED:
         acc = acc * tl.load(TopkWeights + pair, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     o_ptrs = Out + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -153,16 +163,19 @@ def _weight_args(w: torch.Tensor | QuantizedWeight, block_k: int) -> tuple[torch
 def _launch(
     a: torch.Tensor, w: torch.Tensor | QuantizedWeight, out: torch.Tensor, align: tuple, topk_weights: torch.Tensor,
     n: int, gated: bool, a_row_div: int, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
+    activation: ExpertActivation, bias: torch.Tensor | None,
 ) -> None:
     sorted_ids, expert_ids, num_padded = align
     tensor, scales, bits, block_k = _weight_args(w, block_k)
     k = a.shape[1]
     grid = (expert_ids.numel(), triton.cdiv(n, block_n))
+    alpha, limit, up_offset = (float(v) for v in activation.params())
     _moe_gemm_kernel[grid](
-        a, tensor, scales, out, sorted_ids, expert_ids, num_padded, topk_weights,
-        n, k, topk_weights.numel(), n,
+        a, tensor, scales, out, sorted_ids, expert_ids, num_padded, topk_weights, out if bias is None else bias,
+        n, k, topk_weights.numel(), n, alpha, limit, up_offset,
         a.stride(0), tensor.stride(0), tensor.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
-        A_ROW_DIV=a_row_div, GATED=gated, WEIGHTED=not gated, BITS=bits,
+        0 if bias is None else bias.stride(0),
+        A_ROW_DIV=a_row_div, GATED=gated, HAS_BIAS=bias is not None, WEIGHTED=not gated, BITS=bits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -175,6 +188,8 @@ def fused_moe_triton(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     expert_mask: torch.Tensor | None = None,
+    activation: ExpertActivation = SWIGLU,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_m: int | None = None,
     block_n: int = 64,
     block_k: int = 64,
@@ -198,8 +213,11 @@ def fused_moe_triton(
     weights = topk_weights.reshape(-1).contiguous()
 
     act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
-    _launch(hidden, w13, act, align, weights, inter, True, top_k, block_m, block_n, block_k, num_warps, num_stages)
+    b13, b2 = (None, None) if biases is None else (b.contiguous() for b in biases)
+    _launch(hidden, w13, act, align, weights, inter, True, top_k, block_m, block_n, block_k, num_warps, num_stages,
+            activation, b13)
     # rows of pairs whose expert is elsewhere are never written: start from zeros
     per_pair = torch.zeros(num_tokens * top_k, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    _launch(act, w2, per_pair, align, weights, hidden_size, False, 1, block_m, block_n, block_k, num_warps, num_stages)
+    _launch(act, w2, per_pair, align, weights, hidden_size, False, 1, block_m, block_n, block_k, num_warps, num_stages,
+            activation, b2)
     return per_pair.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)

@@ -10,6 +10,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ktlite.kernels.expert_activation import SWIGLU, ExpertActivation
 from ktlite.kernels.triton.kv_fp8 import is_packed, latent_rows, packed_head_rows
 from ktlite.kernels.triton.quant import QuantizedWeight, expert_weight
 
@@ -119,10 +120,13 @@ def fused_moe_torch(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     expert_mask: torch.Tensor | None = None,
+    activation: ExpertActivation = SWIGLU,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """sum_j topk_weights[t, j] * down_e(silu(gate_e x) * up_e x) over selected experts e = topk_ids[t, j]
+    """sum_j topk_weights[t, j] * (down_e(act(gate_e x, up_e x)) over selected experts e = topk_ids[t, j]
     with expert_mask[e] True (all experts if None); the others, and ids outside [0, E), contribute 0
-    (the CPU side computes them).
+    (the CPU side computes them). act: the experts' activation (kernels/expert_activation.py, SiLU(gate) * up by
+    default); biases (gate_up [E, 2I], down [E, H], as w13 / w2 are indexed) are added to the projections.
 
     hidden: [T, H]; w13: [E, 2I, H] (rows 0:I gate, I:2I up) or QuantizedWeight of that shape;
     w2: [E, H, I] or QuantizedWeight; topk_ids/topk_weights: [T, k]. Returns [T, H] in hidden's dtype.
@@ -135,11 +139,15 @@ def fused_moe_torch(
         pairs = torch.nonzero((flat_ids == e) & keep).squeeze(1)
         tokens = pairs // top_k
         x = hidden[tokens]
-        gate_up = x @ expert_weight(w13, e, hidden.dtype).T  # [n, 2I]
-        gate, up = gate_up.float().chunk(2, dim=-1)
-        act = (F.silu(gate) * up).to(hidden.dtype)
-        y = (act @ expert_weight(w2, e, hidden.dtype).T).float() * flat_w[pairs, None]
-        out.index_add_(0, tokens, y)
+        gate_up = (x @ expert_weight(w13, e, hidden.dtype).T).float()  # [n, 2I]
+        if biases is not None:
+            gate_up = gate_up + biases[0][e].float()
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = activation(gate, up).to(hidden.dtype)
+        y = (act @ expert_weight(w2, e, hidden.dtype).T).float()
+        if biases is not None:
+            y = y + biases[1][e].float()
+        out.index_add_(0, tokens, y * flat_w[pairs, None])
     return out.to(hidden.dtype)
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ktlite.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -83,7 +85,9 @@ class RouterSpec:
     `correction_bias` (the bias steers the choice only); `method` limits the choice to the best
     `topk_group` of `n_group` expert groups (noaux_tc scores a group by its top-2, group_limited_greedy
     by its best); the weights are the chosen unbiased scores, divided by their sum when `normalize`,
-    times `scaling_factor`."""
+    times `scaling_factor`. `logit_bias`: the router is a linear layer with a bias (gpt-oss), added to the logits.
+    gpt-oss's "top-k of the logits, softmax over the k" is softmax scoring with `normalize`: softmax keeps the
+    logits' order, and the chosen probabilities over their sum are the softmax of the chosen logits."""
 
     num_experts: int
     top_k: int
@@ -94,6 +98,7 @@ class RouterSpec:
     normalize: bool = False
     scaling_factor: float = 1.0
     correction_bias: bool = False
+    logit_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.scoring not in SCORING_FUNCS:
@@ -110,6 +115,21 @@ class RouterSpec:
             raise ConfigError(f"config.json: num_experts_per_tok={self.top_k} must be in 1..{self.num_experts} routed experts")
         if self.method == "noaux_tc" and self.num_experts // self.n_group < 2:
             raise ConfigError("config.json: topk_method='noaux_tc' scores groups by their top-2, needs >= 2 experts per group")
+
+
+@dataclass(frozen=True)
+class StackedExpert:
+    """Where a routed expert's matrix sits in a checkpoint that stacks a layer's experts in one tensor stored
+    transposed, [E, in, out] (gpt-oss): expert e's matrix is columns start::step of `name`[e] (step 2: gate and up
+    interleaved), read as ktlite's [out, in]."""
+
+    name: str
+    start: int = 0
+    step: int = 1
+
+    def take(self, stacked: np.ndarray | torch.Tensor, expert: int) -> np.ndarray | torch.Tensor:
+        """[out, in] (a view) of expert `expert` in the stacked tensor [E, in, out * step] (numpy or torch)."""
+        return stacked[expert][:, self.start::self.step].T
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,6 +191,11 @@ class ModelConfig:
     def expert_weight_name(self, layer: int, expert: int, proj: str) -> str:
         """Checkpoint name of a routed expert's `proj` ("gate", "up" or "down") weight."""
         raise NotImplementedError
+
+    def stacked_expert(self, layer: int, expert: int, proj: str) -> StackedExpert | None:
+        """Where the expert's matrix sits when the checkpoint stacks a layer's experts; None: one tensor per expert
+        (`expert_weight_name`), as most families."""
+        return None
 
 
 # ---- parsing helpers the families share ---------------------------------------------------------

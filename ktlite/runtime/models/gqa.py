@@ -3,13 +3,16 @@
 Per layer the pool caches K and V per kv-head (`k`, `v`: [slots, kv_heads, head_dim]), rotated and
 normalised as the model stores them; an FP8 pool (--kv-cache-dtype fp8_e4m3) packs each kv head's values
 with their own fp32 scale (kv_fp8.head_rows: [slots, kv_heads, head_dim + 4] uint8), so nothing is clipped.
-Options: bias on q/k/v, q/k RMSNorm per head (Qwen3, GLM) or over all heads together (MiniMax-M2's
-`per_layer`), partial rotary, and an output gate (q_proj emits a gate per head, the output is multiplied
-by its sigmoid: Qwen3-Next).
+Options: bias on q/k/v (and on o), q/k RMSNorm per head (Qwen3, GLM) or over all heads together (MiniMax-M2's
+`per_layer`), partial rotary, an output gate (q_proj emits a gate per head, the output is multiplied
+by its sigmoid: Qwen3-Next), a learned sink logit per query head (`sinks`, gpt-oss) and a sliding window per
+layer (`window`: the query at position p sees keys p - window + 1 .. p). The pool still caches every token of a
+windowed layer (the attention kernels skip the keys outside the window).
 
-Tensor parallelism: query heads split evenly; kv heads split when there are at least as many as
+Tensor parallelism: query heads (and their sinks) split evenly; kv heads split when there are at least as many as
 ranks, else every rank computes all kv heads and keeps the one its query heads read (so the
-per-layer k norm sees every head). A per-layer norm over split heads all-reduces its sum of squares.
+per-layer k norm sees every head). A per-layer norm over split heads all-reduces its sum of squares. The o bias
+is rank 0's (the ranks' outputs are summed): the other ranks hold zeros, so every rank has the same shapes.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class GQASpec:
     head_dim: int
     eps: float
     bias: bool = False
+    o_bias: bool = False
+    sinks: bool = False
     qk_norm: str | None = None
     output_gate: bool = False
     unit_offset_norms: bool = False
@@ -81,10 +86,11 @@ class GQASpec:
 class GQAttention(nn.Module):
     plan_component = "attention"
 
-    def __init__(self, spec: GQASpec, rotary: RotaryEmbedding):
+    def __init__(self, spec: GQASpec, rotary: RotaryEmbedding, window: int = 0):
         super().__init__()
         s = self.spec = spec
         self.rotary = rotary
+        self.window = window  # 0: every earlier key; > 0: the last `window` keys
         self.num_heads, self.num_kv_heads = s.heads, s.kv_heads  # this rank's computed heads (TP shrinks them)
         self.kv_keep: tuple[int, int] | None = None  # TP replication: the kv heads this rank keeps
         self.tp = None
@@ -92,7 +98,9 @@ class GQAttention(nn.Module):
         self.q_proj = nn.Linear(s.hidden, q_out, bias=s.bias)
         self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.bias)
         self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.bias)
-        self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
+        self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=s.o_bias)
+        # one logit per query head joining each softmax's denominator (adds nothing to the output)
+        self.sinks = nn.Parameter(torch.empty(s.heads)) if s.sinks else None
         if s.qk_norm == "per_head":
             self.q_norm = RMSNorm(s.head_dim, s.eps, s.unit_offset_norms)
             self.k_norm = RMSNorm(s.head_dim, s.eps, s.unit_offset_norms)
@@ -125,6 +133,12 @@ class GQAttention(nn.Module):
             keep = tp.rank * s.kv_heads // tp.size
             self.kv_keep = (keep, keep + 1)
         row(self, "o_proj", prefix, s.heads * d, tp, shards)
+        if s.o_bias and tp.rank:  # the partial outputs are summed: rank 0 adds the bias, the others read none (zeros)
+            shards[prefix + "o_proj.bias"] = (0, 0, 0)
+        if s.sinks:
+            _, lo, hi = split(s.heads, tp)
+            self.sinks = nn.Parameter(torch.empty(hi - lo, dtype=self.sinks.dtype))
+            shards[prefix + "sinks"] = (0, lo, hi)
 
     def _layer_norm(self, norm: RMSNorm, x: torch.Tensor, total_dim: int, split: bool) -> torch.Tensor:
         """RMSNorm over a vector whose values may be split over the ranks (then the sum of squares is)."""
@@ -161,12 +175,14 @@ class GQAttention(nn.Module):
         pool.write("k", layer_idx, batch.out_cache_loc, k, self.spec.fp8_rows)
         pool.write("v", layer_idx, batch.out_cache_loc, v, self.spec.fp8_rows)
         k_buf, v_buf = pool.buffer("k", layer_idx), pool.buffer("v", layer_idx)
+        sinks = None if self.sinks is None else self.sinks.float()
         if batch.is_decode:
             o = attention.gqa_decode(q, k_buf, v_buf, pool.req_to_token, batch.req_pool_indices,
-                                   batch.prefix_lens + 1, self.spec.scale)
+                                   batch.prefix_lens + 1, self.spec.scale, sinks=sinks, window=self.window)
         else:
             o = attention.gqa_extend(q, k_buf, v_buf, pool.req_to_token, batch.req_pool_indices,
-                                   batch.prefix_lens, batch.extend_lens, self.spec.scale)
+                                   batch.prefix_lens, batch.extend_lens, self.spec.scale, sinks=sinks,
+                                   window=self.window)
         o = o.flatten(-2)
         if gate is not None:
             o = o * torch.sigmoid(gate)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ktlite.kernels.cpu.dense_linear import swiglu_rows
+from ktlite.kernels.expert_activation import SWIGLU, ExpertActivation
 from ktlite.runtime.models.config import RouterSpec
 from ktlite.runtime.models.router import select_experts
 
@@ -79,7 +80,7 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """fp32 router weight [E, hidden] (+ the correction bias when the spec has one)."""
+    """fp32 router weight [E, hidden] (+ the logit bias and the correction bias when the spec has them)."""
 
     plan_component = "norms_router"
 
@@ -87,6 +88,7 @@ class Router(nn.Module):
         super().__init__()
         self.spec = spec
         self.weight = nn.Parameter(torch.zeros(spec.num_experts, hidden, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(spec.num_experts, dtype=torch.float32)) if spec.logit_bias else None
         if spec.correction_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts, dtype=torch.float32))
         else:
@@ -94,14 +96,16 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> topk_ids [N, k], topk_weights [N, k] (router math in float32)."""
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         return select_experts(logits, self.spec, self.e_score_correction_bias)
 
 
 class MoE(nn.Module):
     """Router + routed experts + shared expert(s). Without `routed_experts` the expert weights are left
     out: the runtime keeps them elsewhere (CPU store, GPU expert buffers) and runs them itself
-    (`HybridMoE` reads `gate` and `shared_experts`)."""
+    (`HybridMoE` reads `gate`, `shared_experts`, `activation` and `expert_biases()`)."""
+
+    activation: ExpertActivation = SWIGLU  # the routed experts' (kernels/expert_activation.py)
 
     def __init__(self, spec: RouterSpec, hidden: int, expert_intermediate: int, shared_intermediate: int,
                  routed_experts: bool = True):
@@ -114,6 +118,10 @@ class MoE(nn.Module):
         self.shared_experts = MLP(hidden, shared_intermediate) if shared_intermediate else None
         if self.shared_experts is not None:
             self.shared_experts.plan_component = "shared_experts"
+
+    def expert_biases(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The routed experts' biases (gate_up [E, 2I] gate then up, down [E, H]), or None: they have none."""
+        return None
 
     def routed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [N, hidden]: sum over each token's chosen experts of weight * expert(x)."""
