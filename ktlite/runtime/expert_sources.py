@@ -8,6 +8,7 @@
 | FP8, FP8_PERCHANNEL    | omitted / an HF folder with FP8      | e4m3 + scales as they are (kernels/cpu/fp8.py) |
 | RAWINT4                | omitted / a compressed-tensors folder | INT4 group 32, the same codes and scales  |
 | LLAMAFILE              | a GGUF file or folder (split too)    | Q4_K/Q5_K/Q6_K/Q8_0/BF16 blocks as they are |
+| MXFP4 (FP4), MXFP8     | omitted / an HF folder with MX experts | e2m1 / e4m3 codes + e8m0 scales as they are (kernels/cpu/mx.py; names: runtime/mx_layouts.py) |
 
 "Omitted" means the `--model` folder. Nothing that loses precision happens silently: FP8 of a non-FP8
 checkpoint is refused with the methods that fit, BF16 of FP8 or FP32 experts warns that it rounds,
@@ -39,6 +40,7 @@ from ktlite.errors import CheckpointError, ConfigError
 from ktlite.kernels.cpu import gguf_quants
 from ktlite.kernels.cpu.compressed_int4 import fill_int4_rows, gpu_int4, unpack_codes
 from ktlite.kernels.cpu.fp8 import fill_fp8_rows, fp8_group_size
+from ktlite.kernels.cpu.mx import MX_GROUP, MX_METHODS, codes_per_byte, fill_mx_rows
 from ktlite.kernels.cpu.moe import CPUMoE, Format
 from ktlite.kernels.cpu.quant import (
     QUANTIZED_METHODS,
@@ -52,6 +54,7 @@ from ktlite.kernels.cpu.quant import (
 from ktlite.kernels.triton.quant import QuantizedWeight as GPUQuantizedWeight
 from ktlite.runtime.convert import MANIFEST, load_converted
 from ktlite.runtime.models.config import ModelConfig
+from ktlite.runtime.mx_layouts import LAYOUTS, MXTensors
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +66,12 @@ Placement = Mapping[int, Sequence[int]]  # MoE layer -> its experts on the devic
 
 
 _ST_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F8_E4M3": np.uint8, "I32": np.int32,
-              "I64": np.int64, "U8": np.uint8, "I8": np.int8}
+              "I64": np.int64, "U8": np.uint8, "I8": np.int8, "F8_E8M0": np.uint8, "F4": np.uint8}
 
 
 class _Safetensors:
     """The tensors of an HF folder's safetensors files as numpy views of memory maps (BF16 as its uint16
-    bits, F8_E4M3 as bytes). Maps open on first use; `release()` drops them (views taken stay valid)."""
+    bits, F8_E4M3 / F8_E8M0 as bytes, F4 as its bytes of two e2m1 codes: the last dim halved). Maps open on first use; `release()` drops them (views taken stay valid)."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -107,6 +110,8 @@ class _Safetensors:
             raise CheckpointError(f"tensor {name!r} has dtype {dtype}, which ktlite does not read")
         if f not in self._maps:  # copy-on-write: writable views for torch, the file is never changed
             self._maps[f] = np.memmap(self.folder / f, np.uint8, mode="c")
+        if dtype == "F4":  # the header counts 4-bit codes, two a byte
+            shape = (*shape[:-1], shape[-1] // 2)
         count = int(np.prod(shape))
         item = np.dtype(_ST_DTYPES[dtype]).itemsize
         return self._maps[f][offset:offset + count * item].view(_ST_DTYPES[dtype]).reshape(shape)
@@ -193,6 +198,10 @@ class HFSource(Source):
         if first is not None and first not in self.tensors:
             raise CheckpointError(f"{folder} has no routed expert tensors (looked for {first!r}); point "
                                   "--kt-weight-path at the checkpoint that holds them")
+        mx = stored_mx(cfg, self.tensors)
+        if mx is not None:
+            raise ConfigError(f"{folder} stores its routed experts as {mx} (codes with an e8m0 scale per {MX_GROUP}): "
+                              f"serve them as they are with --kt-method {mx}")
         self.stored = self.tensors.dtype(first) if first else "BF16"  # BF16 / F32 / F16 / F8_E4M3
         self._check_method()
 
@@ -255,6 +264,89 @@ class HFSource(Source):
 
     def dense(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(t.float() for t in self.weights(layer, expert))
+
+    def release(self) -> None:
+        self.tensors.release()
+
+
+_MX_CODES = {"MXFP4": ("U8", "I8", "F4"), "MXFP8": ("F8_E4M3",)}  # safetensors dtypes of each format's codes
+_E8M0 = ("U8", "F8_E8M0")
+
+
+def _mx_found(cfg: ModelConfig, tensors: _Safetensors) -> tuple[str, MXTensors] | None:
+    """(layout name, tensors of layer 0's first gate) of the first LAYOUTS entry whose codes and e8m0 scales the
+    checkpoint holds, else None."""
+    if not cfg.moe_layers:
+        return None
+    for name, where in LAYOUTS.items():
+        t = where(cfg, cfg.moe_layers[0], 0, "gate")
+        scales = [s for s in t.scales if s in tensors]
+        if t.codes in tensors and scales and tensors.dtype(scales[0]) in _E8M0:
+            return name, t
+    return None
+
+
+def stored_mx(cfg: ModelConfig, tensors: _Safetensors) -> str | None:
+    """MXFP4 or MXFP8 where the checkpoint's routed experts are MX codes with e8m0 scales, else None."""
+    found = _mx_found(cfg, tensors)
+    if found is None:
+        return None
+    return next((m for m, dtypes in _MX_CODES.items() if tensors.dtype(found[1].codes) in dtypes), None)
+
+
+class MXSource(Source):
+    """MXFP4 / FP4 (e2m1) and MXFP8 (e4m3) experts with their e8m0 scales per 32, kept as stored
+    (kernels/cpu/mx.py), found by the first mx_layouts.LAYOUTS entry the checkpoint matches."""
+
+    def __init__(self, cfg: ModelConfig, folder: Path, method: str):
+        super().__init__(cfg)
+        self.tensors = _Safetensors(folder)
+        self.method = method
+        found = _mx_found(cfg, self.tensors)
+        stored = stored_mx(cfg, self.tensors)
+        if found is None or stored != method:
+            what = f"{stored} experts" if stored else "no MX experts (codes with e8m0 scales per 32)"
+            looked = ", ".join(where(cfg, cfg.moe_layers[0], 0, "gate").codes for where in LAYOUTS.values()) \
+                if cfg.moe_layers else "nothing: the model has no MoE layers"
+            hint = f"use --kt-method {stored}" if stored else "FP8 and BF16 experts have their own --kt-method"
+            raise ConfigError(f"--kt-method {method} reads {method} experts; {folder} has {what} (looked for "
+                              f"{looked}): {hint}")
+        self.layout = LAYOUTS[found[0]]
+
+    def formats(self, layer: int) -> tuple[Format, Format]:
+        return (self.method, MX_GROUP), (self.method, MX_GROUP)
+
+    def matrix(self, layer: int, expert: int, proj: str) -> tuple[np.ndarray, np.ndarray]:
+        """(code bytes [N, K / codes a byte], e8m0 scales [N, K / 32]) of one expert matrix, as stored."""
+        t = self.layout(self.cfg, layer, expert, proj)
+        codes = self.tensors.array(t.codes)
+        scales = self.tensors.array(next(s for s in t.scales if s in self.tensors))
+        if t.expert is not None:
+            codes, scales = codes[t.expert], scales[t.expert]
+        codes = codes.reshape(codes.shape[0], -1)[t.rows]  # gpt-oss blocks [out, in / 32, 16] -> [out, in / 2]
+        scales = scales[t.rows]
+        n, k = _dims(self.cfg, proj)
+        want = ((n, k // codes_per_byte(self.method)), (n, -(-k // MX_GROUP)))
+        if (codes.shape, scales.shape) != want:
+            raise CheckpointError(f"{t.codes}: {self.method} codes {codes.shape} / scales {scales.shape} of expert "
+                                  f"{expert} do not match config.json's [{n}, {k}] (want {want[0]} / {want[1]})")
+        return codes, scales
+
+    def fill_native(self, layer: int, expert: int, gate_up: QuantizedWeight, down: QuantizedWeight) -> None:
+        inter = self.cfg.moe_intermediate_size
+        for proj, dst, rows in (("gate", gate_up, slice(0, inter)), ("up", gate_up, slice(inter, None)),
+                                ("down", down, slice(None))):
+            fill_mx_rows(dst.qweight[rows], dst.scales[rows], *self.matrix(layer, expert, proj), self.method)
+
+    def stored(self, layer: int, expert: int, proj: str) -> QuantizedWeight:
+        """One expert matrix in ktlite's storage of its format (the codes and scales as stored, padded)."""
+        qw = empty_quantized(self.method, MX_GROUP, (), *_dims(self.cfg, proj))
+        fill_mx_rows(qw.qweight, qw.scales, *self.matrix(layer, expert, proj), self.method)
+        return qw
+
+    def dense(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The CPU decoder's fp32 values (code * 2^(scale - 127), one rounding) for the device side."""
+        return tuple(dequantize(self.stored(layer, expert, p)) for p in PROJS)
 
     def release(self) -> None:
         self.tensors.release()
@@ -461,4 +553,6 @@ def open_source(config: EngineConfig, cfg: ModelConfig) -> Source:
                           "point --kt-weight-path at the HF folder)")
     if method == "RAWINT4":
         return CompressedInt4Source(cfg, path)
+    if method in MX_METHODS:
+        return MXSource(cfg, path, method)
     return HFSource(cfg, path, method)

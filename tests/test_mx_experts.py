@@ -1,0 +1,153 @@
+"""MX expert weights kept as stored: MXFP4 (gpt-oss `*_blocks`), FP4 (DeepSeek-V4's per-expert e2m1 + ue8m0) and
+MXFP8 (e4m3 + e8m0 per 32). References are transformers' own dequantizers: `convert_moe_packed_tensors`
+(integrations/mxfp4.py, gpt-oss) and `Fp8Dequantize._dequantize_one` (integrations/finegrained_fp8.py: the FP4
+path DeepSeek-V4's experts load through, and the mxfp8 quantizer's); MXFP8 weights are quantized by transformers'
+`Fp8Quantize` (ue8m0 scales, [1, 32] blocks). transformers has no quantizer for e2m1 that runs here (gpt-oss's needs
+the triton_kernels hub), so FP4 weights are rounded here to the nearest e2m1 value under the OCP MX v1.0 shared
+scale 2^(floor(log2 amax) - 2); the codes are what the tests read, whatever rounded them. The layouts are written
+into a DeepSeek-V3 checkpoint (the families that ship them are built elsewhere)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import numba
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import FineGrainedFP8Config
+from transformers.integrations.finegrained_fp8 import Fp8Dequantize, Fp8Quantize
+from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
+
+from ktlite import Engine
+from ktlite.config import EngineConfig
+from ktlite.errors import ConfigError
+from ktlite.kernels.cpu.gemm import dequant_matrix, expert_mlp_matmul, stored_matmul
+from ktlite.kernels.cpu.linear_kernels import linear_rows
+from ktlite.kernels.cpu.moe import CPUMoE
+from ktlite.kernels.cpu.mx import fill_mx_rows
+from ktlite.kernels.cpu.quant import dequantize, empty_quantized, matrix_bytes, normalize_kt_method
+from ktlite.runtime.expert_sources import MXSource, open_source
+from ktlite.runtime.knobs import cpu_expert_bytes
+from ktlite.runtime.loader import CheckpointReader
+from ktlite.runtime.models import load_config
+from hf_checkpoints import hf_last_logits_and_greedy, hf_model
+from test_tensor_parallel import logits_of
+
+EXACT = {"dtype": "float32", "max_total_tokens": 4096, "chunked_prefill_size": 512, "gpu_memory": "1GiB"}
+GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+THREADS = numba.config.NUMBA_NUM_THREADS
+
+
+def transformers_fp8_path(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """transformers' dequantization of per-expert FP4 (int8 codes) or MXFP8 (e4m3) with e8m0 scales, in fp32."""
+    return Fp8Dequantize(None)._dequantize_one(codes, scales, output_dtype=torch.float32)
+
+
+def transformers_blocks(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """transformers' gpt-oss dequantization of `*_blocks` [E, N, K/32, 16] / `*_scales` [E, N, K/32] -> [E, N, K]
+    (it returns [E, K, N], the layout of GptOssExperts' parameters)."""
+    return convert_moe_packed_tensors(blocks, scales, dtype=dtype).transpose(1, 2)
+
+
+def stored(method: str, codes: np.ndarray, scales: np.ndarray, k: int):
+    qw = empty_quantized(method, 32, (), codes.shape[0], k)
+    fill_mx_rows(qw.qweight, qw.scales, codes, scales, method)
+    return qw
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def test_every_e2m1_code_times_every_e8m0_scale_decodes_as_transformers():
+    """Row r holds all 256 bytes (each of the 16 codes in both nibbles) under e8m0 scale r, r = 0..254 (255 is the
+    spec's NaN): the CPU decoders (fp32, and bf16 for the prefill path) equal transformers' gpt-oss and DeepSeek-V4
+    dequantization bit for bit (signed zeros, subnormal scales and overflow to inf included)."""
+    assert FP4_VALUES == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    n, k = 255, 512
+    codes = torch.arange(256, dtype=torch.uint8).repeat(n, 2)  # [255, 512] bytes: K = 1024 codes
+    k = 2 * codes.shape[1]
+    scales = torch.arange(n, dtype=torch.uint8)[:, None].expand(n, k // 32).contiguous()
+    qw = stored("MXFP4", codes.numpy(), scales.numpy(), k)
+    gpt_oss = transformers_blocks(codes.reshape(1, n, k // 32, 16), scales[None])[0]
+    v4 = transformers_fp8_path(codes.view(torch.int8), scales.view(torch.float8_e8m0fnu))
+    assert torch.equal(bits(gpt_oss), bits(v4))
+    assert torch.equal(bits(dequantize(qw)), bits(gpt_oss))
+    scratch = np.empty((THREADS, 2, qw.kp), np.float32)
+    bf16 = dequant_matrix(qw.qweight, qw.scales, qw.group_shift, qw.kp, k, torch.bfloat16, scratch)
+    assert torch.equal(bits(bf16), bits(transformers_blocks(codes.reshape(1, n, k // 32, 16), scales[None],
+                                                            torch.bfloat16)[0]))
+
+
+def test_every_e4m3_code_times_every_e8m0_scale_decodes_as_transformers():
+    """All 254 finite e4m3 codes (subnormals included) under each e8m0 scale 0..254: MXFP8's decoders equal
+    transformers' mxfp8 dequantization (uint8 scales, and float8_e8m0fnu ones) bit for bit, fp32 and bf16."""
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    n = 255
+    codes = torch.cat([finite, finite[:2]]).repeat(n, 1)  # [255, 256]
+    k = codes.shape[1]
+    scales = torch.arange(n, dtype=torch.uint8)[:, None].expand(n, k // 32).contiguous()
+    qw = stored("MXFP8", codes.numpy(), scales.numpy(), k)
+    want = transformers_fp8_path(codes.view(torch.float8_e4m3fn), scales)
+    assert torch.equal(bits(want), bits(transformers_fp8_path(codes.view(torch.float8_e4m3fn),
+                                                              scales.view(torch.float8_e8m0fnu))))
+    assert torch.equal(bits(dequantize(qw)), bits(want))
+    scratch = np.empty((THREADS, 2, qw.kp), np.float32)
+    bf16 = dequant_matrix(qw.qweight, qw.scales, qw.group_shift, qw.kp, k, torch.bfloat16, scratch)
+    assert torch.equal(bits(bf16), bits(want.to(torch.bfloat16)))
+
+
+def fp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (codes uint8 [N, K/2], low nibble the even k; e8m0 scales uint8 [N, K/32]): OCP MX's shared
+    scale 2^(floor(log2 amax) - 2) per 32 weights and the nearest e2m1 value."""
+    blocks = w.float().reshape(w.shape[0], -1, 32)
+    power = torch.floor(torch.log2(blocks.abs().amax(-1).clamp_min(2.0**-100))) - 2
+    table = torch.tensor(FP4_VALUES)
+    idx = ((blocks / torch.exp2(power)[..., None])[..., None] - table).abs().argmin(-1).to(torch.uint8)
+    codes = idx[..., 0::2] | (idx[..., 1::2] << 4)
+    return codes.reshape(w.shape[0], -1), (power + 127).to(torch.uint8)
+
+
+def mxfp8_quantize(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """transformers' mxfp8 quantization of one weight: e4m3 and `weight_scale_inv` (float8_e8m0fnu) per [1, 32]."""
+    config = FineGrainedFP8Config(weight_block_size=(1, 32), scale_fmt="ue8m0")
+    return Fp8Quantize(SimpleNamespace(quantization_config=config))._quantize_one(name, w)
+
+
+def random_weights(n: int, k: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+@pytest.mark.parametrize("method", ["MXFP4", "MXFP8"])
+def test_row_kernels_equal_a_matmul_over_transformers_weights(method):
+    """Decode rows (T = 1, 2: dotted from the stored bytes; T = 4: each row decoded once) and the prefill path
+    (dequantize + torch.matmul, fp32) on K = 160 (padded to 192) equal x @ W^T in float64 over transformers'
+    dequantized W within fp32 rounding."""
+    n, k = 40, 160
+    w = random_weights(n, k, 1)
+    if method == "MXFP4":
+        codes, scales = fp4_quantize(w)
+        ref = transformers_fp8_path(codes.view(torch.int8), scales.view(torch.float8_e8m0fnu))
+    else:
+        parts = mxfp8_quantize("w.weight", w)
+        codes, scales = parts["w.weight"].view(torch.uint8), parts["w.weight_scale_inv"].view(torch.uint8)
+        ref = transformers_fp8_path(parts["w.weight"], parts["w.weight_scale_inv"])
+    qw = stored(method, codes.numpy(), scales.numpy(), k)
+    q, s = qw.qweight[None], qw.scales[None]  # a stack of one matrix
+    for t in (1, 2, 4):
+        x = torch.randn(t, 1, k, generator=torch.Generator().manual_seed(t))
+        out = np.empty((t, 1, n), np.float32)
+        linear_rows(x.numpy(), q, s, qw.group_shift, qw.kp, False, THREADS, out)
+        want = x[:, 0].double() @ ref.double().T
+        bound = 1e-6 * (x[:, 0].abs().double() @ ref.abs().double().T) + 1e-30
+        assert ((torch.from_numpy(out[:, 0]).double() - want).abs() <= bound).all(), t
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(9))
+    res = torch.empty(7, n)
+    stored_matmul(x, qw.qweight, qw.scales, qw.group_shift, qw.kp, k, np.empty((THREADS, 2, qw.kp), np.float32),
+                  torch.empty(n * k), res)
+    bound = 1e-6 * (x.abs().double() @ ref.abs().double().T)
+    assert ((res.double() - x.double() @ ref.double().T).abs() <= bound).all()
