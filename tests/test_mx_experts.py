@@ -151,3 +151,131 @@ def test_row_kernels_equal_a_matmul_over_transformers_weights(method):
                   torch.empty(n * k), res)
     bound = 1e-6 * (x.abs().double() @ ref.abs().double().T)
     assert ((res.double() - x.double() @ ref.double().T).abs() <= bound).all()
+
+
+def _per_expert_fp4(name: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """DeepSeek-V4's FP4 expert tensors (`weight` int8 [N, K/2], `scale` float8_e8m0fnu [N, K/32]) and
+    transformers' dequantization of them."""
+    codes, scales = fp4_quantize(w)
+    packed = {name: codes.view(torch.int8), name.removesuffix("weight") + "scale": scales.view(torch.float8_e8m0fnu)}
+    return packed, transformers_fp8_path(codes.view(torch.int8), scales.view(torch.float8_e8m0fnu))
+
+
+def _per_expert_mxfp8(name: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    packed = mxfp8_quantize(name, w)
+    return packed, transformers_fp8_path(packed[name], packed[name + "_scale_inv"])
+
+
+def _gpt_oss_blocks(cfg, reader: CheckpointReader) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """gpt-oss's MXFP4 layout of every MoE layer's experts (`*_proj_blocks` / `*_proj_scales`, gate and up rows
+    interleaved) and transformers' dequantization of it back into per-expert weights."""
+    packed, plain = {}, {}
+    for layer in cfg.moe_layers:
+        prefix = cfg.expert_weight_name(layer, 0, "gate").split(".experts.")[0] + ".experts"
+        for fused, projs in (("gate_up", ("gate", "up")), ("down", ("down",))):
+            mats = [torch.stack([reader.get_raw(cfg.expert_weight_name(layer, e, p)) for p in projs], 1)
+                    .reshape(-1, reader.get_raw(cfg.expert_weight_name(layer, e, projs[0])).shape[1])
+                    for e in range(cfg.n_routed_experts)]  # [2I, H] rows gate_0, up_0, gate_1, ...
+            quantized = [fp4_quantize(m) for m in mats]
+            blocks = torch.stack([c.reshape(c.shape[0], -1, 16) for c, _ in quantized])
+            scales = torch.stack([s for _, s in quantized])
+            packed[f"{prefix}.{fused}_proj_blocks"], packed[f"{prefix}.{fused}_proj_scales"] = blocks, scales
+            dense = transformers_blocks(blocks, scales)
+            for i, p in enumerate(projs):
+                for e in range(cfg.n_routed_experts):
+                    plain[cfg.expert_weight_name(layer, e, p)] = dense[e, i::len(projs)].contiguous()
+    return packed, plain
+
+
+LAYOUT_BUILDERS = {"FP4": _per_expert_fp4, "MXFP8": _per_expert_mxfp8}
+
+
+@pytest.fixture(scope="module")
+def mx_checkpoints(tiny_v3, tmp_path_factory):
+    """{layout: (MX checkpoint, its dequantized twin for transformers)} from the tiny DeepSeek-V3 checkpoint."""
+    root = tmp_path_factory.mktemp("mx")
+    reader = CheckpointReader(tiny_v3)
+    cfg = load_config(tiny_v3)
+    experts = {cfg.expert_weight_name(l, e, p) for l in cfg.moe_layers for e in range(cfg.n_routed_experts)
+               for p in ("gate", "up", "down")}
+    dense = {name: reader.get_raw(name) for name in reader.names() if name not in experts}
+    config = json.loads((tiny_v3 / "config.json").read_text())
+    out = {}
+    for layout in ("MXFP4", "FP4", "MXFP8"):
+        if layout == "MXFP4":
+            packed, plain = _gpt_oss_blocks(cfg, reader)
+            extra = {"quantization_config": {"quant_method": "mxfp4"}}  # gpt-oss's: experts only
+        else:
+            packed, plain, extra = {}, {}, {}
+            for name in experts:
+                packed_one, plain[name] = LAYOUT_BUILDERS[layout](name, reader.get_raw(name))
+                packed.update(packed_one)
+        for kind, tensors, more in (("packed", packed, extra), ("plain", plain, {})):
+            folder = root / f"{layout}-{kind}"
+            folder.mkdir()
+            save_file({**dense, **tensors}, str(folder / "model.safetensors"))
+            (folder / "config.json").write_text(json.dumps({**config, **more}))
+            for f in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(tiny_v3 / f, folder / f)
+        out[layout] = (root / f"{layout}-packed", root / f"{layout}-plain")
+    return out
+
+
+@pytest.mark.parametrize("layout,method,gpu_experts", [
+    ("MXFP4", "MXFP4", 0),  # gpt-oss blocks
+    ("FP4", "FP4", 3),  # DeepSeek-V4 per-expert FP4; 3 experts a layer on the device side (dense, same values)
+    ("MXFP8", "MXFP8", 0),
+])
+def test_mx_model_equals_transformers_on_its_dequantized_weights(mx_checkpoints, layout, method, gpu_experts):
+    """Served with the MX experts kept as stored (decode rows and, for the 30-token prompt, the prefill path), the
+    model's logits and greedy tokens equal transformers' on the checkpoint transformers dequantized."""
+    packed, plain = mx_checkpoints[layout]
+    ref = hf_model(plain)
+    g = torch.Generator().manual_seed(3)
+    batch = [torch.randint(4, ref.config.vocab_size, (n,), generator=g).tolist() for n in (5, 30)]
+    with Engine(str(packed), **EXACT, kt_method=method, kt_num_gpu_experts=gpu_experts) as eng:
+        layer = next(iter(eng.runtime.cpu_moe.layers.values()))
+        assert (layer.gate_up.method, layer.down.method) == (normalize_kt_method(method),) * 2
+        got = logits_of(eng, batch)
+        tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+    want, expected = hf_last_logits_and_greedy(ref, batch, GREEDY["max_tokens"])
+    assert (got - want).abs().max().item() <= 1e-4
+    assert tokens == expected
+
+
+@pytest.mark.parametrize("method,layout,bits", [("MXFP4", "MXFP4", 4.25), ("FP4", "FP4", 4.25),
+                                                ("MXFP8", "MXFP8", 8.25)])
+def test_cpu_store_is_allocated_as_planned_at_its_bits(mx_checkpoints, method, layout, bits):
+    """A matrix whose K is a multiple of 64 is planned at 4.25 (e2m1) / 8.25 (e4m3) bits a weight, and the CPU store
+    filled from the checkpoint takes exactly the planned bytes (the tiny model's down rows, K = 32, are padded to 64
+    in both)."""
+    fmt = normalize_kt_method(method)
+    assert matrix_bytes(fmt, 32, 64, 192) * 8 == bits * 64 * 192
+    packed = mx_checkpoints[layout][0]
+    cfg = load_config(packed)
+    with CPUMoE(fmt) as cpu:
+        source = open_source(EngineConfig(model_path=str(packed), kt_method=method), cfg)
+        assert isinstance(source, MXSource)
+        source.fill(cpu, {}, progress=False)
+        planned = cpu_expert_bytes(cfg, method, None) * cfg.n_routed_experts * len(cfg.moe_layers)
+        assert cpu.nbytes() == planned
+
+
+def test_formats_that_do_not_fit_the_checkpoint_are_refused(mx_checkpoints, tiny_v3):
+    """Each MX checkpoint is served only by its own method (no silent re-quantization); an MX method on a checkpoint
+    without MX experts, or with another group size, names what fits."""
+    def source(folder, method, **kw):
+        return open_source(EngineConfig(model_path=str(folder), kt_method=method, **kw), load_config(folder))
+
+    fp4, mxfp8, blocks = (mx_checkpoints[k][0] for k in ("FP4", "MXFP8", "MXFP4"))
+    with pytest.raises(ConfigError, match="has MXFP4 experts.*use --kt-method MXFP4"):
+        source(fp4, "MXFP8")
+    with pytest.raises(ConfigError, match="has MXFP8 experts.*use --kt-method MXFP8"):
+        source(mxfp8, "FP4")
+    for folder, method in ((mxfp8, "FP8"), (blocks, "BF16"), (fp4, "INT4")):
+        with pytest.raises(ConfigError, match=f"as {'MXFP8' if folder == mxfp8 else 'MXFP4'} .*--kt-method MX"):
+            source(folder, method)
+    with pytest.raises(ConfigError, match="no MX experts"):
+        source(tiny_v3, "MXFP4")
+    with pytest.raises(ConfigError, match="one scale per 32"):
+        cpu_expert_bytes(load_config(fp4), "FP4", 64)

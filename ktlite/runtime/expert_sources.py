@@ -194,14 +194,14 @@ class HFSource(Source):
         self.fp8_block = cfg.fp8_block_size or (128, 128)
         if method is None:  # the device side of converted experts: tensors are looked up when asked for
             return
+        mx = stored_mx(cfg, self.tensors)
+        if mx is not None:  # ktlite has no MX -> INT4/INT8/BF16/FP8 path: nothing re-quantizes them silently
+            raise ConfigError(f"{folder} stores its routed experts as {mx} (codes with an e8m0 scale per {MX_GROUP}): "
+                              f"serve them as they are with --kt-method {mx}")
         first = cfg.expert_weight_name(cfg.moe_layers[0], 0, "gate") if cfg.moe_layers else None
         if first is not None and first not in self.tensors:
             raise CheckpointError(f"{folder} has no routed expert tensors (looked for {first!r}); point "
                                   "--kt-weight-path at the checkpoint that holds them")
-        mx = stored_mx(cfg, self.tensors)
-        if mx is not None:
-            raise ConfigError(f"{folder} stores its routed experts as {mx} (codes with an e8m0 scale per {MX_GROUP}): "
-                              f"serve them as they are with --kt-method {mx}")
         self.stored = self.tensors.dtype(first) if first else "BF16"  # BF16 / F32 / F16 / F8_E4M3
         self._check_method()
 
