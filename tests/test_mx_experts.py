@@ -221,26 +221,50 @@ def mx_checkpoints(tiny_v3, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout,method,gpu_experts", [
-    ("MXFP4", "MXFP4", 0),  # gpt-oss blocks
-    ("FP4", "FP4", 3),  # DeepSeek-V4 per-expert FP4; 3 experts a layer on the device side (dense, same values)
-    ("MXFP8", "MXFP8", 0),
-])
-def test_mx_model_equals_transformers_on_its_dequantized_weights(mx_checkpoints, layout, method, gpu_experts):
-    """Served with the MX experts kept as stored (decode rows and, for the 30-token prompt, the prefill path), the
-    model's logits and greedy tokens equal transformers' on the checkpoint transformers dequantized."""
+@pytest.mark.parametrize("layout,method,flags", [
+    ("MXFP4", "MXFP4", {"kt_num_gpu_experts": 0}),  # gpt-oss blocks
+    ("FP4", "FP4", {"kt_num_gpu_experts": 3}),  # DeepSeek-V4 per-expert FP4, 3 experts a layer in GPU MX stacks
+    # experts move between the GPU stacks and the CPU store mid-run; long chunks run layerwise on the device
+    ("MXFP8", "MXFP8", {"kt_num_gpu_experts": 3, "kt_enable_dynamic_expert_update": True,
+                        "kt_expert_update_interval": 3, "kt_gpu_prefill_token_threshold": 16}),
+], ids=["mxfp4-blocks-cpu", "fp4-gpu3", "mxfp8-dynamic+layerwise"])
+def test_mx_model_equals_transformers_on_its_dequantized_weights(mx_checkpoints, layout, method, flags):
+    """Served with the MX experts kept as stored (decode rows and, for the 30-token prompt, the prefill path; on the
+    device side the fused MoE's MX stacks), the model's logits and greedy tokens equal transformers' on the
+    checkpoint transformers dequantized."""
     packed, plain = mx_checkpoints[layout]
     ref = hf_model(plain)
     g = torch.Generator().manual_seed(3)
     batch = [torch.randint(4, ref.config.vocab_size, (n,), generator=g).tolist() for n in (5, 30)]
-    with Engine(str(packed), **EXACT, kt_method=method, kt_num_gpu_experts=gpu_experts) as eng:
+    with Engine(str(packed), **EXACT, kt_method=method, **flags) as eng:
         layer = next(iter(eng.runtime.cpu_moe.layers.values()))
         assert (layer.gate_up.method, layer.down.method) == (normalize_kt_method(method),) * 2
+        before = eng.runtime.placement()
         got = logits_of(eng, batch)
         tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+        if flags["kt_num_gpu_experts"]:
+            check_gpu_mx_stacks(eng, packed, method)
+        if flags.get("kt_enable_dynamic_expert_update"):
+            assert eng.runtime.placement() != before  # experts really moved mid-run
     want, expected = hf_last_logits_and_greedy(ref, batch, GREEDY["max_tokens"])
     assert (got - want).abs().max().item() <= 1e-4
     assert tokens == expected
+
+
+def check_gpu_mx_stacks(eng: Engine, packed, method: str) -> None:
+    """Each MoE layer's GPU stacks hold the checkpoint's MX codes and e8m0 scales, and the plan counted them at
+    4.25 / 8.25 bits a weight, as allocated."""
+    cfg = load_config(packed)
+    source = MXSource(cfg, packed, normalize_kt_method(method))
+    bits = 4 if normalize_kt_method(method) == "MXFP4" else 8
+    for l, moe in eng.runtime.moe_layers.items():
+        assert (moe.w13.bits, moe.w13.group_size, moe.w13.mx, moe.w2.bits) == (bits, 32, True, bits)
+        w13, w2 = source.gpu_weights(l, moe.gpu_experts)
+        assert torch.equal(moe.w13.qweight, w13.qweight) and torch.equal(moe.w2.scales, w2.scales)
+    plan = eng.runtime.plan
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * (bits + 0.25) / 8
+    assert plan.bytes("gpu_experts") == plan.gpu_experts_total * len(cfg.moe_layers) * per_expert
+    assert plan.allocated()["gpu_experts"] == plan.bytes("gpu_experts")
 
 
 @pytest.mark.parametrize("method,layout,bits", [("MXFP4", "MXFP4", 4.25), ("FP4", "FP4", 4.25),

@@ -136,7 +136,7 @@ class Source:
     """One place the experts come from. Sources that keep a checkpoint's encoding (`formats` not None)
     fill CPU slots in place (`fill_native`) and refill them on dynamic placement; the others hand
     weights to CPUMoE.set_expert, which quantizes them into the method's format. GPU experts are
-    `dense` weights, or (where gpu_experts_int4 says so) the source's own INT4 codes from `gpu_weights`."""
+    `dense` weights, or (where gpu_expert_format says so) the source's own codes from `gpu_weights`."""
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
@@ -348,6 +348,18 @@ class MXSource(Source):
         """The CPU decoder's fp32 values (code * 2^(scale - 127), one rounding) for the device side."""
         return tuple(dequantize(self.stored(layer, expert, p)) for p in PROJS)
 
+    def gpu_weights(self, layer: int, experts: Sequence[int]) -> tuple[GPUQuantizedWeight, GPUQuantizedWeight]:
+        """(w13 [E, 2I, H], w2 [E, H, I]) of `experts` as GPU MX stacks (the fused MoE's MX path), same bytes."""
+        bits = 4 if self.method == "MXFP4" else 8
+
+        def stack(projs: tuple[str, ...]) -> GPUQuantizedWeight:
+            parts = [[self.matrix(layer, e, p) for p in projs] for e in experts]
+            codes = np.stack([np.concatenate([np.asarray(c).view(np.uint8) for c, _ in m]) for m in parts])
+            scales = np.stack([np.concatenate([np.asarray(s).view(np.uint8) for _, s in m]) for m in parts])
+            return GPUQuantizedWeight(torch.from_numpy(codes), torch.from_numpy(scales), bits, MX_GROUP, mx=True)
+
+        return stack(("gate", "up")), stack(("down",))
+
     def release(self) -> None:
         self.tensors.release()
 
@@ -522,10 +534,12 @@ def _is_gguf(path: Path) -> bool:
     return path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")))
 
 
-def gpu_experts_int4(config: EngineConfig) -> bool:
-    """Whether the GPU experts are INT4 stacks filled by the source's `gpu_weights` (RAWINT4: the
-    checkpoint's codes); the memory plan records it before any source is opened."""
-    return normalize_kt_method(config.kt_method) == "RAWINT4"
+def gpu_expert_format(config: EngineConfig) -> str:
+    """How the GPU experts are held (plan_inputs.GPU_EXPERT_FORMATS): INT4 (RAWINT4) or MX (MXFP4 / FP4, MXFP8)
+    stacks filled by the source's `gpu_weights` with the checkpoint's codes, else dense; the memory plan records
+    it before any source is opened."""
+    method = normalize_kt_method(config.kt_method)
+    return {"RAWINT4": "int4_g32", "MXFP4": "mxfp4", "MXFP8": "mxfp8"}.get(method, "dense")
 
 
 def open_source(config: EngineConfig, cfg: ModelConfig) -> Source:
