@@ -28,8 +28,8 @@ E2M1X2 = np.dtype([("e2m1x2", np.uint8)])
 MX_GROUP = 32  # weights per e8m0 scale
 MX_METHODS = ("MXFP4", "MXFP8")  # storage formats of this module
 SCALE_ONE = 127  # e8m0 byte of 1.0: the padding groups' scale
-E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                       np.float32)
+# e2m1 code -> value (OCP MX v1.0's FP4 E2M1 table; the kernels decode it by integer ops)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def code_dtype(method: str) -> np.dtype:
@@ -39,12 +39,6 @@ def code_dtype(method: str) -> np.dtype:
 
 def codes_per_byte(method: str) -> int:
     return 2 if method == "MXFP4" else 1
-
-
-def e8m0_values(scales: np.ndarray) -> np.ndarray:
-    """e8m0 bytes -> fp32 2^(s - 127), exactly (s = 0: 2^-127, a subnormal; 255: +inf)."""
-    s = np.asarray(scales, np.uint8).astype(np.uint32)
-    return np.where(s == 0, np.uint32(0x00400000), s << np.uint32(23)).astype(np.uint32).view(np.float32)
 
 
 def fill_mx_rows(q: np.ndarray, s: np.ndarray, codes: np.ndarray, scales: np.ndarray, method: str) -> None:

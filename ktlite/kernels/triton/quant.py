@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ktlite.kernels.cpu.mx import E2M1_VALUES
+
 logger = logging.getLogger(__name__)
 
 
@@ -63,9 +65,6 @@ def quantize_weight(
         half = group_size // 2
         qweight = (nib[..., :half] | (nib[..., half:] << 4)).reshape(num_experts, n, k // 2)
     return QuantizedWeight(qweight.contiguous(), scales.contiguous(), bits, group_size)
-
-
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # OCP MX v1.0
 
 
 def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
