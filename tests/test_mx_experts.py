@@ -155,10 +155,12 @@ def test_row_kernels_equal_a_matmul_over_transformers_weights(method):
 
 def _per_expert_fp4(name: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """DeepSeek-V4's FP4 expert tensors (`weight` int8 [N, K/2], `scale` float8_e8m0fnu [N, K/32]) and
-    transformers' dequantization of them."""
+    transformers' dequantization of them; down weights as torch's float4_e2m1fn_x2 (safetensors F4, whose header
+    counts codes, not bytes), the other dtype transformers reads them in."""
     codes, scales = fp4_quantize(w)
-    packed = {name: codes.view(torch.int8), name.removesuffix("weight") + "scale": scales.view(torch.float8_e8m0fnu)}
-    return packed, transformers_fp8_path(codes.view(torch.int8), scales.view(torch.float8_e8m0fnu))
+    codes = codes.view(torch.float4_e2m1fn_x2 if ".down_proj." in name else torch.int8)
+    packed = {name: codes, name.removesuffix("weight") + "scale": scales.view(torch.float8_e8m0fnu)}
+    return packed, transformers_fp8_path(codes, scales.view(torch.float8_e8m0fnu))
 
 
 def _per_expert_mxfp8(name: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

@@ -13,8 +13,9 @@ Two storage formats of a QuantizedWeight, one e8m0 scale byte per 32 consecutive
 Kp is K rounded up to a multiple of 64 (the kernels read 64 weights a step); the padding holds code 0 (+0)
 with scale byte 127 (1.0). Values: e2m1 {0, 0.5, 1, 1.5, 2, 3, 4, 6} and their negatives (OCP MX v1.0,
 table of FP4 E2M1, the table transformers' mxfp4 integration uses); e8m0 byte s is 2^(s - 127) in fp32,
-0 being the subnormal 2^-127 and 255 (NaN in the spec) +inf as transformers' `2 ** (s - 127)` gives it.
-The product of a code and its scale is one fp32 rounding (exact unless it overflows), as transformers'.
+0 being the subnormal 2^-127. The product of a code and its scale is one fp32 rounding (exact unless it
+overflows), bit for bit transformers' for s = 0..254; 255 (the spec's NaN, which no quantizer writes) is
+not decoded as NaN.
 """
 
 from __future__ import annotations
