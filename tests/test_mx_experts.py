@@ -305,3 +305,27 @@ def test_formats_that_do_not_fit_the_checkpoint_are_refused(mx_checkpoints, tiny
         source(tiny_v3, "MXFP4")
     with pytest.raises(ConfigError, match="one scale per 32"):
         cpu_expert_bytes(load_config(fp4), "FP4", 64)
+
+
+@pytest.mark.parametrize("layout", ["MXFP4", "MXFP8"])
+def test_cpu_moe_paths_equal_a_torch_moe_over_transformers_weights(mx_checkpoints, layout):
+    """CPUMoE.forward on the stored MX experts, every expert through the fused row kernels and then through
+    dequantize + torch.matmul (fp32), equals the MoE in float64 over transformers' dequantized experts."""
+    packed, plain = mx_checkpoints[layout]
+    cfg = load_config(packed)
+    layer = cfg.moe_layers[0]
+    reader = CheckpointReader(plain)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, cfg.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:4] for _ in range(6)])
+    weights = torch.rand(6, 4, generator=g)
+    want = torch.zeros(6, cfg.hidden_size, dtype=torch.float64)
+    for t in range(6):
+        for e, w in zip(ids[t].tolist(), weights[t].tolist()):
+            gate, up, down = (reader.get_raw(cfg.expert_weight_name(layer, e, p)).double() for p in ("gate", "up", "down"))
+            want[t] += w * (down @ (torch.nn.functional.silu(gate @ x[t].double()) * (up @ x[t].double())))
+    for threshold in (1 << 30, 0):  # the fused row kernels; dequantize + torch.matmul
+        with CPUMoE(layout, prefill_threshold=threshold, prefill_dtype=torch.float32) as cpu:
+            MXSource(cfg, packed, layout).fill(cpu, {}, progress=False)
+            got = cpu.forward(layer, x, ids, weights).double()
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), threshold
