@@ -30,7 +30,7 @@ from ktlite.kernels.cpu.linear_kernels import linear_rows
 from ktlite.kernels.cpu.moe import CPUMoE
 from ktlite.kernels.cpu.mx import fill_mx_rows
 from ktlite.kernels.cpu.quant import dequantize, empty_quantized, matrix_bytes, normalize_kt_method
-from ktlite.runtime.expert_sources import MXSource, open_source
+from ktlite.runtime.expert_sources import PROJS, MXSource, open_source
 from ktlite.runtime.knobs import cpu_expert_bytes
 from ktlite.runtime.loader import CheckpointReader
 from ktlite.runtime.models import load_config
@@ -322,7 +322,7 @@ def test_cpu_moe_paths_equal_a_torch_moe_over_transformers_weights(mx_checkpoint
     want = torch.zeros(6, cfg.hidden_size, dtype=torch.float64)
     for t in range(6):
         for e, w in zip(ids[t].tolist(), weights[t].tolist()):
-            gate, up, down = (reader.get_raw(cfg.expert_weight_name(layer, e, p)).double() for p in ("gate", "up", "down"))
+            gate, up, down = (reader.get_raw(cfg.expert_weight_name(layer, e, p)).double() for p in PROJS)
             want[t] += w * (down @ (torch.nn.functional.silu(gate @ x[t].double()) * (up @ x[t].double())))
     for threshold in (1 << 30, 0):  # the fused row kernels; dequantize + torch.matmul
         with CPUMoE(layout, prefill_threshold=threshold, prefill_dtype=torch.float32) as cpu:

@@ -8,11 +8,12 @@
 | FP8, FP8_PERCHANNEL    | omitted / an HF folder with FP8      | e4m3 + scales as they are (kernels/cpu/fp8.py) |
 | RAWINT4                | omitted / a compressed-tensors folder | INT4 group 32, the same codes and scales  |
 | LLAMAFILE              | a GGUF file or folder (split too)    | Q4_K/Q5_K/Q6_K/Q8_0/BF16 blocks as they are |
-| MXFP4 (FP4), MXFP8     | omitted / an HF folder with MX experts | e2m1 / e4m3 codes + e8m0 scales as they are (kernels/cpu/mx.py; names: runtime/mx_layouts.py) |
+| MXFP4 (FP4), MXFP8     | omitted / an HF folder with MX experts | e2m1 / e4m3 + e8m0 scales as they are (mx.py) |
 
-"Omitted" means the `--model` folder. Nothing that loses precision happens silently: FP8 of a non-FP8
-checkpoint is refused with the methods that fit, BF16 of FP8 or FP32 experts warns that it rounds,
-INT4/INT8 of FP8 weights say that they quantize again, and GGUF types without a kernel are converted
+"Omitted" means the `--model` folder; where MX checkpoints keep their experts: ktlite/runtime/mx_layouts.py.
+Nothing that loses precision happens silently: FP8 of a non-FP8 checkpoint is refused with the methods that fit,
+BF16 of FP8 or FP32 experts warns that it rounds, INT4/INT8 of FP8 weights say that they quantize again, MX
+experts are served only by their own method, and GGUF types without a kernel are converted
 to the nearest ktlite format with one warning per type naming a tensor.
 
 Besides filling the CPU store, a source gives the device side its experts (`dense`: fp32 weights, the
@@ -71,7 +72,8 @@ _ST_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F8_E4M3"
 
 class _Safetensors:
     """The tensors of an HF folder's safetensors files as numpy views of memory maps (BF16 as its uint16
-    bits, F8_E4M3 / F8_E8M0 as bytes, F4 as its bytes of two e2m1 codes: the last dim halved). Maps open on first use; `release()` drops them (views taken stay valid)."""
+    bits, F8_E4M3 / F8_E8M0 as bytes, F4 as its bytes of two e2m1 codes: the last dim halved). Maps open on
+    first use; `release()` drops them (views taken stay valid)."""
 
     def __init__(self, folder: Path):
         self.folder = folder

@@ -1,9 +1,10 @@
 """Where MX checkpoints keep a routed expert's codes and e8m0 scales: one small table, tried in order.
 
-| layout     | codes                                       | scales                         | who ships it        |
-|------------|---------------------------------------------|--------------------------------|---------------------|
-| per-expert | `<expert weight>` [out, in/2] I8/U8/F4 (FP4) or [out, in] F8_E4M3 (MXFP8) | `<base>.scale`, `<base>.weight_scale_inv` or `<base>.weight_scale` [out, in/32] F8_E8M0/U8 | DeepSeek-V4 (FP4), MXFP8 checkpoints (transformers' `mxfp8` quantizer) |
-| blocks     | `<experts>.{gate_up,down}_proj_blocks` [E, out, in/32, 16] U8 | `<experts>.{...}_proj_scales` [E, out, in/32] U8 | gpt-oss (MXFP4) |
+- per-expert: codes at `<expert weight>`, [out, in/2] I8 / U8 / F4 (FP4) or [out, in] F8_E4M3 (MXFP8); scales
+  at `<base>.scale`, `<base>.weight_scale_inv` or `<base>.weight_scale`, [out, in/32] F8_E8M0 / U8. DeepSeek-V4's
+  FP4 experts; MXFP8 checkpoints (transformers' `mxfp8` quantizer writes `weight_scale_inv`).
+- blocks: codes at `<experts>.{gate_up,down}_proj_blocks` [E, out, in/32, 16] U8, scales at
+  `<experts>.{gate_up,down}_proj_scales` [E, out, in/32] U8. gpt-oss (MXFP4).
 
 `<expert weight>` is the family's `expert_weight_name(layer, expert, proj)`, `<base>` that name without
 `.weight`, `<experts>` the prefix of the layer's experts (up to `.experts`). gpt-oss's fused gate_up rows

@@ -159,7 +159,8 @@ class QuantizedWeight:
     group_size: int  # weights per scale (GGUF: per block)
     k: int  # logical input size (qweight may be padded to kp)
     qweight: np.ndarray
-    scales: np.ndarray  # fp32 [..., N, Kp / G]; MX: e8m0 uint8; [..., N, 0] for BF16 and GGUF (scales inside the blocks)
+    # fp32 [..., N, Kp / G]; MX: e8m0 bytes (uint8); [..., N, 0] for BF16 and GGUF (scales inside the blocks)
+    scales: np.ndarray
 
     @property
     def shape(self) -> tuple[int, ...]:

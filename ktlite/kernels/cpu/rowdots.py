@@ -12,8 +12,9 @@ Group size = 2**group_shift (32, 64 or 128), each row a whole number of 64-byte 
   multiply by 2^120; MXFP8 (E4M3 records with uint8 e8m0 scales, mx.py) is the same row with each 32-block's
   scale built from its byte and the codes decoded to whole numbers (_mx_codes_to_f32); MXFP4 (E2M1X2 records:
   two e2m1 codes a byte, even k in the low nibble) splits 16 bytes into nibbles, interleaves them back into k
-  order (two byte shuffles) and decodes them alike, its 32 weights scaled as one block; GGUF blocks (Q4_K, Q5_K, Q6_K, Q8_0 records, gguf_quants.py) are walked run by run
-  (`_gguf_runs`: 16 codes, their scale and min), the scales unpacked in scalar IR per sub-block.
+  order (two byte shuffles) and decodes them alike, its 32 weights scaled as one block; GGUF blocks (Q4_K, Q5_K,
+  Q6_K, Q8_0 records, gguf_quants.py) are walked run by run (`_gguf_runs`: 16 codes, their scale and min), the
+  scales unpacked in scalar IR per sub-block.
 - `decode_row(qrow, srow, out, group_shift)` writes the dequantized row (length Kp) into `out`:
   fp32, or bf16 bits (uint16, round to nearest even via LLVM's fptrunc to bfloat) when `out` is
   uint16 (the prefill path).
@@ -196,7 +197,7 @@ def _fp8_row_dot(typingctx, q, s, x, gs):
     return sig, codegen
 
 
-_BYTE_MASK = ir.VectorType(I32, LANES)
+_SHUFFLE_MASK = ir.VectorType(I32, LANES)
 
 
 def _e2m1_block(builder, qp, b):
@@ -208,7 +209,7 @@ def _e2m1_block(builder, qp, b):
     halves = []
     for first in (0, LANES // 2):
         mask = [v for j in range(first, first + LANES // 2) for v in (j, j + LANES)]
-        pair = builder.shuffle_vector(lo, hi, ir.Constant(_BYTE_MASK, mask))
+        pair = builder.shuffle_vector(lo, hi, ir.Constant(_SHUFFLE_MASK, mask))
         halves.append(_mx_codes_to_f32(builder, builder.zext(pair, V32), "e2m1"))
     return halves
 
