@@ -19,7 +19,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from transformers import FineGrainedFP8Config
-from transformers.integrations.finegrained_fp8 import Fp8Dequantize, Fp8Quantize
 from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
 
 from ktlite import Engine
@@ -42,9 +41,18 @@ GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 THREADS = numba.config.NUMBA_NUM_THREADS
 
 
+def _finegrained_fp8():
+    """transformers.integrations.finegrained_fp8, imported on first use: it imports torch._dynamo, which (imported
+    while pytest collects, before test_triton_*.py import their kernels under TRITON_INTERPRET) leaves the Triton
+    interpreter unable to run them for the rest of the session."""
+    from transformers.integrations import finegrained_fp8
+
+    return finegrained_fp8
+
+
 def transformers_fp8_path(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """transformers' dequantization of per-expert FP4 (int8 codes) or MXFP8 (e4m3) with e8m0 scales, in fp32."""
-    return Fp8Dequantize(None)._dequantize_one(codes, scales, output_dtype=torch.float32)
+    return _finegrained_fp8().Fp8Dequantize(None)._dequantize_one(codes, scales, output_dtype=torch.float32)
 
 
 def transformers_blocks(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
@@ -115,7 +123,7 @@ def fp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def mxfp8_quantize(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
     """transformers' mxfp8 quantization of one weight: e4m3 and `weight_scale_inv` (float8_e8m0fnu) per [1, 32]."""
     config = FineGrainedFP8Config(weight_block_size=(1, 32), scale_fmt="ue8m0")
-    return Fp8Quantize(SimpleNamespace(quantization_config=config))._quantize_one(name, w)
+    return _finegrained_fp8().Fp8Quantize(SimpleNamespace(quantization_config=config))._quantize_one(name, w)
 
 
 def random_weights(n: int, k: int, seed: int) -> torch.Tensor:
