@@ -588,8 +588,9 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int | None
               "vector code as INT8; RAWINT4 is ktlite's INT4 with groups of 32; GGUF Q4_K/Q5_K/Q6_K/Q8_0 blocks are "
               "walked in the same vector IR, 16 codes at a time, with each sub-block's scale and min unpacked "
               "in scalar code (one horizontal sum per row, the mins against the 32-weight sums of x). MXFP4 / "
-              "MXFP8 decode e2m1 (two a byte, interleaved back into k order by byte shuffles) / e4m3 to whole "
-              "numbers by integer ops and fold the power of two into each 32-weight block's e8m0 scale.",
+              "MXFP8 decode e2m1 (two a byte, interleaved back into k order by byte shuffles, looked up as bf16 "
+              "bytes by `pshufb`) / e4m3 (integer ops) to whole numbers and fold the power of two into each "
+              "32-weight block's e8m0 scale.",
               "- INT4 < 8 % error is out of reach for a 4-bit code with one scale per 64 gaussian weights: the "
               "rate-distortion bound at 4 bits is 2^-4 = 6.25 % per matrix; uniform levels with a per-group MSE "
               "scale search measure 9.0 % at G=64 (8.1 % at G=32, 7.0 % at G=16; these and the codebook figures from a one-off script on 8M gaussian weights, not this bench), and even the MSE-optimal "

@@ -10,9 +10,10 @@ Group size = 2**group_shift (32, 64 or 128), each row a whole number of 64-byte 
   xs[b] = sum of x over 32-block b (computed once per token). BF16: shift into fp32 bits + FMA.
 - FP8 (E4M3 records, fp8.py) decodes like INT8 with e4m3 -> fp32 by integer shifts and one exact
   multiply by 2^120; MXFP8 (E4M3 records with uint8 e8m0 scales, mx.py) is the same row with each 32-block's
-  scale built from its byte and the codes decoded to whole numbers (_mx_codes_to_f32); MXFP4 (E2M1X2 records:
-  two e2m1 codes a byte, even k in the low nibble) splits 16 bytes into nibbles, interleaves them back into k
-  order (two byte shuffles) and decodes them alike, its 32 weights scaled as one block; GGUF blocks (Q4_K, Q5_K,
+  scale built from its byte and the codes decoded to whole numbers (_e4m3_whole); MXFP4 (E2M1X2 records: two
+  e2m1 codes a byte, even k in the low nibble) splits 16 bytes into nibbles, interleaves them back into k order
+  (two byte shuffles) and looks up each code's value as bf16 bytes (`pshufb`), its 32 weights scaled as one block;
+  the power of two that makes the codes whole goes into the block's scale. GGUF blocks (Q4_K, Q5_K,
   Q6_K, Q8_0 records, gguf_quants.py) are walked run by run (`_gguf_runs`: 16 codes, their scale and min), the
   scales unpacked in scalar IR per sub-block.
 - `decode_row(qrow, srow, out, group_shift)` writes the dequantized row (length Kp) into `out`:
@@ -33,9 +34,9 @@ from numba.extending import intrinsic, overload
 
 from ktlite.kernels.cpu.fp8 import E4M3
 from ktlite.kernels.cpu.gguf_quants import BLOCKS
-from ktlite.kernels.cpu.mx import E2M1X2
+from ktlite.kernels.cpu.mx import E2M1_VALUES, E2M1X2
 from ktlite.kernels.cpu.simd import (
-    F32, I16, I32, LANES, V16, V32, V8, VF, array_args, bf16_scalar_to_f32, bf16_to_f32, byte_ptr, c64, cvec, hsum,
+    F32, I8, I16, I32, LANES, V16, V32, V8, VF, array_args, bf16_scalar_to_f32, bf16_to_f32, byte_ptr, c64, cvec, hsum,
     is_vec, load_at, load_nibbles, prefetch_ahead, round_bf16, splat, vfma, vload, vstore,
 )
 
@@ -131,6 +132,7 @@ def _group_scales(s):
 # MX codes decode to whole numbers, code value * 2^CODE_SHIFT (exact in fp32), and the 2^-CODE_SHIFT goes into the
 # group's scale. Not FP8's bit trick (a subnormal times 2^120): numba's fastmath kernels reassociate
 # (code * 2^120) * scale into code * (2^120 * scale), which overflows for e8m0 scales from 2^8 on (NaN at code 0).
+# e2m1: 2 * value is 0, 1, 2, 3, 4, 6, 8 or 12; e4m3: 2^9 * value is m for e = 0, (8 + m) << (e - 1) otherwise.
 CODE_SHIFT = {"e2m1": 1, "e4m3": 9}
 
 
@@ -150,24 +152,22 @@ def _scale_at(builder, sp, idx, shift=0):
     return builder.bitcast(builder.select(builder.icmp_signed(">=", p, _ci(-126)), normal, tiny), F32)
 
 
-def _mx_codes_to_f32(builder, z, kind):
-    """MX codes (int32 lanes) -> value * 2^CODE_SHIFT[kind] as fp32, exactly, by integer ops: e2m1 (sign, 2-bit
-    exponent e, 1-bit mantissa m) is (m + 2 [e > 0]) << max(e - 1, 0) halves; e4m3 (4-bit e, 3-bit m) the same in
-    2^-9 steps. e4m3's NaN codes (0x7f, 0xff) read as +-480: checkpoints hold none."""
-    mbits, ebits = (1, 2) if kind == "e2m1" else (3, 4)
+def _e4m3_whole(builder, z):
+    """e4m3 codes (int32 lanes) -> value * 2^9 as fp32, exactly, by integer ops: (m | 8 [e > 0]) << max(e - 1, 0)
+    for exponent e and mantissa m, signed. The NaN codes (0x7f, 0xff) read as +-480: checkpoints hold none."""
     vi = lambda v: cvec(V32, v)
-    m = builder.and_(z, vi((1 << mbits) - 1))
-    e = builder.and_(builder.lshr(z, vi(mbits)), vi((1 << ebits) - 1))
+    m = builder.and_(z, vi(7))
+    e = builder.and_(builder.lshr(z, vi(3)), vi(15))
     normal = builder.zext(builder.icmp_unsigned("!=", e, vi(0)), V32)
-    whole = builder.shl(builder.or_(m, builder.shl(normal, vi(mbits))), builder.sub(e, normal))
-    sign = builder.shl(builder.lshr(z, vi(mbits + ebits)), vi(31))
+    whole = builder.shl(builder.or_(m, builder.shl(normal, vi(3))), builder.sub(e, normal))
+    sign = builder.shl(builder.lshr(z, vi(7)), vi(31))
     return builder.bitcast(builder.or_(builder.bitcast(builder.sitofp(whole, VF), V32), sign), VF)
 
 
 def _e4m3_lanes(builder, qp, k, e8m0):
     """16 e4m3 codes at qp[k] as fp32: their values for fp32 scales (FP8), value * 2^9 for e8m0 scales (MXFP8)."""
     z = builder.zext(vload(builder, qp, k, V8), V32)
-    return _mx_codes_to_f32(builder, z, "e4m3") if e8m0 else _e4m3_to_f32(builder, z)
+    return _e4m3_whole(builder, z) if e8m0 else _e4m3_to_f32(builder, z)
 
 
 @intrinsic
@@ -200,17 +200,39 @@ def _fp8_row_dot(typingctx, q, s, x, gs):
 _SHUFFLE_MASK = ir.VectorType(I32, LANES)
 
 
+def _bf16_bytes(v: float) -> tuple[int, int]:
+    """(low, high) byte of bf16 v (exact for these values), as signed i8 constants."""
+    bits = int(np.float32(v).view(np.uint32)) >> 16
+    return tuple(b - 256 if b > 127 else b for b in (bits & 0xFF, bits >> 8))
+
+
+# twice each e2m1 value (0, +-1, 2, 3, 4, 6, 8, 12: whole numbers, exact bf16) as bf16 bytes, by code
+_E2M1_LO, _E2M1_HI = zip(*(_bf16_bytes(2 * v) for v in E2M1_VALUES))
+
+
+def _pshufb(builder, table, idx):
+    """16 table bytes looked up by idx (<16 x i8>, 0..15): SSSE3 `pshufb` (every x86-64 CPU ktlite runs on has it)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8, [V8, V8]), "llvm.x86.ssse3.pshuf.b.128")
+    return builder.call(fn, [ir.Constant(V8, list(table)), idx])
+
+
 def _e2m1_block(builder, qp, b):
     """The 32 weights (times 2) of the 16 bytes at qp[b] in k order, as two fp32 vectors (weights 0-15, 16-31): byte j
-    holds k = 2j (low nibble) and 2j + 1 (high), so low and high nibbles interleave back (punpck{l,h}bw)."""
+    holds k = 2j (low nibble) and 2j + 1 (high), so low and high nibbles interleave back (punpck{l,h}bw); each code
+    then looks up the two bytes of its value's bf16 pattern (two `pshufb`), which become the upper half of the fp32
+    lanes: exact, signed zero included, ~4x fewer instructions than decoding sign, exponent and mantissa."""
     raw = vload(builder, qp, b, V8)
     lo = builder.and_(raw, cvec(V8, 15))
     hi = builder.lshr(raw, cvec(V8, 4))
+    zeros = ir.Constant(ir.VectorType(I8, 2 * LANES), [0] * (2 * LANES))
+    fp32_bytes = ir.Constant(ir.VectorType(I32, 4 * LANES), [v for j in range(LANES) for v in (32, 32, j, LANES + j)])
     halves = []
     for first in (0, LANES // 2):
         mask = [v for j in range(first, first + LANES // 2) for v in (j, j + LANES)]
-        pair = builder.shuffle_vector(lo, hi, ir.Constant(_SHUFFLE_MASK, mask))
-        halves.append(_mx_codes_to_f32(builder, builder.zext(pair, V32), "e2m1"))
+        codes = builder.shuffle_vector(lo, hi, ir.Constant(_SHUFFLE_MASK, mask))
+        both = builder.shuffle_vector(_pshufb(builder, _E2M1_LO, codes), _pshufb(builder, _E2M1_HI, codes),
+                                      ir.Constant(ir.VectorType(I32, 2 * LANES), list(range(2 * LANES))))
+        halves.append(builder.bitcast(builder.shuffle_vector(both, zeros, fp32_bytes), VF))
     return halves
 
 
