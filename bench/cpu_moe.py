@@ -3,7 +3,8 @@
 For DeepSeek-V2-Lite expert shapes (hidden 2048, moe_intermediate 1408, 64 experts, top-6) and
 DeepSeek-V3 shapes (hidden 7168, moe_intermediate 2048, top-8, a few experts), T tokens per call,
 each method (ktlite's INT4/INT8/BF16 and the formats kept from a checkpoint: FP8 with 128x128 block
-scales, RAWINT4 = compressed-tensors INT4 group 32, LLAMAFILE = GGUF Q4_K blocks): time per call of CPUMoE.forward (the path it picks), both paths forced (the fused
+scales, RAWINT4 = compressed-tensors INT4 group 32, LLAMAFILE = GGUF Q4_K blocks, MXFP4 = e2m1 and MXFP8 = e4m3
+with an e8m0 scale per 32): time per call of CPUMoE.forward (the path it picks), both paths forced (the fused
 numba GEMV/FMA kernel and dequantize + oneDNN matmul), torch bf16/fp32 matmul of the same
 dequantized experts, effective weight GB/s against a numpy read benchmark, quantization error, and
 submit/wait overlap, and the INT4/INT8 quantizer's speed (GB/s of bf16 source). Prints tables; with --write they replace
@@ -11,6 +12,7 @@ its section of bench/RESULTS.md (bench/_results_page.py).
 
     .venv/bin/python bench/cpu_moe.py            # ~3-5 min on 2 cores
     .venv/bin/python bench/cpu_moe.py --quick    # ~1 min, fewer shapes/T
+    .venv/bin/python bench/cpu_moe.py --quick --shapes tiny --methods MXFP4,MXFP8   # seconds: a smoke check
     .venv/bin/python bench/cpu_moe.py --ktkernel-python SIDE/bin/python   # + kt-kernel on the same inputs
 
 kt-kernel pins an old torch (2.9.1), so it lives in a side venv and runs in a subprocess
@@ -45,6 +47,7 @@ from ktlite.kernels.cpu.gemm import expert_mlp_matmul
 from ktlite.kernels.cpu.moe import Q8_METHODS, CPUMoE
 from ktlite.kernels.cpu.fp8 import fill_fp8_rows
 from ktlite.kernels.cpu.gguf_quants import BLOCKS
+from ktlite.kernels.cpu.mx import E2M1_VALUES, MX_GROUP, MX_METHODS, fill_mx_rows
 from ktlite.kernels.cpu.target import bf16_gemm_wins, configure_numba
 from ktlite.kernels.cpu.quant import (
     DEFAULT_GROUP_SIZES,
@@ -77,6 +80,8 @@ class Shape:
 
 V2_LITE = Shape("V2-Lite", 2048, 1408, 64, 6)
 V3 = Shape("V3", 7168, 2048, 8, 8)
+TINY = Shape("tiny", 256, 128, 8, 2)  # --shapes tiny: the bench's code paths in seconds, no figures worth keeping
+SHAPES = {s.name: s for s in (V2_LITE, V3, TINY)}
 
 
 class NumpyRead:
@@ -171,6 +176,8 @@ def kept_formats(shape: Shape, method: str) -> tuple[tuple[str, int], tuple[str,
         return ("FP8", 128), ("FP8", 128)
     if method == "RAWINT4":
         return ("INT4", RAWINT4_GROUP), ("INT4", RAWINT4_GROUP)
+    if method in MX_METHODS:
+        return (method, MX_GROUP), (method, MX_GROUP)
     if method == "LLAMAFILE":  # Q4_K needs K % 256 == 0: V2-Lite's down (K = 1408) is Q8_0, as llama.cpp falls back
         return ("Q4_K", 256), ("Q4_K", 256) if shape.inter % 256 == 0 else ("Q8_0", 32)
     return None
@@ -204,6 +211,8 @@ def fill_kept(dst, w: torch.Tensor, fmt: str, seed: int) -> None:
         fill_fp8_rows(dst.qweight, dst.scales, q.view(torch.uint8).numpy(), scale.numpy(), (128, 128))
     elif fmt == "INT4":
         quantize_into(dst, (), w)
+    elif fmt in MX_METHODS:
+        fill_mx_rows(dst.qweight, dst.scales, *mx_encode(w, fmt), fmt)
     else:
         rng = np.random.default_rng(seed)
         raw = dst.qweight.view(np.uint8)
@@ -211,6 +220,25 @@ def fill_kept(dst, w: torch.Tensor, fmt: str, seed: int) -> None:
         dst.qweight["d"] = np.float16(rng.uniform(-1e-3, 1e-3, dst.qweight.shape)).view(np.uint16)
         if "dmin" in BLOCKS[fmt][0].names:
             dst.qweight["dmin"] = np.float16(rng.uniform(0, 1e-3, dst.qweight.shape)).view(np.uint16)
+
+
+def mx_encode(w: torch.Tensor, fmt: str) -> tuple[np.ndarray, np.ndarray]:
+    """w [N, K] -> (code bytes, e8m0 scale bytes [N, K / 32]) as an MX checkpoint ships them: e4m3 under the power of
+    two >= amax / 448 (transformers' ue8m0 rule), or e2m1 under 2^(floor(log2 amax) - 2) (OCP MX v1.0), codes
+    rounded to the nearest value."""
+    blocks = w.float().reshape(w.shape[0], -1, MX_GROUP)
+    amax = blocks.abs().amax(-1).clamp_min(2.0**-100)
+    if fmt == "MXFP8":
+        power = torch.ceil(torch.log2(amax / 448.0))
+        codes = (blocks / torch.exp2(power)[..., None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    else:
+        power = torch.floor(torch.log2(amax)) - 2
+        mags = torch.tensor(E2M1_VALUES[:8])
+        scaled = blocks / torch.exp2(power)[..., None]
+        nearest = torch.bucketize(scaled.abs().clamp(max=6.0), (mags[1:] + mags[:-1]) / 2)  # index of the magnitude
+        nib = (nearest | torch.where(scaled < 0, 8, 0)).to(torch.uint8).reshape(w.shape[0], -1, 2)
+        codes = nib[..., 0] | (nib[..., 1] << 4)
+    return codes.reshape(w.shape[0], -1).numpy(), (power + 127).to(torch.uint8).numpy()
 
 
 def build(shape: Shape, variant: str, src: list[tuple[torch.Tensor, ...]], group: int | None, **kw) -> CPUMoE:
@@ -266,7 +294,7 @@ def accuracy(src: list[tuple[torch.Tensor, ...]], variant: str, group: int | Non
     g, u, d = src[0]
     if method == "per-row INT4":
         qg, qu, qd = (per_row_int4(m) for m in (g, u, d))
-    elif method in ("FP8", "RAWINT4"):  # the checkpoint's own encoding of these floats
+    elif method in ("FP8", "RAWINT4", *MX_METHODS):  # the checkpoint's own encoding of these floats
         fmt = kept_formats(V3, method)[0]
         qg, qu, qd = (_kept(m, fmt) for m in (g, u, d))
     else:
@@ -559,7 +587,10 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int | None
               "- Kept formats: FP8 decodes e4m3 in the row kernel (integer shifts + one multiply by 2^120), the same "
               "vector code as INT8; RAWINT4 is ktlite's INT4 with groups of 32; GGUF Q4_K/Q5_K/Q6_K/Q8_0 blocks are "
               "walked in the same vector IR, 16 codes at a time, with each sub-block's scale and min unpacked "
-              "in scalar code (one horizontal sum per row, the mins against the 32-weight sums of x).",
+              "in scalar code (one horizontal sum per row, the mins against the 32-weight sums of x). MXFP4 / "
+              "MXFP8 decode e2m1 (two a byte, interleaved back into k order by byte shuffles, looked up as bf16 "
+              "bytes by `pshufb`) / e4m3 (integer ops) to whole numbers and fold the power of two into each "
+              "32-weight block's e8m0 scale.",
               "- INT4 < 8 % error is out of reach for a 4-bit code with one scale per 64 gaussian weights: the "
               "rate-distortion bound at 4 bits is 2^-4 = 6.25 % per matrix; uniform levels with a per-group MSE "
               "scale search measure 9.0 % at G=64 (8.1 % at G=32, 7.0 % at G=16; these and the codebook figures from a one-off script on 8M gaussian weights, not this bench), and even the MSE-optimal "
@@ -597,8 +628,10 @@ def render(hw: dict, rows: list[dict], extra: dict[str, dict], group: int | None
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer T values and a short time budget")
-    ap.add_argument("--methods", default="INT4,INT8,INT4:fp32,INT8:fp32,BF16,FP8,RAWINT4,LLAMAFILE",
+    ap.add_argument("--methods", default="INT4,INT8,INT4:fp32,INT8:fp32,BF16,FP8,RAWINT4,LLAMAFILE,MXFP4,MXFP8",
                     help="methods; METHOD:fp32 / METHOD:int8 set --cpu-activations (default: auto)")
+    ap.add_argument("--shapes", default="V2-Lite,V3", help=f"expert shapes, of {', '.join(SHAPES)} (tiny: a smoke "
+                    "check of the code paths)")
     ap.add_argument("--group-size", type=int, default=None, help="INT4/INT8 group size [the methods' defaults]")
     ap.add_argument("--tokens", default="", help="T values (comma-separated); --quick still leaves V3's last one out")
     ap.add_argument("--write", action="store_true", help="replace this bench's section of bench/RESULTS.md")
@@ -628,8 +661,8 @@ def main() -> None:
         peer = KtPeer(args.ktkernel_python, methods_kt, info)
         hw["ktkernel"] = info
     rows, extra = [], {}
-    for shape in (V2_LITE, V3):
-        r, e = bench_shape(shape, methods, tokens if shape is V2_LITE else tokens[:-1] if args.quick else tokens,
+    for shape in (SHAPES[name] for name in args.shapes.split(",")):
+        r, e = bench_shape(shape, methods, tokens[:-1] if args.quick and shape is V3 else tokens,
                            args.group_size, budget, peer)
         rows += r
         extra[shape.name] = e

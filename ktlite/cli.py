@@ -96,7 +96,7 @@ _ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--schedule-policy",), "schedule_policy", dict(type=click.Choice(["fcfs", "lpm"]), help="Admission order: fcfs (arrival), lpm (longest cached prefix first, none starved) [fcfs].")),
     (("--max-mamba-cache-size",), "max_mamba_cache_size", dict(type=int, help="Models with recurrent layers (Qwen3-Next): snapshots of their state the prefix cache keeps, one per reusable prefix; 0 turns their prefix cache off [min(8, --max-running-requests)].")),
     (("--hicache-size",), "hicache_size", dict(type=float, help="GiB of CPU RAM for KV evicted from the GPU pool, copied back instead of recomputed [0: off].")),
-    (("--kt-method", "--kt-amx-method"), "kt_method", dict(type=str, help="CPU expert format, KTransformers names: FP8, BF16, RAWINT4 (compressed-tensors INT4), LLAMAFILE (GGUF) keep the checkpoint's weights; INT4/INT8 (AMXINT4, MOE_INT8, ...) quantize group-wise [INT4].")),
+    (("--kt-method", "--kt-amx-method"), "kt_method", dict(type=str, help="CPU expert format, KTransformers names: FP8, BF16, RAWINT4 (compressed-tensors INT4), LLAMAFILE (GGUF), MXFP4 / FP4, MXFP8 keep the checkpoint's weights; INT4/INT8 (AMXINT4, MOE_INT8, ...) quantize group-wise [INT4].")),
     (("--kt-group-size",), "kt_group_size", dict(type=int, help="Quantization group size of CPU experts [64 for INT4, 128 for INT8].")),
     (("--kt-weight-path", "--kt-amx-weight-path"), "kt_weight_path", dict(type=str, help="Where the CPU experts come from: an HF folder (default: --model), a `ktlite convert` folder, or a GGUF file/folder (LLAMAFILE).")),
     (("--kt-cpuinfer",), "kt_cpuinfer", dict(type=int, help="CPU threads for the experts [chosen: physical cores].")),

@@ -46,7 +46,7 @@ def test_alias_logged_once(caplog):
 
 
 def test_unknown_method_lists_valid_values():
-    with pytest.raises(ConfigError, match="INT4, INT8, BF16, FP8, RAWINT4, LLAMAFILE, AMXINT4"):
+    with pytest.raises(ConfigError, match="INT4, INT8, BF16, FP8, RAWINT4, LLAMAFILE, MXFP4, MXFP8, AMXINT4"):
         normalize_kt_method("Q4_K")
 
 

@@ -137,13 +137,12 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
             layerwise = (alloc("layerwise_buffer", (e, 2 * i, h), dtype, device),
                          alloc("layerwise_buffer", (e, h, i), dtype, device))
         moe_layers = {}
-        int4_experts = plan.inputs.gpu_expert_format == "int4_g32"  # as planned (RAWINT4's codes)
         for l in cfg.moe_layers:
             # expert parallel: rank r holds every tp-th of the layer's GPU experts (the plan's count)
             mine = placement[l] if tp is None else placement[l][rank::tp.size]
             others = [x for x in placement[l] if x not in mine]
             n = len(mine)
-            w13, w2 = alloc_gpu_experts(alloc, n, h, i, dtype, device, int4=int4_experts)
+            w13, w2 = alloc_gpu_experts(alloc, n, h, i, dtype, device, plan.inputs.gpu_expert_format)  # as planned
             mlp = model.model.layers[l].mlp
             moe_layers[l] = HybridMoE(l, mlp.gate, mlp.shared_experts, mine, w13, w2, cpu, source,
                                       config.kt_gpu_prefill_token_threshold, layerwise, observers,

@@ -8,10 +8,12 @@
 | FP8, FP8_PERCHANNEL    | omitted / an HF folder with FP8      | e4m3 + scales as they are (kernels/cpu/fp8.py) |
 | RAWINT4                | omitted / a compressed-tensors folder | INT4 group 32, the same codes and scales  |
 | LLAMAFILE              | a GGUF file or folder (split too)    | Q4_K/Q5_K/Q6_K/Q8_0/BF16 blocks as they are |
+| MXFP4 (FP4), MXFP8     | omitted / an HF folder with MX experts | e2m1 / e4m3 + e8m0 scales as they are (mx.py) |
 
-"Omitted" means the `--model` folder. Nothing that loses precision happens silently: FP8 of a non-FP8
-checkpoint is refused with the methods that fit, BF16 of FP8 or FP32 experts warns that it rounds,
-INT4/INT8 of FP8 weights say that they quantize again, and GGUF types without a kernel are converted
+"Omitted" means the `--model` folder; where MX checkpoints keep their experts: ktlite/runtime/mx_layouts.py.
+Nothing that loses precision happens silently: FP8 of a non-FP8 checkpoint is refused with the methods that fit,
+BF16 of FP8 or FP32 experts warns that it rounds, INT4/INT8 of FP8 weights say that they quantize again, MX
+experts are served only by their own method, and GGUF types without a kernel are converted
 to the nearest ktlite format with one warning per type naming a tensor.
 
 Besides filling the CPU store, a source gives the device side its experts (`dense`: fp32 weights, the
@@ -39,6 +41,7 @@ from ktlite.errors import CheckpointError, ConfigError
 from ktlite.kernels.cpu import gguf_quants
 from ktlite.kernels.cpu.compressed_int4 import fill_int4_rows, gpu_int4, unpack_codes
 from ktlite.kernels.cpu.fp8 import fill_fp8_rows, fp8_group_size
+from ktlite.kernels.cpu.mx import MX_GROUP, MX_METHODS, codes_per_byte, fill_mx_rows
 from ktlite.kernels.cpu.moe import CPUMoE, Format
 from ktlite.kernels.cpu.quant import (
     QUANTIZED_METHODS,
@@ -53,6 +56,7 @@ from ktlite.kernels.triton.quant import QuantizedWeight as GPUQuantizedWeight
 from ktlite.runtime.convert import MANIFEST, load_converted
 from ktlite.runtime.models.config import ModelConfig
 from ktlite.runtime.models.wrapper import our_name
+from ktlite.runtime.mx_layouts import LAYOUTS, MXTensors
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +68,14 @@ Placement = Mapping[int, Sequence[int]]  # MoE layer -> its experts on the devic
 
 
 _ST_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F8_E4M3": np.uint8, "I32": np.int32,
-              "I64": np.int64, "U8": np.uint8, "I8": np.int8}
+              "I64": np.int64, "U8": np.uint8, "I8": np.int8, "F8_E8M0": np.uint8, "F4": np.uint8}
 
 
 class _Safetensors:
     """The tensors of an HF folder's safetensors files as numpy views of memory maps (BF16 as its uint16
-    bits, F8_E4M3 as bytes), by the model's names (`renames`: a wrapper checkpoint's, ModelConfig.weight_renames).
-    Maps open on first use; `release()` drops them (views taken stay valid)."""
+    bits, F8_E4M3 / F8_E8M0 as bytes, F4 as its bytes of two e2m1 codes: the last dim halved), by the model's
+    names (`renames`: a wrapper checkpoint's, ModelConfig.weight_renames). Maps open on first use; `release()`
+    drops them (views taken stay valid)."""
 
     def __init__(self, folder: Path, renames: tuple[tuple[str, str], ...] = ()):
         self.folder = folder
@@ -109,6 +114,8 @@ class _Safetensors:
             raise CheckpointError(f"tensor {name!r} has dtype {dtype}, which ktlite does not read")
         if f not in self._maps:  # copy-on-write: writable views for torch, the file is never changed
             self._maps[f] = np.memmap(self.folder / f, np.uint8, mode="c")
+        if dtype == "F4":  # the header counts 4-bit codes, two a byte
+            shape = (*shape[:-1], shape[-1] // 2)
         count = int(np.prod(shape))
         item = np.dtype(_ST_DTYPES[dtype]).itemsize
         return self._maps[f][offset:offset + count * item].view(_ST_DTYPES[dtype]).reshape(shape)
@@ -133,7 +140,7 @@ class Source:
     """One place the experts come from. Sources that keep a checkpoint's encoding (`formats` not None)
     fill CPU slots in place (`fill_native`) and refill them on dynamic placement; the others hand
     weights to CPUMoE.set_expert, which quantizes them into the method's format. GPU experts are
-    `dense` weights, or (where gpu_experts_int4 says so) the source's own INT4 codes from `gpu_weights`."""
+    `dense` weights, or (where gpu_expert_format says so) the source's own codes from `gpu_weights`."""
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
@@ -191,6 +198,10 @@ class HFSource(Source):
         self.fp8_block = cfg.fp8_block_size or (128, 128)
         if method is None:  # the device side of converted experts: tensors are looked up when asked for
             return
+        mx = stored_mx(cfg, self.tensors)
+        if mx is not None:  # ktlite has no MX -> INT4/INT8/BF16/FP8 path: nothing re-quantizes them silently
+            raise ConfigError(f"{folder} stores its routed experts as {mx} (codes with an e8m0 scale per {MX_GROUP}): "
+                              f"serve them as they are with --kt-method {mx}")
         first = cfg.expert_weight_name(cfg.moe_layers[0], 0, "gate") if cfg.moe_layers else None
         if first is not None and first not in self.tensors:
             raise CheckpointError(f"{folder} has no routed expert tensors (looked for {first!r}); point "
@@ -268,6 +279,101 @@ class HFSource(Source):
 
     def dense(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(t.float() for t in self.weights(layer, expert))
+
+    def release(self) -> None:
+        self.tensors.release()
+
+
+_MX_CODES = {"MXFP4": ("U8", "I8", "F4"), "MXFP8": ("F8_E4M3",)}  # safetensors dtypes of each format's codes
+_E8M0 = ("U8", "F8_E8M0")
+
+
+def _mx_found(cfg: ModelConfig, tensors: _Safetensors) -> tuple[str, MXTensors] | None:
+    """(layout name, tensors of layer 0's first gate) of the first LAYOUTS entry whose codes and e8m0 scales the
+    checkpoint holds, else None."""
+    if not cfg.moe_layers:
+        return None
+    for name, where in LAYOUTS.items():
+        t = where(cfg, cfg.moe_layers[0], 0, "gate")
+        scales = [s for s in t.scales if s in tensors]
+        if t.codes in tensors and scales and tensors.dtype(scales[0]) in _E8M0:
+            return name, t
+    return None
+
+
+def stored_mx(cfg: ModelConfig, tensors: _Safetensors) -> str | None:
+    """MXFP4 or MXFP8 where the checkpoint's routed experts are MX codes with e8m0 scales, else None."""
+    found = _mx_found(cfg, tensors)
+    if found is None:
+        return None
+    return next((m for m, dtypes in _MX_CODES.items() if tensors.dtype(found[1].codes) in dtypes), None)
+
+
+class MXSource(Source):
+    """MXFP4 / FP4 (e2m1) and MXFP8 (e4m3) experts with their e8m0 scales per 32, kept as stored
+    (kernels/cpu/mx.py), found by the first mx_layouts.LAYOUTS entry the checkpoint matches."""
+
+    def __init__(self, cfg: ModelConfig, folder: Path, method: str):
+        super().__init__(cfg)
+        self.tensors = _Safetensors(folder)
+        self.method = method
+        found = _mx_found(cfg, self.tensors)
+        stored = stored_mx(cfg, self.tensors)
+        if found is None or stored != method:
+            what = f"{stored} experts" if stored else "no MX experts (codes with e8m0 scales per 32)"
+            looked = ", ".join(where(cfg, cfg.moe_layers[0], 0, "gate").codes for where in LAYOUTS.values()) \
+                if cfg.moe_layers else "nothing: the model has no MoE layers"
+            hint = f"use --kt-method {stored}" if stored else "FP8 and BF16 experts have their own --kt-method"
+            raise ConfigError(f"--kt-method {method} reads {method} experts; {folder} has {what} (looked for "
+                              f"{looked}): {hint}")
+        self.layout = LAYOUTS[found[0]]
+
+    def formats(self, layer: int) -> tuple[Format, Format]:
+        return (self.method, MX_GROUP), (self.method, MX_GROUP)
+
+    def matrix(self, layer: int, expert: int, proj: str) -> tuple[np.ndarray, np.ndarray]:
+        """(code bytes [N, K / codes a byte], e8m0 scales [N, K / 32]) of one expert matrix, as stored."""
+        t = self.layout(self.cfg, layer, expert, proj)
+        codes = self.tensors.array(t.codes)
+        scales = self.tensors.array(next(s for s in t.scales if s in self.tensors))
+        if t.expert is not None:
+            codes, scales = codes[t.expert], scales[t.expert]
+        codes = codes.reshape(codes.shape[0], -1)[t.rows]  # gpt-oss blocks [out, in / 32, 16] -> [out, in / 2]
+        scales = scales[t.rows]
+        n, k = _dims(self.cfg, proj)
+        want = ((n, k // codes_per_byte(self.method)), (n, -(-k // MX_GROUP)))
+        if (codes.shape, scales.shape) != want:
+            raise CheckpointError(f"{t.codes}: {self.method} codes {codes.shape} / scales {scales.shape} of expert "
+                                  f"{expert} do not match config.json's [{n}, {k}] (want {want[0]} / {want[1]})")
+        return codes, scales
+
+    def fill_native(self, layer: int, expert: int, gate_up: QuantizedWeight, down: QuantizedWeight) -> None:
+        inter = self.cfg.moe_intermediate_size
+        for proj, dst, rows in (("gate", gate_up, slice(0, inter)), ("up", gate_up, slice(inter, None)),
+                                ("down", down, slice(None))):
+            fill_mx_rows(dst.qweight[rows], dst.scales[rows], *self.matrix(layer, expert, proj), self.method)
+
+    def stored(self, layer: int, expert: int, proj: str) -> QuantizedWeight:
+        """One expert matrix in ktlite's storage of its format (the codes and scales as stored, padded)."""
+        qw = empty_quantized(self.method, MX_GROUP, (), *_dims(self.cfg, proj))
+        fill_mx_rows(qw.qweight, qw.scales, *self.matrix(layer, expert, proj), self.method)
+        return qw
+
+    def dense(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The CPU decoder's fp32 values (code * 2^(scale - 127), one rounding) for the device side."""
+        return tuple(dequantize(self.stored(layer, expert, p)) for p in PROJS)
+
+    def gpu_weights(self, layer: int, experts: Sequence[int]) -> tuple[GPUQuantizedWeight, GPUQuantizedWeight]:
+        """(w13 [E, 2I, H], w2 [E, H, I]) of `experts` as GPU MX stacks (the fused MoE's MX path), same bytes."""
+        bits = 4 if self.method == "MXFP4" else 8
+
+        def stack(projs: tuple[str, ...]) -> GPUQuantizedWeight:
+            parts = [[self.matrix(layer, e, p) for p in projs] for e in experts]
+            codes = np.stack([np.concatenate([np.asarray(c).view(np.uint8) for c, _ in m]) for m in parts])
+            scales = np.stack([np.concatenate([np.asarray(s).view(np.uint8) for _, s in m]) for m in parts])
+            return GPUQuantizedWeight(torch.from_numpy(codes), torch.from_numpy(scales), bits, MX_GROUP, mx=True)
+
+        return stack(("gate", "up")), stack(("down",))
 
     def release(self) -> None:
         self.tensors.release()
@@ -443,10 +549,12 @@ def _is_gguf(path: Path) -> bool:
     return path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")))
 
 
-def gpu_experts_int4(config: EngineConfig) -> bool:
-    """Whether the GPU experts are INT4 stacks filled by the source's `gpu_weights` (RAWINT4: the
-    checkpoint's codes); the memory plan records it before any source is opened."""
-    return normalize_kt_method(config.kt_method) == "RAWINT4"
+def gpu_expert_format(config: EngineConfig) -> str:
+    """How the GPU experts are held (plan_inputs.GPU_EXPERT_FORMATS): INT4 (RAWINT4) or MX (MXFP4 / FP4, MXFP8)
+    stacks filled by the source's `gpu_weights` with the checkpoint's codes, else dense; the memory plan records
+    it before any source is opened."""
+    method = normalize_kt_method(config.kt_method)
+    return {"RAWINT4": "int4_g32", "MXFP4": "mxfp4", "MXFP8": "mxfp8"}.get(method, "dense")
 
 
 def open_source(config: EngineConfig, cfg: ModelConfig) -> Source:
@@ -474,4 +582,6 @@ def open_source(config: EngineConfig, cfg: ModelConfig) -> Source:
                           "point --kt-weight-path at the HF folder)")
     if method == "RAWINT4":
         return CompressedInt4Source(cfg, path)
+    if method in MX_METHODS:
+        return MXSource(cfg, path, method)
     return HFSource(cfg, path, method)

@@ -18,6 +18,7 @@ from torch import nn
 
 from ktlite.kernels.cpu import moe_block
 from ktlite.kernels.cpu.dense_linear import swiglu_weights
+from ktlite.kernels.cpu.mx import MX_GROUP
 from ktlite.kernels.cpu.quant import RAWINT4_GROUP
 from ktlite.kernels.expert_activation import SWIGLU, ExpertActivation
 from ktlite.kernels.triton import QuantizedWeight, fused_moe
@@ -35,18 +36,22 @@ ExpertStack = torch.Tensor | QuantizedWeight
 
 
 def alloc_gpu_experts(alloc: Callable[..., torch.Tensor], n: int, hidden: int, inter: int, dtype: torch.dtype,
-                      device: torch.device, int4: bool) -> tuple[ExpertStack, ExpertStack]:
-    """(w13 [n, 2I, H], w2 [n, H, I]) through the plan's `alloc`: dense, or INT4 group-32 stacks."""
-    if not int4:
+                      device: torch.device, fmt: str) -> tuple[ExpertStack, ExpertStack]:
+    """(w13 [n, 2I, H], w2 [n, H, I]) through the plan's `alloc` in the plan's GPU expert format (plan_inputs.
+    GPU_EXPERT_FORMATS): dense, INT4 group-32 stacks, or MX stacks (codes and e8m0 scales per 32)."""
+    if fmt == "dense":
         return (alloc("gpu_experts", (n, 2 * inter, hidden), dtype, device),
                 alloc("gpu_experts", (n, hidden, inter), dtype, device))
+    mx = fmt in ("mxfp4", "mxfp8")
+    bits = 8 if fmt == "mxfp8" else 4
+    group = MX_GROUP if mx else RAWINT4_GROUP
 
-    def int4_stack(rows: int, cols: int) -> QuantizedWeight:
-        return QuantizedWeight(alloc("gpu_experts", (n, rows, cols // 2), torch.uint8, device),
-                               alloc("gpu_experts", (n, rows, cols // RAWINT4_GROUP), torch.float32, device), 4,
-                               RAWINT4_GROUP)
+    def stack(rows: int, cols: int) -> QuantizedWeight:
+        scales = alloc("gpu_experts", (n, rows, cols // group), torch.uint8 if mx else torch.float32, device)
+        return QuantizedWeight(alloc("gpu_experts", (n, rows, cols * bits // 8), torch.uint8, device), scales, bits,
+                               group, mx)
 
-    return int4_stack(2 * inter, hidden), int4_stack(hidden, inter)
+    return stack(2 * inter, hidden), stack(hidden, inter)
 
 
 class CPUExperts(Protocol):

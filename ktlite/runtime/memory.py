@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ktlite.errors import ConfigError, PlanError
+from ktlite.kernels.cpu.mx import MX_GROUP
 from ktlite.kernels.cpu.quant import RAWINT4_GROUP
 from ktlite.runtime import plan_table
 from ktlite.runtime.kv_cache import kv_bytes_per_token
@@ -104,6 +105,8 @@ def _linear_bytes(cfg: ModelConfig, out_features: int, in_features: int, weight:
     numel = out_features * in_features
     if weight == "int4_g32":  # two codes per byte + one fp32 scale per group
         return numel // 2 + out_features * _ceil_div(in_features, RAWINT4_GROUP) * 4
+    if weight in ("mxfp4", "mxfp8"):  # e2m1 codes two a byte or e4m3 one, + one e8m0 byte per 32: 4.25 / 8.25 bits
+        return numel // (2 if weight == "mxfp4" else 1) + out_features * _ceil_div(in_features, MX_GROUP)
     if weight != "fp8":
         return numel * _DTYPE_BYTES[weight]
     bn, bk = cfg.fp8_block_size or (128, 128)
@@ -111,7 +114,7 @@ def _linear_bytes(cfg: ModelConfig, out_features: int, in_features: int, weight:
 
 
 def expert_bytes(cfg: ModelConfig, weight_dtype: str) -> int:
-    """Bytes of one routed expert (gate, up, down) in a GPU weight format (a dtype name or int4_g32)."""
+    """Bytes of one routed expert (gate, up, down) in a GPU weight format (a dtype name, int4_g32, mxfp4, mxfp8)."""
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     return 2 * _linear_bytes(cfg, i, h, weight_dtype) + _linear_bytes(cfg, h, i, weight_dtype)
 

@@ -18,13 +18,14 @@ import torch
 from ktlite.config import EngineConfig
 from ktlite.errors import ConfigError
 from ktlite.machine import meminfo
-from ktlite.runtime.expert_sources import gpu_experts_int4
+from ktlite.runtime.expert_sources import gpu_expert_format
 from ktlite.runtime.models.config import ModelConfig
 
 WEIGHT_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32")
 # how the GPU experts are held: "dense" in the activation dtype (the fused MoE's dense path), or
-# "int4_g32", a checkpoint's INT4 codes with fp32 scales per group of 32 (RAWINT4, never re-quantized)
-GPU_EXPERT_FORMATS = ("dense", "int4_g32")
+# "int4_g32", a checkpoint's INT4 codes with fp32 scales per group of 32 (RAWINT4, never re-quantized), or
+# "mxfp4" / "mxfp8", a checkpoint's e2m1 / e4m3 codes with e8m0 scales per 32 (MXFP4 / FP4, MXFP8)
+GPU_EXPERT_FORMATS = ("dense", "int4_g32", "mxfp4", "mxfp8")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "bfloat16", "float16", "float32")
 
 _SIZE_UNITS = {
@@ -198,7 +199,7 @@ def plan_inputs(config: EngineConfig, cfg: ModelConfig) -> PlanInputs:
         tensor_parallel_size=config.tensor_parallel_size,
         dtype="fp8" if config.keeps_fp8(cfg.fp8_block_size is not None) else _DTYPE_NAMES[config.torch_dtype],
         kv_cache_dtype=_DTYPE_NAMES[config.torch_kv_dtype],
-        gpu_expert_format="int4_g32" if gpu_experts_int4(config) else "dense",
+        gpu_expert_format=gpu_expert_format(config),
         dense_quantization=config.cpu_dense_quantization,
         state_snapshots=config.state_snapshots(bool(cfg.request_state_specs())),
     )

@@ -91,7 +91,8 @@ logger = logging.getLogger(__name__)
 # tokens per expert from which dequantize + oneDNN beats the GEMV kernel (one V2-Lite expert, 2 cores:
 # INT4 4 tokens 1.7 ms GEMV vs 1.9 ms, 6 tokens 2.6 vs 2.1 ms; the vectorized dequantize costs about one
 # T=1 GEMV, while the kernel's per-token fp32 dots run ~10x fewer FLOP/s than oneDNN's bf16 GEMM)
-DEFAULT_PREFILL_THRESHOLD = {"INT4": 5, "INT8": 5, "BF16": 4, "FP8": 5, "RAWINT4": 5, "LLAMAFILE": 4}
+DEFAULT_PREFILL_THRESHOLD = {"INT4": 5, "INT8": 5, "BF16": 4, "FP8": 5, "RAWINT4": 5, "LLAMAFILE": 4,
+                             "MXFP4": 5, "MXFP8": 5}  # MX: FP8's (decoded alike), not measured on their own
 # with fp32 GEMMs (a CPU whose bf16 GEMM loses) the dequantized weights are twice the bytes and the GEMM
 # half the speed: on a Zen 3 the fused kernel stayed faster up to ~32 tokens per expert (bench/history/)
 FP32_PREFILL_THRESHOLD = 32

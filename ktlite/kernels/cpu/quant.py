@@ -13,8 +13,10 @@ the format:
 - FP8: e4m3 bytes with fp32 scales per row and group (fp8.py), as block- or channel-scaled FP8
   checkpoints ship them.
 - Q4_K, Q5_K, Q6_K, Q8_0: GGUF blocks as llama.cpp stores them (gguf_quants.py).
+- MXFP4, MXFP8: e2m1 / e4m3 codes with one e8m0 scale byte per 32 weights (uint8 `scales`), as MX checkpoints
+  ship them (mx.py).
 
-Kp is K rounded up to a multiple of max(G, 64) (INT8, FP8) or max(G, 128) (INT4), zero padded (the
+Kp is K rounded up to a multiple of max(G, 64) (INT8, FP8, MX) or max(G, 128) (INT4), zero padded (the
 kernels decode fixed 64-byte chunks), so any K works; GGUF rows are whole blocks.
 
 INT4 scales are chosen per group to minimise the squared error over a few candidates around the
@@ -37,12 +39,13 @@ import torch
 from ktlite.errors import ConfigError, KtliteError
 from ktlite.kernels.cpu.fp8 import E4M3
 from ktlite.kernels.cpu.gguf_quants import BLOCKS, block_weights, is_gguf_format
+from ktlite.kernels.cpu.mx import MX_GROUP, MX_METHODS, code_dtype, codes_per_byte
 from ktlite.kernels.cpu.quantizer import quantize_rows
 
 logger = logging.getLogger(__name__)
 
 # --kt-method values, KTransformers' names: what ktlite stores for each (README "--kt-method")
-METHODS = ("INT4", "INT8", "BF16", "FP8", "RAWINT4", "LLAMAFILE")
+METHODS = ("INT4", "INT8", "BF16", "FP8", "RAWINT4", "LLAMAFILE", "MXFP4", "MXFP8")
 # methods whose weights ktlite quantizes (or widens) from float tensors; the others keep a checkpoint's
 # own encoding and are filled by ktlite/runtime/expert_sources.py
 QUANTIZED_METHODS = ("INT4", "INT8", "BF16")
@@ -52,6 +55,7 @@ METHOD_ALIASES = {
     "AMXINT8": "INT8",
     "MOE_INT8": "INT8",
     "FP8_PERCHANNEL": "FP8",  # the checkpoint's scale tensors say whether they are per block or channel
+    "FP4": "MXFP4",  # DeepSeek-V4's FP4 experts: e2m1 + ue8m0 per 32, MXFP4's numerics in per-expert tensors
 }
 GROUP_SIZES = (32, 64, 128)
 RAWINT4_GROUP = 32  # the group of the compressed-tensors INT4 checkpoints RAWINT4 reads
@@ -85,6 +89,10 @@ DEFAULT_GROUP_SIZES = {"INT4": 64, "INT8": 128}
 
 def check_group_size(method: str, group_size: int | None) -> int:
     """group_size, or the method's default for None (DEFAULT_GROUP_SIZES; 64 for the formats that ignore it)."""
+    if method in MX_METHODS:  # the format fixes it
+        if group_size not in (None, MX_GROUP):
+            raise ConfigError(f"{method} has one scale per {MX_GROUP} weights; group size {group_size} does not apply")
+        return MX_GROUP
     if group_size is None:
         return DEFAULT_GROUP_SIZES.get(method, 64)
     if method in ("INT4", "INT8") and group_size not in GROUP_SIZES:
@@ -138,6 +146,8 @@ def matrix_bytes(method: str, group_size: int, n: int, k: int) -> int:
     kp = padded_k(k, method, group_size)
     if method == "BF16":
         return n * k * 2
+    if method in MX_METHODS:  # one e8m0 byte per group
+        return n * kp // codes_per_byte(method) + n * (kp // group_size)
     return n * (kp // 2 if method == "INT4" else kp) + n * (kp // group_size) * 4
 
 
@@ -149,7 +159,8 @@ class QuantizedWeight:
     group_size: int  # weights per scale (GGUF: per block)
     k: int  # logical input size (qweight may be padded to kp)
     qweight: np.ndarray
-    scales: np.ndarray  # fp32 [..., N, Kp / G]; [..., N, 0] for BF16 and GGUF (scales inside the blocks)
+    # fp32 [..., N, Kp / G]; MX: e8m0 bytes (uint8); [..., N, 0] for BF16 and GGUF (scales inside the blocks)
+    scales: np.ndarray
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -188,12 +199,15 @@ def empty_quantized(method: str, group_size: int, lead: tuple[int, ...], n: int,
     kp = padded_k(k, method, group_size)
     ngroups = kp // group_size
     zero = 0
+    scale_dtype = np.uint8 if method in MX_METHODS else np.float32
     if method == "INT8":
         q = _on_cache_lines((*lead, n, kp), np.int8)  # kp bytes a row, a multiple of 64: AMX tile rows
     elif method == "INT4":
         q, zero = np.empty((*lead, n, kp // 2), np.uint8), 0x88  # nibble 8 encodes zero
     elif method == "FP8":
         q = np.empty((*lead, n, kp), E4M3)
+    elif method in MX_METHODS:
+        q = np.empty((*lead, n, kp // codes_per_byte(method)), code_dtype(method))
     elif is_gguf_format(method):
         if k % block_weights(method):
             raise KtliteError(f"{method} rows hold whole {block_weights(method)}-weight blocks; K = {k} is not a multiple")
@@ -204,7 +218,7 @@ def empty_quantized(method: str, group_size: int, lead: tuple[int, ...], n: int,
         ngroups = 0
     else:
         raise KtliteError(f"unknown CPU expert storage format {method!r}")
-    scales = np.empty((*lead, n, ngroups), np.float32)
+    scales = np.empty((*lead, n, ngroups), scale_dtype)
     for array, value in ((q, zero), (scales, 0)):
         if place is not None:
             place(array)
@@ -254,7 +268,7 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     q = torch.from_numpy(qw.qweight) if qw.method in QUANTIZED_METHODS else None
     if qw.method == "BF16":
         return q.view(torch.bfloat16).float()
-    if q is None:  # FP8 and GGUF: the kernels' own decoder (bit-exact e4m3 * scale; ggml's block math)
+    if q is None:  # FP8, MX and GGUF: the kernels' own decoder (bit-exact code * scale; ggml's block math)
         return _dequantize_native(qw)
     lead_n = q.shape[:-1]
     gsz = qw.group_size

@@ -9,8 +9,13 @@ Group size = 2**group_shift (32, 64 or 128), each row a whole number of 64-byte 
   row). INT4's -8 offset is folded out: sum (q - 8) s x = sum s (q x) - 8 sum_b s_b xs[b], with
   xs[b] = sum of x over 32-block b (computed once per token). BF16: shift into fp32 bits + FMA.
 - FP8 (E4M3 records, fp8.py) decodes like INT8 with e4m3 -> fp32 by integer shifts and one exact
-  multiply by 2^120; GGUF blocks (Q4_K, Q5_K, Q6_K, Q8_0 records, gguf_quants.py) are walked run by run
-  (`_gguf_runs`: 16 codes, their scale and min), the scales unpacked in scalar IR per sub-block.
+  multiply by 2^120; MXFP8 (E4M3 records with uint8 e8m0 scales, mx.py) is the same row with each 32-block's
+  scale built from its byte and the codes decoded to whole numbers (_e4m3_whole); MXFP4 (E2M1X2 records: two
+  e2m1 codes a byte, even k in the low nibble) splits 16 bytes into nibbles, interleaves them back into k order
+  (two byte shuffles) and looks up each code's value as bf16 bytes (`pshufb`), its 32 weights scaled as one block;
+  the power of two that makes the codes whole goes into the block's scale. GGUF blocks (Q4_K, Q5_K,
+  Q6_K, Q8_0 records, gguf_quants.py) are walked run by run (`_gguf_runs`: 16 codes, their scale and min), the
+  scales unpacked in scalar IR per sub-block.
 - `decode_row(qrow, srow, out, group_shift)` writes the dequantized row (length Kp) into `out`:
   fp32, or bf16 bits (uint16, round to nearest even via LLVM's fptrunc to bfloat) when `out` is
   uint16 (the prefill path).
@@ -29,12 +34,14 @@ from numba.extending import intrinsic, overload
 
 from ktlite.kernels.cpu.fp8 import E4M3
 from ktlite.kernels.cpu.gguf_quants import BLOCKS
+from ktlite.kernels.cpu.mx import E2M1_VALUES, E2M1X2
 from ktlite.kernels.cpu.simd import (
-    F32, I16, I32, V16, V32, V8, VF, array_args, bf16_scalar_to_f32, bf16_to_f32, byte_ptr, c64, cvec, hsum, is_vec,
-    load_at, load_nibbles, prefetch_ahead, round_bf16, splat, vfma, vload, vstore,
+    F32, I8, I16, I32, LANES, V16, V32, V8, VF, array_args, bf16_scalar_to_f32, bf16_to_f32, byte_ptr, c64, cvec, hsum,
+    is_vec, load_at, load_nibbles, prefetch_ahead, round_bf16, splat, vfma, vload, vstore,
 )
 
 _T_E4M3 = numba.from_dtype(E4M3)
+_T_E2M1X2 = numba.from_dtype(E2M1X2)
 _T_GGUF = {numba.from_dtype(dtype): kind for kind, (dtype, _) in BLOCKS.items()}  # numba record type -> GGML type
 
 
@@ -117,9 +124,55 @@ def _e4m3_to_f32(builder, z):
     return builder.fmul(builder.bitcast(bits, VF), splat(builder, _TWO_POW_120))
 
 
+def _group_scales(s):
+    """Whether `s` is a scale row the float-coded formats take: fp32 (FP8) or e8m0 bytes (MX)."""
+    return is_vec(s, types.float32) or is_vec(s, types.uint8)
+
+
+# MX codes decode to whole numbers, code value * 2^CODE_SHIFT (exact in fp32), and the 2^-CODE_SHIFT goes into the
+# group's scale. Not FP8's bit trick (a subnormal times 2^120): numba's fastmath kernels reassociate
+# (code * 2^120) * scale into code * (2^120 * scale), which overflows for e8m0 scales from 2^8 on (NaN at code 0).
+# e2m1: 2 * value is 0, 1, 2, 3, 4, 6, 8 or 12; e4m3: 2^9 * value is m for e = 0, (8 + m) << (e - 1) otherwise.
+CODE_SHIFT = {"e2m1": 1, "e4m3": 9}
+
+
+def _ci(v):
+    return ir.Constant(I32, v)
+
+
+def _scale_at(builder, sp, idx, shift=0):
+    """Scale `idx` of a row as fp32: an fp32 scale as it is; an e8m0 byte s (uint8 rows) as 2^(s - 127 - shift),
+    from its bits (normal, or subnormal from 2^-127 down: exact for every byte and shift <= 22)."""
+    raw = load_at(builder, sp, idx)
+    if raw.type == F32:
+        return raw
+    p = builder.sub(builder.zext(raw, I32), _ci(127 + shift))  # the power of two
+    normal = builder.shl(builder.add(p, _ci(127)), _ci(23))
+    tiny = builder.shl(_ci(1), builder.add(p, _ci(149)))
+    return builder.bitcast(builder.select(builder.icmp_signed(">=", p, _ci(-126)), normal, tiny), F32)
+
+
+def _e4m3_whole(builder, z):
+    """e4m3 codes (int32 lanes) -> value * 2^9 as fp32, exactly, by integer ops: (m | 8 [e > 0]) << max(e - 1, 0)
+    for exponent e and mantissa m, signed. The NaN codes (0x7f, 0xff) read as +-480: checkpoints hold none."""
+    vi = lambda v: cvec(V32, v)
+    m = builder.and_(z, vi(7))
+    e = builder.and_(builder.lshr(z, vi(3)), vi(15))
+    normal = builder.zext(builder.icmp_unsigned("!=", e, vi(0)), V32)
+    whole = builder.shl(builder.or_(m, builder.shl(normal, vi(3))), builder.sub(e, normal))
+    sign = builder.shl(builder.lshr(z, vi(7)), vi(31))
+    return builder.bitcast(builder.or_(builder.bitcast(builder.sitofp(whole, VF), V32), sign), VF)
+
+
+def _e4m3_lanes(builder, qp, k, e8m0):
+    """16 e4m3 codes at qp[k] as fp32: their values for fp32 scales (FP8), value * 2^9 for e8m0 scales (MXFP8)."""
+    z = builder.zext(vload(builder, qp, k, V8), V32)
+    return _e4m3_whole(builder, z) if e8m0 else _e4m3_to_f32(builder, z)
+
+
 @intrinsic
 def _fp8_row_dot(typingctx, q, s, x, gs):
-    if not (is_vec(q, _T_E4M3) and is_vec(s, types.float32) and is_vec(x, types.float32)):
+    if not (is_vec(q, _T_E4M3) and _group_scales(s) and is_vec(x, types.float32)):
         return None
     sig = types.float32(q, s, x, types.int64)
 
@@ -127,16 +180,82 @@ def _fp8_row_dot(typingctx, q, s, x, gs):
         (qp, nb), (sp, _), (xp, _) = array_args(context, builder, sig, args, 3)
         qp = byte_ptr(builder, qp)
         gs = args[3]
+        e8m0 = s.dtype == types.uint8
+        shift = CODE_SHIFT["e4m3"] if e8m0 else 0
         accs = [cgutils.alloca_once_value(builder, cvec(VF, 0.0)) for _ in range(2)]
         with cgutils.for_range(builder, builder.lshr(nb, c64(6))) as loop:
             k0 = builder.shl(loop.index, c64(6))
             prefetch_ahead(builder, qp, k0)
-            f = [_e4m3_to_f32(builder, builder.zext(vload(builder, qp, builder.add(k0, c64(16 * p)), V8), V32))
-                 for p in range(4)]
+            f = [_e4m3_lanes(builder, qp, builder.add(k0, c64(16 * p)), e8m0) for p in range(4)]
             xv = [vload(builder, xp, builder.add(k0, c64(16 * p)), VF) for p in range(4)]
             for h, acc in enumerate(accs):  # 32-weight halves: a group is at least 32 wide
                 part = vfma(builder, f[2 * h + 1], xv[2 * h + 1], builder.fmul(f[2 * h], xv[2 * h]))
-                scale = load_at(builder, sp, builder.lshr(builder.add(k0, c64(32 * h)), gs))
+                scale = _scale_at(builder, sp, builder.lshr(builder.add(k0, c64(32 * h)), gs), shift)
+                builder.store(vfma(builder, part, splat(builder, scale), builder.load(acc)), acc)
+        return hsum(builder, builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
+
+    return sig, codegen
+
+
+_SHUFFLE_MASK = ir.VectorType(I32, LANES)
+
+
+def _bf16_bytes(v: float) -> tuple[int, int]:
+    """(low, high) byte of bf16 v (exact for these values), as signed i8 constants."""
+    bits = int(np.float32(v).view(np.uint32)) >> 16
+    return tuple(b - 256 if b > 127 else b for b in (bits & 0xFF, bits >> 8))
+
+
+# twice each e2m1 value (0, +-1, 2, 3, 4, 6, 8, 12: whole numbers, exact bf16) as bf16 bytes, by code
+_E2M1_LO, _E2M1_HI = zip(*(_bf16_bytes(2 * v) for v in E2M1_VALUES))
+
+
+def _pshufb(builder, table, idx):
+    """16 table bytes looked up by idx (<16 x i8>, 0..15): SSSE3 `pshufb` (every x86-64 CPU ktlite runs on has it)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8, [V8, V8]), "llvm.x86.ssse3.pshuf.b.128")
+    return builder.call(fn, [ir.Constant(V8, list(table)), idx])
+
+
+def _e2m1_block(builder, qp, b):
+    """The 32 weights (times 2) of the 16 bytes at qp[b] in k order, as two fp32 vectors (weights 0-15, 16-31): byte j
+    holds k = 2j (low nibble) and 2j + 1 (high), so low and high nibbles interleave back (punpck{l,h}bw); each code
+    then looks up the two bytes of its value's bf16 pattern (two `pshufb`), which become the upper half of the fp32
+    lanes: exact, signed zero included, ~4x fewer instructions than decoding sign, exponent and mantissa."""
+    raw = vload(builder, qp, b, V8)
+    lo = builder.and_(raw, cvec(V8, 15))
+    hi = builder.lshr(raw, cvec(V8, 4))
+    zeros = ir.Constant(ir.VectorType(I8, 2 * LANES), [0] * (2 * LANES))
+    fp32_bytes = ir.Constant(ir.VectorType(I32, 4 * LANES), [v for j in range(LANES) for v in (32, 32, j, LANES + j)])
+    halves = []
+    for first in (0, LANES // 2):
+        mask = [v for j in range(first, first + LANES // 2) for v in (j, j + LANES)]
+        codes = builder.shuffle_vector(lo, hi, ir.Constant(_SHUFFLE_MASK, mask))
+        both = builder.shuffle_vector(_pshufb(builder, _E2M1_LO, codes), _pshufb(builder, _E2M1_HI, codes),
+                                      ir.Constant(ir.VectorType(I32, 2 * LANES), list(range(2 * LANES))))
+        halves.append(builder.bitcast(builder.shuffle_vector(both, zeros, fp32_bytes), VF))
+    return halves
+
+
+@intrinsic
+def _mxfp4_row_dot(typingctx, q, s, x):
+    if not (is_vec(q, _T_E2M1X2) and is_vec(s, types.uint8) and is_vec(x, types.float32)):
+        return None
+    sig = types.float32(q, s, x)
+
+    def codegen(context, builder, sig, args):
+        (qp, nb), (sp, _), (xp, _) = array_args(context, builder, sig, args, 3)
+        qp = byte_ptr(builder, qp)
+        accs = [cgutils.alloca_once_value(builder, cvec(VF, 0.0)) for _ in range(2)]
+        with cgutils.for_range(builder, builder.lshr(nb, c64(5))) as loop:  # 32 bytes, 64 weights a step
+            b0 = builder.shl(loop.index, c64(5))
+            prefetch_ahead(builder, qp, b0)
+            for h, acc in enumerate(accs):  # one 32-weight block (its own scale) each
+                b = builder.add(b0, c64(16 * h))
+                k = builder.shl(b, c64(1))
+                f = _e2m1_block(builder, qp, b)
+                part = vfma(builder, f[1], vload(builder, xp, builder.add(k, c64(16)), VF),
+                            builder.fmul(f[0], vload(builder, xp, k, VF)))
+                scale = _scale_at(builder, sp, builder.lshr(b, c64(4)), CODE_SHIFT["e2m1"])
                 builder.store(vfma(builder, part, splat(builder, scale), builder.load(acc)), acc)
         return hsum(builder, builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
 
@@ -200,13 +319,17 @@ def f32_dot(typingctx, a, b):
 
 
 def _decoder(qdtype):
-    """decode_row for one byte-coded format: INT4 (uint8 nibbles), INT8 (int8) or FP8 (E4M3 records)."""
+    """decode_row for one byte-coded format: INT4 (uint8 nibbles), INT8 (int8), FP8 / MXFP8 (E4M3 records with fp32
+    or e8m0 scales) or MXFP4 (E2M1X2 records, e8m0 scales)."""
+    float_codes = qdtype in (_T_E4M3, _T_E2M1X2)
 
     def typer(typingctx, q, s, out, gs):
-        if not (is_vec(q, qdtype) and is_vec(s, types.float32) and (is_vec(out, types.float32)
-                                                                        or is_vec(out, types.uint16))):
+        scales_ok = _group_scales(s) if float_codes else is_vec(s, types.float32)
+        if not (is_vec(q, qdtype) and scales_ok and (is_vec(out, types.float32) or is_vec(out, types.uint16))):
             return None
         bf16 = out.dtype == types.uint16
+        e8m0 = s.dtype == types.uint8
+        shift = 0 if not e8m0 else CODE_SHIFT["e2m1" if qdtype == _T_E2M1X2 else "e4m3"]
         sig = types.void(q, s, out, types.int64)
 
         def codegen(context, builder, sig, args):
@@ -215,11 +338,12 @@ def _decoder(qdtype):
             gs = args[3]
 
             def put(v, k):  # v: fp32 lanes of weights k..k+15 before their group's scale
-                v = builder.fmul(v, splat(builder, load_at(builder, sp, builder.lshr(k, gs))))
+                v = builder.fmul(v, splat(builder, _scale_at(builder, sp, builder.lshr(k, gs), shift)))
                 vstore(builder, round_bf16(builder, v) if bf16 else v, op, k)
 
-            with cgutils.for_range(builder, builder.lshr(nb, c64(6))) as loop:
-                b0 = builder.shl(loop.index, c64(6))
+            step = 5 if qdtype == _T_E2M1X2 else 6  # log2 of the bytes a step: MXFP4 rows are 32-byte multiples
+            with cgutils.for_range(builder, builder.lshr(nb, c64(step))) as loop:
+                b0 = builder.shl(loop.index, c64(step))
                 prefetch_ahead(builder, qp, b0)
                 if qdtype == types.uint8:
                     k0 = builder.shl(loop.index, c64(7))
@@ -227,14 +351,18 @@ def _decoder(qdtype):
                         lo, hi = load_nibbles(builder, qp, builder.add(b0, c64(16 * p)))
                         put(builder.sitofp(builder.sub(lo, cvec(V32, 8)), VF), builder.add(k0, c64(16 * p)))
                         put(builder.sitofp(builder.sub(hi, cvec(V32, 8)), VF), builder.add(k0, c64(64 + 16 * p)))
+                elif qdtype == _T_E2M1X2:
+                    for p in range(2):  # 16 bytes, 32 weights in k order each
+                        b = builder.add(b0, c64(16 * p))
+                        for i, v in enumerate(_e2m1_block(builder, qp, b)):
+                            put(v, builder.add(builder.shl(b, c64(1)), c64(16 * i)))
                 else:
                     for p in range(4):
                         k = builder.add(b0, c64(16 * p))
-                        raw = vload(builder, qp, k, V8)
                         if qdtype == types.int8:
-                            put(builder.sitofp(builder.sext(raw, V32), VF), k)
+                            put(builder.sitofp(builder.sext(vload(builder, qp, k, V8), V32), VF), k)
                         else:
-                            put(_e4m3_to_f32(builder, builder.zext(raw, V32)), k)
+                            put(_e4m3_lanes(builder, qp, k, e8m0), k)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -245,6 +373,7 @@ def _decoder(qdtype):
 _decode_int4 = _decoder(types.uint8)
 _decode_int8 = _decoder(types.int8)
 _decode_fp8 = _decoder(_T_E4M3)
+_decode_mxfp4 = _decoder(_T_E2M1X2)
 
 
 # ---- GGUF blocks (gguf_quants.py) ----------------------------------------------------------------
@@ -407,8 +536,10 @@ def _row_dot_impl(qrow, srow, x, xs, group_shift):
         return lambda qrow, srow, x, xs, group_shift: _int8_row_dot(qrow, srow, x, group_shift)
     if qrow.dtype == types.uint16:
         return lambda qrow, srow, x, xs, group_shift: _bf16_row_dot(qrow, x)
-    if qrow.dtype == _T_E4M3:
+    if qrow.dtype == _T_E4M3:  # FP8 or MXFP8: the scale row's dtype tells them apart
         return lambda qrow, srow, x, xs, group_shift: _fp8_row_dot(qrow, srow, x, group_shift)
+    if qrow.dtype == _T_E2M1X2:
+        return lambda qrow, srow, x, xs, group_shift: _mxfp4_row_dot(qrow, srow, x)
     gguf = _T_GGUF.get(qrow.dtype)
     if gguf is not None:
         dot = _GGUF_DOT[gguf]
@@ -432,6 +563,8 @@ def _decode_row_impl(qrow, srow, out, group_shift):
         return _decode_bf16
     if qrow.dtype == _T_E4M3:
         return lambda qrow, srow, out, group_shift: _decode_fp8(qrow, srow, out, group_shift)
+    if qrow.dtype == _T_E2M1X2:
+        return lambda qrow, srow, out, group_shift: _decode_mxfp4(qrow, srow, out, group_shift)
     gguf = _T_GGUF.get(qrow.dtype)
     if gguf is not None:
         decode = _GGUF_DECODE[gguf]

@@ -92,14 +92,17 @@ def configs(dt: str = "bf16") -> list[KernelConfig]:
                                     floats=("qk_scale",)))
     out += gqa_configs(dt)
     out += linear_attn_configs(dt)
-    for bits, w_ty, s_ty in ((16, dt, dt), (8, "i8", "fp16"), (4, "u8", "fp16")):
+    # (bits, weight and scale types, MX codes): dense, INT8 / INT4 with fp16 scales, MXFP8 / MXFP4 with e8m0 bytes
+    for bits, w_ty, s_ty, mx in ((16, dt, dt, False), (8, "i8", "fp16", False), (4, "u8", "fp16", False),
+                                 (8, "u8", "u8", True), (4, "u8", "u8", True)):
         for gated in (True, False):
             for block_m, bias in ((16, False), (64, False), (16, True)):  # biased experts: gpt-oss
                 ptrs = {"A": f"*{dt}", "W": f"*{w_ty}", "Scales": f"*{s_ty}", "Out": f"*{dt}", "SortedIds": "*i32",
                         "ExpertIds": "*i32", "NumPadded": "*i32", "TopkWeights": "*fp32", "Bias": f"*{dt}"}
                 consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, HAS_BIAS=bias, WEIGHTED=not gated, BITS=bits,
-                              BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64 if bits == 16 else 128)
-                label = f"moe {'gate_up' if gated else 'down'} bits={bits} BM={block_m}{' bias' if bias else ''}"
+                              MX=mx, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64 if bits == 16 else 32 if mx else 128)
+                label = (f"moe {'gate_up' if gated else 'down'} bits={bits}{' mx' if mx else ''} BM={block_m}"
+                         f"{' bias' if bias else ''}")
                 out.append(KernelConfig("moe", label, moe._moe_gemm_kernel, ptrs, consts, num_stages=3,
                                         floats=("alpha", "limit", "up_offset")))
     for mode, min_arch in (("weight-only", 89), ("e4m3-bits", 80), ("w8a8", 89)):

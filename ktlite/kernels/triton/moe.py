@@ -8,8 +8,9 @@
    * up, or its clamped forms; the gate/up bias added first where the experts have one) -> act [T*k, I].
 3. down GEMM with the down bias and the routing weight applied in the epilogue -> per-pair rows [T*k, H] (pairs of
    disabled experts stay 0), summed over k.
-Weights: dense bf16/fp16, or QuantizedWeight INT8/INT4 (quant.py) dequantized in-kernel: one
-K tile is one quantization group, so each tile's partial product is scaled once per column.
+Weights: dense bf16/fp16, or QuantizedWeight INT8/INT4 or MX (MXFP4 / MXFP8 codes with e8m0 scales, quant.py)
+dequantized in-kernel: one K tile is one quantization group, so each tile's partial product is scaled once per
+column. MX codes become exact values in registers (e2m1 by integer ops, e4m3 via fp8._e4m3_bits_to_f16).
 """
 
 import logging
@@ -20,6 +21,7 @@ import triton.language as tl
 
 from ktlite.kernels.expert_activation import SWIGLU, ExpertActivation
 from ktlite.kernels.triton.common import cast_like, dot
+from ktlite.kernels.triton.fp8 import _e4m3_bits_to_f16
 from ktlite.kernels.triton.quant import QuantizedWeight
 from ktlite.kernels.triton.reference import local_pairs
 
@@ -36,6 +38,7 @@ def _moe_gemm_kernel(
     HAS_BIAS: tl.constexpr,  # Bias [E, N (x2 when GATED)] is added to the products
     WEIGHTED: tl.constexpr,  # True: out *= routing weight of the pair
     BITS: tl.constexpr,  # 16 (dense), 8 or 4
+    MX: tl.constexpr,  # BITS 4 / 8 are e2m1 / e4m3 codes with e8m0 scales (else integers with float scales)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -69,8 +72,26 @@ def _moe_gemm_kernel(
         else:
             # one K tile = one quantization group (K % BLOCK_K == 0, checked on the host): the
             # tile's integer product is scaled once per output column
-            s = tl.load(s_base + k0 // BLOCK_K, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            if BITS == 8:
+            if MX:
+                s = _e8m0_scale(tl.load(s_base + k0 // BLOCK_K, mask=mask_n, other=0))[None, :]
+                if BITS == 8:
+                    a = tl.load(a_rows + k0 + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+                    acc += _e4m3_tile_dot(a, w_base + k0, offs_k, mask_n, BLOCK_M, BLOCK_N) * s
+                else:
+                    # A's even / odd columns, matching the low / high nibbles of each byte
+                    half = tl.arange(0, BLOCK_K // 2)
+                    a_ev = tl.load(a_rows + k0 + 2 * half[None, :], mask=mask_m[:, None], other=0.0)
+                    a_od = tl.load(a_rows + k0 + 2 * half[None, :] + 1, mask=mask_m[:, None], other=0.0)
+                    acc += _e2m1_tile_dot(a_ev, a_od, w_base + k0 // 2, half, mask_n, BLOCK_M, BLOCK_N) * s
+                if GATED:
+                    s_up = _e8m0_scale(tl.load(s_base + gate_offset * stride_sn + k0 // BLOCK_K, mask=mask_n,
+                                               other=0))[None, :]
+                    if BITS == 8:
+                        acc_up += _e4m3_tile_dot(a, w_up + k0, offs_k, mask_n, BLOCK_M, BLOCK_N) * s_up
+                    else:
+                        acc_up += _e2m1_tile_dot(a_ev, a_od, w_up + k0 // 2, half, mask_n, BLOCK_M, BLOCK_N) * s_up
+            elif BITS == 8:
+                s = tl.load(s_base + k0 // BLOCK_K, mask=mask_n, other=0.0).to(tl.float32)[None, :]
                 a = tl.load(a_rows + k0 + offs_k[None, :], mask=mask_m[:, None], other=0.0)
                 acc += _int8_tile_dot(a, w_base + k0, offs_k, mask_n, BLOCK_M, BLOCK_N) * s
                 if GATED:
@@ -79,6 +100,7 @@ def _moe_gemm_kernel(
                         tl.float32
                     )[None, :]
             else:
+                s = tl.load(s_base + k0 // BLOCK_K, mask=mask_n, other=0.0).to(tl.float32)[None, :]
                 # A's two K halves, matching the low / high nibbles of the packed group
                 half = tl.arange(0, BLOCK_K // 2)
                 a_lo = tl.load(a_rows + k0 + half[None, :], mask=mask_m[:, None], other=0.0)
@@ -122,6 +144,41 @@ def _int4_tile_dot(a_lo, a_hi, w_ptr, half, mask_n, BLOCK_M: tl.constexpr, BLOCK
     return dot(a_hi, hi, dot(a_lo, lo, tl.zeros([BLOCK_M, BLOCK_N], tl.float32)))
 
 
+@triton.jit
+def _e8m0_scale(s):
+    """e8m0 bytes -> fp32 2^(s - 127), from the bits (0: the subnormal 2^-127)."""
+    s = s.to(tl.int32)
+    return tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_tile_dot(a, w_ptr, offs_k, mask_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """a [BM, BK] @ e4m3 tile [BK, BN] (bit patterns) at w_ptr, unscaled, fp32 (the codes decode to value / 256,
+    fp8._e4m3_bits_to_f16: the product is multiplied back, exactly, before any scale)."""
+    q = tl.load(w_ptr + offs_k[:, None], mask=mask_n[None, :], other=0)
+    return dot(a, cast_like(_e4m3_bits_to_f16(q), a), tl.zeros([BLOCK_M, BLOCK_N], tl.float32)) * 256.0
+
+
+@triton.jit
+def _e2m1_values(c):
+    """e2m1 codes (0..15) -> their exact values in fp32: (m + 2 [e > 0]) << max(e - 1, 0) halves, signed."""
+    e = (c >> 1) & 3
+    m = c & 1
+    normal = (e != 0).to(tl.int32)
+    whole = ((m | (normal << 1)) << (e - normal)).to(tl.float32) * 0.5
+    return tl.where((c & 8) != 0, -whole, whole)
+
+
+@triton.jit
+def _e2m1_tile_dot(a_ev, a_od, w_ptr, half, mask_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[a_ev | a_od] (A's even / odd columns of the group) @ packed e2m1 group [BK/2 bytes, BN] at w_ptr,
+    unscaled, fp32. Byte j holds k = 2j (low nibble) and k = 2j + 1 (high nibble)."""
+    packed = tl.load(w_ptr + half[:, None], mask=mask_n[None, :], other=0).to(tl.int32)  # [BK/2, BN]
+    lo = cast_like(_e2m1_values(packed & 0xF), a_ev)
+    hi = cast_like(_e2m1_values(packed >> 4), a_ev)
+    return dot(a_od, hi, dot(a_ev, lo, tl.zeros([BLOCK_M, BLOCK_N], tl.float32)))
+
+
 def moe_align(
     topk_ids: torch.Tensor, expert_mask: torch.Tensor | None, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -153,11 +210,11 @@ def moe_align(
     return sorted_ids[:rows], expert_ids, padded_end[-1:].to(torch.int32)
 
 
-def _weight_args(w: torch.Tensor | QuantizedWeight, block_k: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(tensor, scales, bits, block_k) for the kernel; quantized weights force block_k = group."""
+def _weight_args(w: torch.Tensor | QuantizedWeight, block_k: int) -> tuple[torch.Tensor, torch.Tensor, int, int, bool]:
+    """(tensor, scales, bits, block_k, mx) for the kernel; quantized weights force block_k = group."""
     if isinstance(w, QuantizedWeight):
-        return w.qweight, w.scales, w.bits, w.group_size
-    return w, w, 16, block_k  # scales unused for dense weights
+        return w.qweight, w.scales, w.bits, w.group_size, w.mx
+    return w, w, 16, block_k, False  # scales unused for dense weights
 
 
 def _launch(
@@ -166,7 +223,7 @@ def _launch(
     activation: ExpertActivation, bias: torch.Tensor | None,
 ) -> None:
     sorted_ids, expert_ids, num_padded = align
-    tensor, scales, bits, block_k = _weight_args(w, block_k)
+    tensor, scales, bits, block_k, mx = _weight_args(w, block_k)
     k = a.shape[1]
     grid = (expert_ids.numel(), triton.cdiv(n, block_n))
     alpha, limit, up_offset = (float(v) for v in activation.params())
@@ -175,7 +232,7 @@ def _launch(
         n, k, topk_weights.numel(), n, alpha, limit, up_offset,
         a.stride(0), tensor.stride(0), tensor.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
         0 if bias is None else bias.stride(0),
-        A_ROW_DIV=a_row_div, GATED=gated, HAS_BIAS=bias is not None, WEIGHTED=not gated, BITS=bits,
+        A_ROW_DIV=a_row_div, GATED=gated, HAS_BIAS=bias is not None, WEIGHTED=not gated, BITS=bits, MX=mx,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages,
     )

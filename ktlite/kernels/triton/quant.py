@@ -8,12 +8,18 @@ Layout of a stacked expert weight of logical shape [E, N, K] (N outputs, K input
   byte g*G/2 + j holds k = g*G + j in its low nibble and k = g*G + G/2 + j in its high nibble, so
   the kernel unpacks a group into two contiguous K halves (two tl.dot calls, no interleave
   shuffle). This is the same nibble order the CPU INT4 kernels were measured with (MEASURED.md).
+
+MX (`mx=True`, group 32, kernels/cpu/mx.py's numerics): scales uint8 e8m0 [E, N, K // 32], w = value(code) *
+2^(scale - 127). bits=4 (MXFP4 / FP4): qweight uint8 [E, N, K // 2], two e2m1 codes a byte, the low nibble the
+even k, as gpt-oss and DeepSeek-V4 store them; bits=8 (MXFP8): qweight uint8 [E, N, K], e4m3 bit patterns.
 """
 
 import logging
 from dataclasses import dataclass
 
 import torch
+
+from ktlite.kernels.cpu.mx import E2M1_VALUES
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +32,7 @@ class QuantizedWeight:
     scales: torch.Tensor
     bits: int
     group_size: int
+    mx: bool = False  # e2m1 / e4m3 codes with e8m0 scales (group 32) instead of integers with float scales
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -60,10 +67,28 @@ def quantize_weight(
     return QuantizedWeight(qweight.contiguous(), scales.contiguous(), bits, group_size)
 
 
+def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
+    """e8m0 bytes -> fp32 2^(s - 127), built from the bits (0: the subnormal 2^-127; 255: +inf)."""
+    s = scales.to(torch.int32)
+    return torch.where(s == 0, 0x00400000, s << 23).view(torch.float32)
+
+
+def _mx_codes(w: QuantizedWeight, e: int) -> torch.Tensor:
+    """Expert e's MX code values (no scale) as fp32 [N, K]."""
+    if w.bits == 8:
+        return w.qweight[e].view(torch.float8_e4m3fn).float()
+    table = torch.tensor(E2M1_VALUES, device=w.device)
+    packed = w.qweight[e].long()
+    return torch.stack([table[packed & 15], table[packed >> 4]], dim=-1).flatten(-2)
+
+
 def dequantize_expert(w: QuantizedWeight, e: int, dtype: torch.dtype) -> torch.Tensor:
     """Expert e of w as a dense [N, K] tensor in dtype."""
     _, n, k = w.shape
     groups = k // w.group_size
+    if w.mx:  # one fp32 rounding of code * scale, as transformers' dequantization
+        q = _mx_codes(w, e).reshape(n, groups, w.group_size) * e8m0_to_float(w.scales[e])[..., None]
+        return q.reshape(n, k).to(dtype)
     if w.bits == 8:
         q = w.qweight[e].float().reshape(n, groups, w.group_size)
     else:

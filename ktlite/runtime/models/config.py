@@ -276,10 +276,12 @@ def fp8_block_size(raw: dict[str, Any]) -> tuple[int, int] | None:
     method = quant.get("quant_method")
     if method == "compressed-tensors" and quant.get("format") == "pack-quantized":
         return None  # INT4 routed experts (Kimi-K2-Thinking; --kt-method RAWINT4 reads them), the rest bf16
+    if method == "mxfp4":
+        return None  # MXFP4 routed experts (gpt-oss; --kt-method MXFP4 reads them), the rest bf16
     if method != "fp8":
         raise ConfigError(
             f"config.json: quantization_config.quant_method {method!r} is not supported "
-            "(ktlite reads bf16/fp16/fp32 checkpoints and block-scaled fp8)"
+            "(ktlite reads bf16/fp16/fp32 checkpoints, block-scaled fp8 and mxfp4 experts)"
         )
     block = quant.get("weight_block_size") or [128, 128]
     return int(block[0]), int(block[1])
