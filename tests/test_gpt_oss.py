@@ -163,3 +163,49 @@ def test_tiny_model_cli_writes_what_transformers_reads(tmp_path):
     with torch.no_grad():
         expected = ref(ids).logits
     assert (ours(ids) - expected).abs().max().item() <= TOL
+
+
+def test_mxfp4_checkpoint_served_as_stored_equals_transformers_on_its_dequantization(tiny_gpt_oss, tmp_path):
+    """gpt-oss as the hub ships it: experts as MXFP4 `*_proj_blocks` / `*_proj_scales` (gate/up rows interleaved) and
+    `quantization_config: mxfp4`. Served with --kt-method MXFP4, half the experts in the GPU's MX stacks (biases and
+    the clamp in the fused MoE's epilogue) and half in the CPU's MX rows, chunks of 5: logits and greedy tokens equal
+    transformers' on the checkpoint transformers' `convert_moe_packed_tensors` dequantized."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+    from test_mx_experts import fp4_quantize, transformers_blocks
+    from test_tensor_parallel import logits_of
+
+    from ktlite import Engine
+    from ktlite.runtime.loader import CheckpointReader
+
+    reader = CheckpointReader(tiny_gpt_oss)
+    tensors = {name: reader.get_raw(name) for name in reader.names()}
+    packed, plain = {}, {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        stack = tensors.pop(name)  # [E, in, out]
+        quantized = [fp4_quantize(w.T) for w in stack]  # each expert's [out, in]: gate_up's rows alternate gate, up
+        blocks = torch.stack([c.reshape(c.shape[0], -1, 16) for c, _ in quantized])
+        scales = torch.stack([s for _, s in quantized])
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        plain[name] = transformers_blocks(blocks, scales).transpose(1, 2).to(stack.dtype).contiguous()
+    config = json.loads((tiny_gpt_oss / "config.json").read_text())
+    folders = {}
+    for kind, experts, extra in (("packed", packed, {"quantization_config": {"quant_method": "mxfp4"}}),
+                                 ("plain", plain, {})):
+        folder = folders[kind] = tmp_path / kind
+        folder.mkdir()
+        save_file({**tensors, **experts}, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps({**config, **extra}))
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tiny_gpt_oss / f, folder / f)
+    g = torch.Generator().manual_seed(5)
+    batch = [torch.randint(4, config["vocab_size"], (n,), generator=g).tolist() for n in (5, 23)]
+    logits, tokens = hf_last_logits_and_greedy(hf_model(folders["plain"]), batch, GREEDY["max_tokens"])
+    flags = {**EXACT, "kt_method": "MXFP4", "kt_num_gpu_experts": N_EXPERTS // 2, "chunked_prefill_size": 5}
+    with Engine(str(folders["packed"]), **flags) as eng:
+        moe = next(iter(eng.runtime.moe_layers.values()))
+        assert moe.w13.mx and moe.w13.bits == 4 and moe.biases is not None
+        assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == tokens
+        assert (logits_of(eng, batch) - logits).abs().max().item() <= TOL
