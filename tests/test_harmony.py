@@ -92,3 +92,41 @@ def test_without_a_tool_parser_a_call_message_stays_content():
         parse_output(OutputPlan("gpt-oss"), WEATHER_CALL).content
     assert reasoning == "Need to use function get_weather."
     assert content == WEATHER_CALL[WEATHER_CALL.index("<|start|>"):]
+
+
+def test_markers_that_are_special_tokens_reach_the_parser(tiny_v3, tmp_path):
+    """gpt-oss's tokenizer.json marks the harmony markers special ("special": true), which decoding skips by default:
+    a chat request with the gpt-oss parser (or with tools and a tool parser) keeps special tokens, as SGLang does, so
+    the streamed text still has its channels and splits; a plain request still skips them."""
+    import shutil
+
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from ktlite.runtime.tokenizer import Tokenizer
+    from ktlite.server.protocol import parse_chat
+
+    hf = HFTokenizer.from_file(str(tiny_v3 / "tokenizer.json"))
+    hf.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in
+                           ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>",
+                            "<|constrain|>")])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    shutil.copy(tiny_v3 / "tokenizer_config.json", tmp_path)
+    tok = Tokenizer(tmp_path)
+    body = {"model": "m", "messages": [{"role": "user", "content": "What is 2 + 2?"}]}
+    plain = parse_chat(body, tok, 4096, "m")
+    harmony = parse_chat(body, tok, 4096, "m", reasoning_parser="gpt-oss")
+    with_tools = parse_chat({**body, "tools": TOOLS}, tok, 4096, "m", tool_call_parser="gpt-oss")
+    assert plain.params.skip_special_tokens and not harmony.params.skip_special_tokens
+    assert not with_tools.params.skip_special_tokens
+    ids = tok.encode(ARITHMETIC.removesuffix("<|return|>"), add_bos=False)  # the stop token adds no text
+    assert len(ids) < len(tok.encode(ARITHMETIC.replace("<|", "< |"), add_bos=False))  # the markers are one id each
+
+    def streamed(skip: bool) -> str:
+        detok = tok.detokenizer([], skip)
+        return "".join(detok.push(i) for i in ids) + detok.flush()
+
+    assert "<|channel|>" not in streamed(True)
+    out = parse_output(harmony.output, streamed(harmony.params.skip_special_tokens))
+    assert (out.reasoning, out.content) == ('User asks: "What is 2 + 2?" Simple arithmetic. Provide answer.',
+                                           "2 + 2 = 4.")

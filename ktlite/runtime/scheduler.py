@@ -226,7 +226,8 @@ class Scheduler:
         queue: asyncio.Queue = asyncio.Queue()
         req = Request(
             rid=rid, prompt_ids=list(prompt_ids), params=params, queue=queue,
-            sampler=SamplerState(prompt_ids, params.seed), detok=self.tokenizer.detokenizer(prompt_ids),
+            sampler=SamplerState(prompt_ids, params.seed),
+            detok=self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens),
             stops=StopStringMatcher(params.stop), order=next(self._counter),
             grammar=self.grammars.state(params.json_schema) if params.json_schema else None,
             drafter=self.speculation.new_drafter() if self.speculation is not None else None,
@@ -553,7 +554,8 @@ class Scheduler:
             reason = self._advance_grammar(req, token)
         if reason is None and req.sequence_len >= self.config.context_length:
             reason = "length"
-        text = "" if self._is_hidden(req, reason) else req.detok.push(token)
+        # EOS/stop ids end the text without adding to it (OpenAI's finish_reason "stop"), special tokens kept or not
+        text = "" if reason == "stop" else req.detok.push(token)
         emit, hit = req.stops.feed(text)
         return reason, emit, hit
 
@@ -572,11 +574,6 @@ class Scheduler:
             logger.warning("request %s: token %d is outside its grammar; ending the output here", req.rid, token)
             return "stop"
         return "stop" if req.grammar.terminated else None
-
-    @staticmethod
-    def _is_hidden(req: Request, reason: str | None) -> bool:
-        """EOS/stop ids end the text without adding to it (like OpenAI's finish_reason 'stop')."""
-        return reason == "stop" and req.params.skip_special_tokens
 
     def _emit(self, req: Request, text: str, ids: list[int], reason: str | None,
               logprobs: list[TokenLogprob] | None = None) -> None:

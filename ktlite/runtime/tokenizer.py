@@ -210,8 +210,9 @@ class Tokenizer:
         # the template writes the BOS token itself
         return self.encode(self.render_chat(messages, add_generation_prompt, tools, **template_kwargs), add_bos=False)
 
-    def detokenizer(self, prompt_ids: list[int] | None = None) -> "IncrementalDetokenizer":
-        return IncrementalDetokenizer(self, prompt_ids or [])
+    def detokenizer(self, prompt_ids: list[int] | None = None,
+                    skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, prompt_ids or [], skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -224,8 +225,9 @@ class IncrementalDetokenizer:
 
     CONTEXT_TOKENS = 6
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         self._ids = list(prompt_ids[-self.CONTEXT_TOKENS :])
         self._prefix_offset = 0  # start of the context window within _ids
         self._read_offset = len(self._ids)  # ids before this have been emitted
@@ -233,8 +235,7 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one id; return the newly completed text (possibly empty)."""
         self._ids.append(token_id)
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._tok.decode(self._ids[self._prefix_offset :])
+        prefix, full = self._decode(self._read_offset), self._decode(len(self._ids))
         if full.endswith(REPLACEMENT_CHAR) or len(full) < len(prefix) or not full.startswith(prefix):
             return ""  # an incomplete character: wait for more bytes
         delta = full[len(prefix) :]
@@ -243,7 +244,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still held back at the end of the stream (e.g. a truncated character)."""
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._tok.decode(self._ids[self._prefix_offset :])
+        prefix, full = self._decode(self._read_offset), self._decode(len(self._ids))
         self._read_offset = len(self._ids)
         return full[len(prefix) :] if full.startswith(prefix) else ""
+
+    def _decode(self, end: int) -> str:
+        return self._tok.decode(self._ids[self._prefix_offset : end], self._skip)

@@ -266,7 +266,8 @@ def parse_request(body: dict[str, Any], tokenizer, context_length: int, model: s
     prompt = chat_prompt(chat_spec(body), tokenizer, tool_parser, reasoning_parser, id_prefix="toolu_")
     sampling = {"max_tokens": max_tokens, "stop": stops,
                 **{k: body[k] for k in ("temperature", "top_p", "top_k") if body.get(k) is not None}}
-    params, name, given = sampling_params(sampling, 0, context_length, [len(prompt.ids)], prompt.json_schema)
+    params, name, given = sampling_params(sampling, 0, context_length, [len(prompt.ids)], prompt.json_schema,
+                                          keep_special_tokens=prompt.output.reads_special_tokens)
     if budget is not None and prompt.output.reasoning_parser is not None:  # the output has a think block
         params = dataclasses.replace(params, thinking_budget=budget, think_end_ids=tokenizer.encode(
             think_format(prompt.output.reasoning_parser).close, add_bos=False))

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ktlite.server.reasoning import reasoning_stream
+from ktlite.server.reasoning import reasoning_stream, think_format
 from ktlite.server.tool_parsers import ToolCallStream, dump_arguments
 
 
@@ -40,6 +40,13 @@ class OutputPlan:
     tools: list[dict[str, Any]] | None = None
     forced_call: bool = False  # the output is a grammar-constrained {"name", "arguments"} object
     id_prefix: str = "call_"  # OpenAI's call ids; Anthropic's are "toolu_"
+
+    @property
+    def reads_special_tokens(self) -> bool:
+        """The parsers read markup that tokenizers mark special (harmony's channels, tool-call tokens such as
+        Kimi's): the text keeps special tokens, as SGLang does for gpt-oss and for requests with tools."""
+        return self.tool_parser is not None or (self.reasoning_parser is not None
+                                                and think_format(self.reasoning_parser).harmony)
 
 
 @dataclass

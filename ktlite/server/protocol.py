@@ -166,9 +166,11 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
 
 def sampling_params(body: dict[str, Any], default_max_tokens: int, context_length: int, prompt_lens: list[int],
                     json_schema: dict[str, Any] | None = None,
-                    logprobs: dict[str, Any] | None = None) -> tuple[SamplingParams, str, bool]:
+                    logprobs: dict[str, Any] | None = None,
+                    keep_special_tokens: bool = False) -> tuple[SamplingParams, str, bool]:
     """-> (params, name of the max-tokens field the client used, whether it gave one). `logprobs`:
-    the SamplingParams logprob fields (`_logprob_fields`)."""
+    the SamplingParams logprob fields (`_logprob_fields`); `keep_special_tokens`: the output's parsers need them
+    (OutputPlan.reads_special_tokens), whatever the client asked."""
     logprobs = logprobs or {}
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     given = body.get(name) is not None
@@ -191,6 +193,8 @@ def sampling_params(body: dict[str, Any], default_max_tokens: int, context_lengt
     for key in _PASS_THROUGH:
         if body.get(key) is not None:
             kwargs[key] = body[key]
+    if keep_special_tokens:
+        kwargs["skip_special_tokens"] = False
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -383,7 +387,8 @@ def parse_chat(body: Any, tokenizer, context_length: int, model: str, tool_call_
     top = (top or 0) if wanted else None
     prompt = chat_prompt(chat_spec(body), tokenizer, tool_call_parser, reasoning_parser)
     params, name, given = sampling_params(body, DEFAULT_CHAT_MAX_TOKENS, context_length, [len(prompt.ids)],
-                                          prompt.json_schema, _logprob_fields(top, False, False))
+                                          prompt.json_schema, _logprob_fields(top, False, False),
+                                          prompt.output.reads_special_tokens)
     return ParsedRequest("chat", model, [prompt.ids], params, bool(body.get("stream")), _include_usage(body), name,
                          given, output=prompt.output, request_id=f"chatcmpl-{uuid.uuid4().hex}",
                          created=int(time.time()), n=n, best_of=n, top_logprobs=top,

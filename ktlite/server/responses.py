@@ -285,7 +285,8 @@ def parse_request(body: dict[str, Any], tokenizer, context_length: int, model: s
     sampling = {k: v for k, v in body.items() if k not in ("max_tokens", "max_completion_tokens")}
     try:
         params, _, given = sampling_params({**sampling, "max_tokens": max_tokens}, DEFAULT_CHAT_MAX_TOKENS, context_length,
-                                           [len(prompt.ids)], prompt.json_schema)
+                                           [len(prompt.ids)], prompt.json_schema,
+                                           keep_special_tokens=prompt.output.reads_special_tokens)
     except APIError as exc:  # name the field as this API calls it
         if exc.param == "max_tokens":
             exc.param, exc.message = "max_output_tokens", exc.message.replace("max_tokens", "max_output_tokens")
