@@ -112,7 +112,7 @@ _ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--kt-max-deferred-experts-per-token",), "kt_max_deferred_experts_per_token", dict(type=int, help="Defer this many CPU experts per token to the next layer [0].")),
     (("--tensor-parallel-size", "--tp-size", "--tp"), "tensor_parallel_size", dict(type=int, help="GPUs to shard attention/dense over [chosen: 1, or every GPU when one cannot hold the model].")),
     (("--speculative-algorithm",), "speculative_algorithm", dict(type=str, help="Speculative decoding: NGRAM drafts tokens by matching the output's last tokens against the prompt and output so far, verified in one forward (greedy output unchanged, sampling keeps the model's distribution); NEXTN/EAGLE (MTP layers) are not built yet. Not on models with recurrent layers (Qwen3-Next) [off].")),
-    (("--speculative-num-steps",), "speculative_num_steps", dict(type=int, help="Drafts proposed per request per decode step [3].")),
+    (("--speculative-num-steps",), "speculative_num_steps", dict(type=int, help="Drafts proposed per request per decode step [chosen each step from 1..4 by the verify cost measured at start-up and the request's acceptance].")),
     (("--speculative-num-draft-tokens",), "speculative_num_draft_tokens", dict(type=int, help="Tokens one verify holds per request: the last token and its drafts (--speculative-num-steps + 1) [4].")),
     (("--speculative-eagle-topk",), "speculative_eagle_topk", dict(type=int, help="Draft branches per step: only 1 (a chain) [1].")),
 ]

@@ -21,9 +21,10 @@ AUTO_KNOBS = frozenset({"tensor_parallel_size", "kt_num_gpu_experts", "max_total
                         "kt_cpuinfer", "kt_threadpool_count"})
 CPU_DENSE_METHODS = ("auto", "INT8", "INT4", "none")  # --cpu-dense-method values (any case)
 SPECULATIVE_ALGORITHMS = ("NGRAM", "NEXTN", "EAGLE")  # --speculative-algorithm values (any case)
-# drafts verified per request per step when the caller sets neither --speculative-num-steps nor
-# --speculative-num-draft-tokens (to be chosen from a measured cost curve later)
-DEFAULT_SPECULATIVE_DRAFTS = 3
+# the most drafts a request verifies per step when the caller sets neither --speculative-num-steps nor
+# --speculative-num-draft-tokens: each step takes 1..this many, chosen from the measured cost curve
+# (runtime/speculative/auto_k.py)
+MAX_AUTO_SPECULATIVE_DRAFTS = 4
 # an agent session needs one or two (its prompt's end, its last reply's end); more serve sessions side by side
 DEFAULT_STATE_SNAPSHOTS = 8
 
@@ -168,14 +169,20 @@ class EngineConfig:
 
     @property
     def speculative_drafts(self) -> int:
-        """Drafts proposed and verified per request per decode step (0: no speculative decoding)."""
+        """The most drafts proposed and verified per request per decode step (0: no speculative decoding)."""
         if self.speculative_algorithm is None:
             return 0
         if self.speculative_num_steps is not None:
             return self.speculative_num_steps
         if self.speculative_num_draft_tokens is not None:
             return self.speculative_num_draft_tokens - 1
-        return DEFAULT_SPECULATIVE_DRAFTS
+        return MAX_AUTO_SPECULATIVE_DRAFTS
+
+    @property
+    def speculative_drafts_auto(self) -> bool:
+        """Speculation on with no draft count given: each step's count is chosen (speculative/auto_k.py)."""
+        return (self.speculative_algorithm is not None and self.speculative_num_steps is None
+                and self.speculative_num_draft_tokens is None)
 
     def state_snapshots(self, recurrent: bool) -> int:
         """Recurrent-state snapshots the prefix cache keeps for a model with per-request recurrent state:

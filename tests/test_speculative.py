@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -203,12 +203,14 @@ def test_speculative_flags_are_checked(tmp_path, flags, match):
 
 @pytest.mark.parametrize("flags, drafts", [
     ({}, 0),
-    ({"speculative_algorithm": "ngram"}, 3),
+    ({"speculative_algorithm": "ngram"}, 4),  # the most: each step's count is chosen (auto_k.py)
     ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 5, "speculative_eagle_topk": 1}, 5),
     ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 2}, 1),
 ])
 def test_drafts_per_step_follow_the_flags(tmp_path, flags, drafts):
-    assert EngineConfig.from_kwargs(str(tmp_path), **flags).speculative_drafts == drafts
+    config = EngineConfig.from_kwargs(str(tmp_path), **flags)
+    assert config.speculative_drafts == drafts
+    assert config.speculative_drafts_auto == (flags == {"speculative_algorithm": "ngram"})
 
 
 def test_cli_flags_reach_the_engine(tiny_v3):
@@ -317,3 +319,60 @@ def test_requests_that_cannot_draft_share_the_batch(copying):
         assert eng.scheduler.accepted_tokens > 0
     same(got, expected)
     assert got[1].text.startswith('{"a":')  # the grammar held
+
+
+# ---- the draft count chosen from the cost curve (auto_k.py) -----------------------------------------------------
+
+def simulated_tokens_per_time(acceptance: float, k: int, cost: float, steps: int = 20000) -> float:
+    """Tokens per plain step's time of a chain of k drafts, each right with probability `acceptance`, by drawing."""
+    g = torch.Generator().manual_seed(k)
+    hits = torch.rand(steps, k, generator=g) < acceptance
+    accepted = hits.int().cumprod(dim=1).sum(dim=1)  # drafts up to the first miss
+    return (accepted.float().mean().item() + 1) / cost
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.3, 0.6, 0.8, 0.95])
+@pytest.mark.parametrize("cost", [{1: 1.1, 2: 1.2, 3: 1.3, 4: 1.4}, {1: 1.6, 2: 2.2, 3: 2.8, 4: 3.4},
+                                  {1: 1.0, 2: 5.0, 3: 9.0, 4: 13.0}])
+def test_the_chosen_draft_count_is_the_fastest_by_simulation(acceptance, cost):
+    from ktlite.runtime.speculative.auto_k import best_drafts, expected_tokens
+
+    rates = {k: simulated_tokens_per_time(acceptance, k, c) for k, c in cost.items()}
+    chosen = best_drafts(acceptance, cost)
+    assert rates[chosen] >= max(rates.values()) * 0.98  # the simulation's noise
+    for k in cost:
+        assert expected_tokens(acceptance, k) / cost[k] == pytest.approx(rates[k], rel=0.03)
+
+
+def test_acceptance_estimate_moves_from_its_prior_with_the_verifies():
+    from ktlite.runtime.speculative.auto_k import PRIOR_ACCEPTANCE, Acceptance
+
+    hitting, missing = Acceptance(), Acceptance()
+    assert hitting.estimate() == PRIOR_ACCEPTANCE
+    for _ in range(20):
+        hitting.record(4, 4)
+        missing.record(4, 0)
+    assert hitting.estimate() > 0.97 and missing.estimate() < 0.1
+
+
+@pytest.mark.parametrize("cost, most", [({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15}, 4), ({1: 1.0, 2: 5.0, 3: 9.0, 4: 13.0}, 1)])
+def test_without_a_draft_count_each_step_drafts_what_the_cost_curve_favours(copying, cost, most):
+    """With no --speculative-num-steps the engine measures c(k) at start-up; a request that keeps copying its prompt
+    drafts the most when verifying is cheap and one token when each draft costs a whole step; the output is plain
+    decoding's either way."""
+    batch = [cycle(5, 2 * PERIOD)]
+    params = {**GREEDY, "max_tokens": 30}
+    with Engine(str(copying), **EXACT, speculative_algorithm="NGRAM") as eng:
+        spec = eng.scheduler.speculation
+        assert spec.auto and sorted(spec.cost) == [1, 2, 3, 4] and all(c > 0 for c in spec.cost.values())
+        eng.scheduler.speculation = replace(spec, cost=cost)
+        drafted, build = [], eng.scheduler._build_batch
+
+        def spy(plan):
+            drafted.extend(len(r.drafts) for r, _ in plan if r.drafts)
+            return build(plan)
+
+        eng.scheduler._build_batch = spy
+        got = eng.generate(input_ids=batch, sampling_params=params)
+    assert max(drafted) == most and eng.scheduler.accepted_tokens > 0
+    same(got, plain(copying, batch, params))

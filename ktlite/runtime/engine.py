@@ -13,7 +13,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ktlite.config import EngineConfig
@@ -28,7 +28,7 @@ from ktlite.runtime.state_cache import StateSnapshots
 from ktlite.runtime.scheduler import Scheduler, SchedulerConfig, StreamEvent
 from ktlite.runtime.speculative import speculation_for
 from ktlite.runtime.tokenizer import Tokenizer
-from ktlite.runtime.verify import verify_plan, warm_paths
+from ktlite.runtime.verify import verify_cost_curve, verify_plan, warm_paths
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,8 @@ class Engine:
             self.runtime = assemble(self.config)
         verify_plan(self.runtime)  # one full chunk and the largest decode batch, before serving anything
         warm_paths(self.runtime)  # and every smaller forward size: nothing compiles in a request
+        if speculation is not None and speculation.auto:  # each step's draft count from the measured cost curve
+            speculation = replace(speculation, cost=verify_cost_curve(self.runtime, speculation.num_drafts))
         self.scheduler = Scheduler(
             self.runtime.runner,
             self.tokenizer,

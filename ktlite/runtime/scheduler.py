@@ -61,6 +61,7 @@ from ktlite.runtime.model_runner import ForwardBatch, ModelRunner
 from ktlite.runtime.radix_cache import Node, RadixCache
 from ktlite.runtime.sampling import SamplerState, SamplingParams, sample
 from ktlite.runtime.speculative import Drafter, Speculation, accept_drafts, can_speculate
+from ktlite.runtime.speculative.auto_k import Acceptance
 from ktlite.runtime.stop import StopStringMatcher, finish_reason
 from ktlite.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -123,6 +124,7 @@ class Request:
     prompt_lp_sent: bool = False
     drafter: Drafter | None = None  # speculative decoding: proposes its drafts
     drafts: list[int] = field(default_factory=list)  # this step's drafts, verified behind its last token
+    acceptance: Acceptance = field(default_factory=Acceptance)  # its drafts' hits so far (how many it drafts next)
 
     @property
     def sequence_len(self) -> int:
@@ -326,7 +328,7 @@ class Scheduler:
             return
         spare = min(budget + self.config.max_running_requests - len(decoding), self.pool.free_tokens - reserved)
         for req in decoding:
-            limit = min(self.speculation.num_drafts, spare,
+            limit = min(self.speculation.drafts_for(req.acceptance), spare,
                         req.params.max_tokens - len(req.output_ids) - 1,  # the model's own token follows the drafts
                         self.config.context_length - req.sequence_len - 1, self.pool.max_context - req.sequence_len)
             if limit > 0 and can_speculate(req.params, req.sampler):
@@ -564,6 +566,7 @@ class Scheduler:
         rejected drafts' slots go back to the pool."""
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
+        req.acceptance.record(drafted, accepted)
         req.computed = min(req.computed + accepted, req.sequence_len)
         self.pool.truncate(req.row, req.computed)
 

@@ -237,3 +237,34 @@ def warm_paths(runtime) -> float:
     logger.info("warmed the forwards a request can reach (prefills and decode steps of 1, 2, 3, 4, 8, ... tokens) "
                 "in %.2f s", seconds)
     return seconds
+
+
+COST_PREFIX = 256  # prefix tokens behind the timed steps: attention over a short context, as an agent's turn starts
+COST_REPEATS = 3
+
+
+def verify_cost_curve(runtime, max_drafts: int) -> dict[int, float]:
+    """c(k) for k = 1..max_drafts: the time of one request's forward over its last token and k drafts (an extend
+    behind COST_PREFIX positions, logits of every row, as a verify) over a plain decode step's at the same position;
+    the median of COST_REPEATS, on the warm model (speculative/auto_k.py chooses each step's k from it). On a pool
+    too small for the prefix, a shorter one."""
+    runner, pool = runtime.runner, runtime.runner.kv_pool
+    prefix = max(1, min(COST_PREFIX, pool.free_tokens - max_drafts - 1, runtime.context_length - max_drafts - 1))
+
+    def seconds(drafts: int) -> float:
+        times = []
+        with _observers_paused(runtime):
+            for _ in range(COST_REPEATS):
+                with _Pass(pool) as p:
+                    row, slots = p.request(prefix + 1 + drafts)
+                    batch = ForwardBatch.build([_dummy_ids(1 + drafts, runtime.vocab_size)], [prefix], [row],
+                                               [slots[prefix:]], [True], runner.device,
+                                               [range(drafts)] if drafts else None)
+                    times.append(_measure(runner, batch)[0])
+        return sorted(times)[len(times) // 2]
+
+    plain = seconds(0)
+    curve = {k: seconds(k) / plain for k in range(1, max_drafts + 1)}
+    logger.info("speculative verify cost, in plain decode steps: %s",
+                ", ".join(f"c({k}) = {c:.2f}" for k, c in curve.items()))
+    return curve

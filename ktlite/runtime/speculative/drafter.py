@@ -13,6 +13,7 @@ from typing import Protocol
 
 from ktlite.config import EngineConfig
 from ktlite.errors import ConfigError
+from ktlite.runtime.speculative.auto_k import Acceptance, best_drafts
 from ktlite.runtime.speculative.ngram import NgramDrafter
 
 
@@ -29,6 +30,14 @@ class Drafter(Protocol):
 class Speculation:
     num_drafts: int  # k: the most drafts a request verifies per decode step
     new_drafter: Callable[[], Drafter]  # one per request
+    auto: bool = False  # the user gave no draft count: each step's is chosen from `cost` (auto_k.py)
+    cost: dict[int, float] | None = None  # k -> c(k), a verify of k drafts in plain decode steps (once measured)
+
+    def drafts_for(self, acceptance: Acceptance) -> int:
+        """How many drafts a request with this acceptance so far verifies this step."""
+        if self.cost is None:
+            return self.num_drafts
+        return best_drafts(acceptance.estimate(), self.cost)
 
 
 def speculation_for(config: EngineConfig, has_recurrent_state: bool) -> Speculation | None:
@@ -41,4 +50,4 @@ def speculation_for(config: EngineConfig, has_recurrent_state: bool) -> Speculat
         raise ConfigError(f"--speculative-algorithm {config.speculative_algorithm}: this model has recurrent "
                           "(linear-attention) layers, whose state a rejected draft would leave advanced; speculative "
                           "decoding does not roll that state back yet: leave the flag out for this model")
-    return Speculation(config.speculative_drafts, NgramDrafter)
+    return Speculation(config.speculative_drafts, NgramDrafter, auto=config.speculative_drafts_auto)
