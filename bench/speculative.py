@@ -14,7 +14,10 @@ Rows, batch-1 decode on the checkpoint bench/e2e.py writes (random weights, --ar
 - a = 1.0, k = 1..K: every draft accepted, so each step verifies k drafts and yields k + 1 tokens: the step's
   time over a plain step's is the verify cost c(k) (the union of the k + 1 tokens' experts grows with k);
 - a in --acceptance, k = 1..K: tok/s and the speed-up over plain decode; the best k per a is marked, and the k that
-  c(k) predicts ((1 - a^(k+1)) / (1 - a) tokens a step over c(k)) beside it.
+  c(k) predicts ((1 - a^(k+1)) / (1 - a) tokens a step over c(k)) beside it;
+- a in --acceptance, auto: what the engine does without --speculative-num-steps (speculative/auto_k.py: each step's
+  k from the c(k) it measures before serving, runtime/verify.py, and the request's acceptance so far); the c(k) it
+  measured is printed beside the bench's.
 
     python bench/speculative.py [--arch deepseek-v2-lite|qwen3-30b-a3b] [--layers 8] [--max-k 4]
                                 [--acceptance 0.6,0.8,0.9] [--prompt-len 64] [--gen 48] [--tiny] [--write]
@@ -36,7 +39,9 @@ from _results_page import section, write_section
 from e2e import ARCHS, TINY_WIDTHS, write_checkpoint
 
 from ktlite import Engine
+from ktlite.runtime.speculative.auto_k import best_drafts
 from ktlite.runtime.speculative.drafter import Speculation
+from ktlite.runtime.verify import verify_cost_curve
 
 
 class OracleDrafter:
@@ -85,10 +90,6 @@ def run(engine: Engine, prompt: list[int], gen: int, speculation: Speculation | 
     return ids, tokens / seconds, rate
 
 
-def expected_tokens(a: float, k: int) -> float:
-    """Tokens a step yields when each of k drafts is right with probability a (the chain stops at the first miss)."""
-    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -120,6 +121,7 @@ def main() -> None:
         reference = run(engine, prompt, args.gen, Speculation(1, lambda: OracleDrafter(plain, len(prompt), 1.0,
                                                                                         vocab, seed=0)))[0]
         differs = next((i for i, (x, y) in enumerate(zip(plain, reference)) if x != y), None)
+        startup_cost = verify_cost_curve(engine.runtime, args.max_k)  # the engine's own measure, before serving
         rows = [("plain decode", "-", "-", f"{plain_rate:.2f} tok/s", f"{step * 1e3:.1f} ms/step", "1.00x")]
         cost: dict[int, float] = {}
         for a in tqdm([1.0] + acceptances, desc="speculative runs", unit="acceptance"):
@@ -132,18 +134,28 @@ def main() -> None:
                 if a == 1.0:
                     cost[k] = (k + 1) / rate / step  # a step's time over a plain step's
             best = max(ks, key=lambda k: rates[k][0])
-            predicted = max(ks, key=lambda k: expected_tokens(a, k) / cost[k])
+            predicted = best_drafts(a, cost)
             for k in ks:
                 rate, measured = rates[k]
                 what = f"verify cost c({k}) = {cost[k]:.2f} plain steps" if a == 1.0 else \
-                    ("best k" + (f" (c(k) predicts k={predicted})" if k == best else "") if k == best else "")
+                    (f"best k (c(k) predicts k={predicted})" if k == best else "")
                 rows.append((f"oracle drafts a={a:.1f}", str(k), f"{measured:.2f}", f"{rate:.2f} tok/s",
                              what, f"{rate / plain_rate:.2f}x"))
+            if a < 1.0:  # what the engine does without --speculative-num-steps: k per step from its own c(k)
+                drafter = lambda: OracleDrafter(reference, len(prompt), a, vocab, seed=0)  # noqa: E731
+                auto = Speculation(args.max_k, drafter, auto=True, cost=startup_cost)
+                ids, rate, measured = run(engine, prompt, args.gen, auto)
+                assert ids == reference, f"a={a} auto k: the greedy output depends on the drafts"
+                rows.append((f"oracle drafts a={a:.1f}", "auto", f"{measured:.2f}", f"{rate:.2f} tok/s",
+                             "k per step from the start-up c(k) and the request's acceptance",
+                             f"{rate / plain_rate:.2f}x"))
     threads = torch.get_num_threads()
     head = (f"{ARCHS[args.arch]} shapes cut to {args.layers} layers{' at tiny widths' if args.tiny else ''}, "
             f"random weights, CPU experts {args.kt_method}, batch 1, prompt {args.prompt_len}, {args.gen} new tokens, "
             f"torch threads {threads}. a: each oracle draft right with probability a; measured: the engine's "
-            f"accepted / drafted. Every speculative run gave the same greedy output"
+            f"accepted / drafted. The engine's own start-up measure: "
+            + ", ".join(f"c({k}) = {c:.2f}" for k, c in startup_cost.items())
+            + ". Every speculative run gave the same greedy output"
             + (", equal to plain decode's.\n" if differs is None else
                f"; plain decode's differs from it from token {differs} on (a near-tie that a plain step's kernels "
                "round the other way).\n"))

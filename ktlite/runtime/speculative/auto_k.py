@@ -5,7 +5,8 @@ runtime/verify.py `verify_cost_curve`: on CPU experts the union of the k + 1 tok
 grows about linearly); it yields E(a, k) = (1 - a^(k+1)) / (1 - a) tokens when each draft is right with probability
 a (the first miss ends the chain). Each step, a request drafts the k in 1..config.MAX_AUTO_SPECULATIVE_DRAFTS with
 the most tokens per unit of time, E(a, k) / c(k), at its own acceptance so far (`Acceptance`: the drafts' per-token
-hit rate, starting from a prior). A request whose drafts keep missing falls to k = 1; one that copies its prompt climbs to the most.
+hit rate, starting from a prior). A request whose drafts keep missing falls to k = 1; one that copies its prompt
+climbs to the most; where no k could pay for its verify, nothing is drafted.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 def best_drafts(acceptance: float, cost: dict[int, float]) -> int:
-    """The k of `cost` (k -> c(k)) with the most expected tokens per plain step's time; the smaller k on a tie."""
+    """The k of `cost` (k -> c(k)) with the most expected tokens per plain step's time, the smaller k on a tie; 0
+    where a verify costs more than even always-accepted drafts give back ((k + 1) / c(k) <= 1 for every k: a
+    forward's fixed costs dominate, as on a tiny model)."""
+    if all((k + 1) / c <= 1.0 for k, c in cost.items()):
+        return 0
     return max(sorted(cost), key=lambda k: (expected_tokens(acceptance, k) / cost[k], -k))
 
 
