@@ -55,6 +55,18 @@ def section(name: str, title: str, body: str, argv: list[str] | None = None,
             f"{body.strip()}\n{end}\n")
 
 
+def markdown_table(header: list[str], rows: list[tuple[str, ...]]) -> str:
+    return "\n".join([f"| {' | '.join(header)} |", "|" + "---|" * len(header)] + [f"| {' | '.join(r)} |" for r in rows])
+
+
+def publish(name: str, title: str, body: str, write: bool) -> None:
+    """Print a bench's section and, with `write` (its --write), put it in bench/RESULTS.md."""
+    text = section(name, title, body)
+    print(text)
+    if write:
+        write_section(name, text)
+
+
 def replace_section(page: str, name: str, text: str) -> str:
     """`page` with NAME's section replaced by `text` (appended where it has none); the rest byte for byte."""
     begin, end = markers(name)

@@ -40,7 +40,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from _results_page import section, write_section
+from _results_page import markdown_table, publish
 from cpu_moe import memory_bandwidth  # the same reference as the CPU-expert bench
 
 from ktlite import Engine
@@ -323,11 +323,8 @@ def main() -> None:
                  f"checkpoint (bench/_llamacpp_peer.py), weights in {peers[0]['weights_in']}; bits/weight = bytes one "
                  f"decode token reads x 8 / the weights it "
                  f"reads (routed experts at top-k, no embedding), for both sides.\n")
-    table = ["| what | shape | ktlite | note |", "|---|---|---|---|"] + [f"| {' | '.join(r)} |" for r in rows]
-    text = section("e2e", "End to end (bench/e2e.py)", head + "\n" + "\n".join(table))
-    print(text)
-    if args.write:
-        write_section("e2e", text)
+    table = markdown_table(["what", "shape", "ktlite", "note"], rows)
+    publish("e2e", "End to end (bench/e2e.py)", head + "\n" + table, args.write)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from _results_page import section, write_section
+from _results_page import markdown_table, publish
 from e2e import ARCHS, TINY_WIDTHS, write_checkpoint
 
 from ktlite import Engine
@@ -159,12 +159,8 @@ def main() -> None:
             + (", equal to plain decode's.\n" if differs is None else
                f"; plain decode's differs from it from token {differs} on (a near-tie that a plain step's kernels "
                "round the other way).\n"))
-    table = ["| drafts | k | measured acceptance | decode | note | vs plain |", "|---|---|---|---|---|---|"]
-    table += [f"| {' | '.join(r)} |" for r in rows]
-    text = section("speculative", "Speculative decoding (bench/speculative.py)", head + "\n" + "\n".join(table))
-    print(text)
-    if args.write:
-        write_section("speculative", text)
+    table = markdown_table(["drafts", "k", "measured acceptance", "decode", "note", "vs plain"], rows)
+    publish("speculative", "Speculative decoding (bench/speculative.py)", head + "\n" + table, args.write)
 
 
 if __name__ == "__main__":
