@@ -23,7 +23,13 @@ TOL = 1e-4
 DATA = Path(__file__).parent / "data"
 
 
-def test_prefill_and_decode_logits_match_transformers(tiny_dsa):
+@pytest.mark.parametrize("score_bytes", [None, 1], ids=["whole", "one-key-tiles"])
+def test_prefill_and_decode_logits_match_transformers(tiny_dsa, score_bytes, monkeypatch):
+    """Also with the indexer's scores computed one key at a time (the tiles that bound a long context's memory)."""
+    from ktlite.runtime.models import deepseek_v32
+
+    if score_bytes is not None:
+        monkeypatch.setattr(deepseek_v32, "INDEX_SCORE_BYTES", score_bytes)
     ours, ref = models.load(tiny_dsa), hf_model(tiny_dsa)
     assert ours.config.index_topk == 6
     ids = torch.randint(0, ours.config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(0))

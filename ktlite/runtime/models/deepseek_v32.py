@@ -78,6 +78,23 @@ def parse_config(raw: dict[str, Any]) -> DeepseekV32Config:
                              index_topk=int(raw.get("index_topk", 2048)))
 
 
+INDEX_SCORE_BYTES = 64 << 20  # the [tokens, heads, keys] fp32 scores held at once: keys go in tiles that fit
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, H, d], head weights w [n, H], keys [t, d] (fp32) -> [n, t] = sum_h w[:, h] * relu(q[:, h] . k x scale),
+    over tiles of keys, so the per-head scores never exist whole (a 512-token chunk's 64 heads over 16k cached
+    tokens would be 2 GiB)."""
+    n, heads, _ = q.shape
+    tile = max(1, INDEX_SCORE_BYTES // (4 * n * heads))
+    out = torch.empty(n, keys.shape[0], dtype=torch.float32, device=q.device)
+    q_rows = q.reshape(n * heads, -1)
+    for lo in range(0, keys.shape[0], tile):
+        scores = torch.relu(q_rows @ keys[lo : lo + tile].T * scale).view(n, heads, -1)
+        out[:, lo : lo + tile] = torch.bmm(w.unsqueeze(1), scores).squeeze(1)
+    return out
+
+
 class Indexer(nn.Module):
     plan_component = "attention"
     fp8_linears = ("wq_b", "wk")  # FP8 checkpoints keep weights_proj in high precision
@@ -106,9 +123,7 @@ class Indexer(nn.Module):
         for row, prefix, n, start in request_spans(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens):
             slots = req_to_token[row, : prefix + n].long()
             k = c.fp8_rows("index_key").unpack(keys[slots]) if is_packed(keys) else keys[slots].float()
-            scores = torch.relu(torch.einsum("nhd,td->nht", q[start : start + n].float(), k)
-                                * c.index_head_dim**-0.5)
-            index = torch.einsum("nh,nht->nt", w[start : start + n], scores)
+            index = index_scores(q[start : start + n].float(), w[start : start + n], k, c.index_head_dim**-0.5)
             index.masked_fill_(~causal_mask(prefix, n, h.device), float("-inf"))
             best = index.topk(min(c.index_topk, prefix + n), dim=-1)
             chosen = slots[best.indices].masked_fill(best.values == float("-inf"), -1)  # future tokens: none
