@@ -27,7 +27,17 @@ N_EXPERTS = 8
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_minimax_m3):
+def one_thread():
+    """Tiny matmuls on one thread: OpenMP's wake-ups cost milliseconds a call on a loaded machine (10x this file's
+    runtime)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_minimax_m3, one_thread):
     return models.load(tiny_minimax_m3), hf_model(tiny_minimax_m3, transformers.AutoModelForImageTextToText)
 
 
@@ -129,3 +139,65 @@ def test_tp2_equals_transformers_and_each_rank_allocates_its_plan(tiny_minimax_m
     for rank, got in allocated.items():
         assert plan.mismatches(got, rank) == {}, rank
     assert plan.kv_bytes_per_token == (3 * 2 * 1 * 16 + 2 * 16) * 4  # each rank: 1 of the 2 kv heads, all index keys
+
+
+def test_mxfp8_experts_equal_transformers_on_their_dequantized_twin(tiny_minimax_m3, tmp_path):
+    """MiniMax-M3's experts are one tensor each (`w1` / `w3` / `w2`), so its MXFP8 checkpoints fit the per-expert
+    layout (e4m3 `weight` + e8m0 `weight_scale_inv` per 32): served as stored, 3 experts a layer in the device's MX
+    stacks, the logits and greedy tokens equal transformers' on the weights transformers dequantized."""
+    from test_mx_experts import write_mx_twins
+
+    packed, plain = write_mx_twins(tiny_minimax_m3, tmp_path, ("MXFP8",))["MXFP8"]
+    ref = hf_model(plain, transformers.AutoModelForImageTextToText)
+    g = torch.Generator().manual_seed(3)
+    batch = [torch.randint(4, ref.config.text_config.vocab_size, (n,), generator=g).tolist() for n in (5, 26)]
+    with Engine(str(packed), **{**EXACT, "kt_method": "MXFP8"}, kt_num_gpu_experts=3) as eng:
+        layer = next(iter(eng.runtime.cpu_moe.layers.values()))
+        assert (layer.gate_up.method, layer.down.method) == ("MXFP8", "MXFP8")
+        got = logits_of(eng, batch)
+        tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+    want, expected = hf_last_logits_and_greedy(ref, batch, GREEDY["max_tokens"])
+    assert (got - want).abs().max().item() <= TOL
+    assert tokens == expected
+
+
+def test_legacy_fields_read_as_transformers_reads_them():
+    """The older field names (`sparse_attention_config`, `moe_layer_freq`) place the sparse and dense layers as
+    transformers' config does, and the plan counts each sparse layer's index key."""
+    from ktlite.runtime.memory import make_plan
+    from ktlite.runtime.models import parse_config
+    from ktlite.runtime.plan_inputs import PlanInputs
+    from ktlite.runtime.tiny_model import tiny_config
+
+    raw = tiny_config("minimax_m3", vocab_size=1024)
+    text = {k: v for k, v in raw["text_config"].items()
+            if k not in ("layer_types", "mlp_layer_types") and not k.startswith("index_")}
+    text.update(moe_layer_freq=[0, 1, 1], sparse_attention_config={
+        "sparse_attention_freq": [1, 0, 1], "sparse_num_index_heads": 2, "sparse_index_dim": 16,
+        "sparse_block_size": 4, "sparse_topk_blocks": 2, "sparse_local_block": 1})
+    theirs = transformers.MiniMaxM3VLTextConfig(**text)
+    cfg = parse_config({**raw, "text_config": text})
+    assert [i for i, t in enumerate(theirs.layer_types) if t == "minimax_m3_sparse"] == list(cfg.sparse_layer_ids)
+    assert [i for i, t in enumerate(theirs.mlp_layer_types) if t == "sparse"] == cfg.moe_layers
+    assert (cfg.index.heads, cfg.index.head_dim, cfg.index.block, cfg.index.topk, cfg.index.local) == (
+        theirs.index_n_heads, theirs.index_head_dim, theirs.index_block_size, theirs.index_topk_blocks,
+        theirs.index_local_blocks)
+    plan = make_plan(cfg, PlanInputs(gpu_memory="1GiB", dtype="bfloat16"))
+    assert plan.kv_bytes_per_token == (3 * 2 * 2 * 16 + 2 * 16) * 2
+
+
+def test_tiny_model_cli_writes_what_transformers_reads(tmp_path, one_thread):
+    """`ktlite tiny-model --arch minimax_m3` writes the VL checkpoint's names and fields transformers reads (its
+    vision tower, absent from the file, is left at transformers' initialisation): its logits equal ktlite's."""
+    from click.testing import CliRunner
+
+    from ktlite.cli import main
+
+    result = CliRunner().invoke(main, ["tiny-model", str(tmp_path / "m"), "--arch", "minimax_m3"])
+    assert result.exit_code == 0, result.output
+    ours, ref = models.load(tmp_path / "m"), hf_model(tmp_path / "m", transformers.AutoModelForImageTextToText)
+    assert ours.config.sparse_layer_ids == (0, 2) and ref.config.text_config.layer_types[0] == "minimax_m3_sparse"
+    ids = random_ids(1, 20, ours.config.vocab_size, seed=5)
+    with torch.no_grad():
+        expected = ref(ids).logits
+    assert (ours(ids) - expected).abs().max().item() <= TOL
