@@ -140,9 +140,9 @@ _TINY_QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_head
 VL_CONFIGS: dict[str, tuple[type, Callable[[dict[str, Any]], dict[str, Any]]]] = {
     "qwen3_5_moe": (transformers.Qwen3_5MoeConfig,
                     lambda text: dict(vision_config={**_TINY_QWEN_VISION, "out_hidden_size": text["hidden_size"]})),
-    "minimax_m3": (transformers.MiniMaxM3VLConfig,
-                   lambda text: dict(vision_config=minimax_m3.TINY_VISION,
-                                     projector_hidden_size=minimax_m3.TINY_CONFIGS["minimax_m3"]["projector_hidden_size"])),
+    "minimax_m3": (transformers.MiniMaxM3VLConfig, lambda text: dict(
+        vision_config=minimax_m3.TINY_VISION,
+        projector_hidden_size=minimax_m3.TINY_CONFIGS["minimax_m3"]["projector_hidden_size"])),
 }
 
 

@@ -26,7 +26,7 @@ KV_BYTES = {
     "glm-4.5": 92 * 2 * 8 * 128 * 2,
     "deepseek-v3": 61 * 576 * 2,
     "gpt-oss-120b": 36 * 2 * 8 * 64 * 2,  # sliding layers keep every token too (tests/data/gpt-oss-120b/README.md)
-    "minimax-m3": 60 * 2 * 4 * 128 * 2,  # transformers' default shape: no sparse layer (tests/data/minimax-m3/README.md)
+    "minimax-m3": 60 * 2 * 4 * 128 * 2,  # transformers' defaults: no sparse layer (tests/data/minimax-m3/README.md)
 }
 
 

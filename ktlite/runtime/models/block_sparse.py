@@ -1,10 +1,10 @@
 """Block-sparse key selection (MiniMax-M3's lightning indexer), as transformers' `MiniMaxM3VLIndexer` computes it.
 
-Keys are grouped in blocks of `block` consecutive positions (block b holds positions b * block .. b * block + block - 1).
-Each query scores every earlier key with each index head (a plain dot product of the index query and the one index key
-per token), a block's score is the best score of its keys, the query's own block and the `local - 1` blocks before it
-always win, and the query attends only to the keys of its top `topk` blocks (causal): one selection per index head,
-which is one per kv head (a GQA group).
+Keys are grouped in blocks of `block` consecutive positions (block b holds positions b * block .. (b + 1) * block - 1).
+Each query scores every earlier key with each index head (a plain dot product of the index query and the one index
+key per token), a block's score is the best score of its keys, the query's own block and the `local - 1` blocks before
+it always win, and the query attends only to the keys of its top `topk` blocks (causal): one selection per index
+head, which is one per kv head (a GQA group).
 """
 
 from __future__ import annotations
