@@ -119,6 +119,20 @@ def test_engine_cpu_experts_equal_transformers_and_plan_counts_index_keys(tiny_m
     assert plan.kv_bytes_per_token == (3 * 2 * 2 * 16 + 2 * 16) * 4
 
 
+
+def test_fp8_pool_packs_index_keys_beside_k_and_v_as_planned(tiny_minimax_m3, expected):
+    """--kv-cache-dtype fp8_e4m3: the sparse layers' index keys are one packed row each (16 e4m3 codes + an fp32
+    scale), like a kv head, and the pool is allocated as planned; serving runs (accuracy is e4m3's: not compared)."""
+    batch, _, _ = expected
+    with Engine(str(tiny_minimax_m3), **EXACT, kv_cache_dtype="fp8_e4m3") as eng:
+        plan = eng.runtime.plan
+        layout = {k: (v.dtype, tuple(v.shape[2:])) for k, v in eng.runtime.runner.kv_pool.buffers.items()}
+        assert plan.mismatches(plan.allocated()) == {}
+        assert all(len(r.token_ids) == GREEDY["max_tokens"]
+                   for r in eng.generate(input_ids=batch, sampling_params=GREEDY))
+    assert layout == {"k": (torch.uint8, (2, 20)), "v": (torch.uint8, (2, 20)), "index_key": (torch.uint8, (1, 20))}
+    assert plan.kv_bytes_per_token == 3 * 2 * 2 * 20 + 2 * 20
+
 def test_half_gpu_experts_chunk_5_and_preemption(tiny_minimax_m3, expected):
     """Chunks of 5 tokens (the indexer scores each chunk against the cached index keys), half the experts on the
     device side and 48 KV slots, which force preemption."""
