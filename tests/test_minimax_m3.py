@@ -77,6 +77,19 @@ def test_prefill_logits_match_transformers_and_sparse_layers_drop_key_blocks(pai
         assert visible[-1] == 7  # the last queries drop 5 of their 7 blocks
 
 
+
+def test_long_prefill_runs_in_query_steps_and_still_matches_transformers(pair, monkeypatch):
+    """A budget of one score value makes each sparse layer take its queries one at a time (as a long prefill takes
+    them a few at a time): the logits still equal transformers'."""
+    from ktlite.runtime.models import minimax_m3
+
+    ours, ref = pair
+    ids = random_ids(1, 21, ours.config.vocab_size, seed=4)
+    monkeypatch.setattr(minimax_m3, "SCORES_PER_STEP", 1)
+    with torch.no_grad():
+        expected = ref(ids).logits
+    assert (ours(ids) - expected).abs().max().item() <= TOL
+
 def test_decode_step_by_step_matches_transformers(pair):
     ours, ref = pair
     ids = random_ids(2, 23, ours.config.vocab_size, seed=2)

@@ -54,6 +54,8 @@ WEIGHT_RENAMES = (
     ("language_model.lm_head.", "lm_head."),
     ("model.language_model.", "model."),
 )
+# the torch path's score values held at once per sparse layer (fp32: 256 MiB); a long prefill runs in query steps
+SCORES_PER_STEP = 1 << 26
 # the checkpoints' older field names (transformers' MiniMaxM3VLTextConfig reads them the same way)
 _LEGACY_INDEX_FIELDS = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
                         "index_block_size": "sparse_block_size", "index_topk_blocks": "sparse_topk_blocks",
@@ -194,13 +196,19 @@ class BlockSparseAttention(GQAttention):
         self.last_selection = []
         for row, prefix, m, start in request_spans(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens):
             slots = pool.req_to_token[row, : prefix + m].long()
-            positions = batch.positions[start : start + m].long()
-            chosen = select_blocks(idx_q[start : start + m], gather_heads(keys, slots)[:, 0], positions, ix.block,
-                                   ix.topk, ix.local)
-            seen = block_mask(chosen, positions, prefix + m, ix.block)
-            out[start : start + m] = attend_heads(q[start : start + m], gather_heads(k_buf, slots),
-                                                  gather_heads(v_buf, slots), seen, self.spec.scale).to(q.dtype)
-            self.last_selection.append(chosen)
+            k_all, v_all = gather_heads(k_buf, slots), gather_heads(v_buf, slots)
+            i_all = gather_heads(keys, slots)[:, 0]
+            chosen = []
+            # queries a few at a time: the scores are [queries, heads, prefix + m] fp32 (bounded to ~SCORES_PER_STEP)
+            step = max(1, SCORES_PER_STEP // (q.shape[1] * (prefix + m)))
+            for lo in range(start, start + m, step):
+                hi = min(lo + step, start + m)
+                positions = batch.positions[lo:hi].long()
+                sel = select_blocks(idx_q[lo:hi], i_all, positions, ix.block, ix.topk, ix.local)
+                seen = block_mask(sel, positions, prefix + m, ix.block)
+                out[lo:hi] = attend_heads(q[lo:hi], k_all, v_all, seen, self.spec.scale).to(q.dtype)
+                chosen.append(sel)
+            self.last_selection.append(torch.cat(chosen))
         return self.o_proj(out.flatten(-2))
 
 
