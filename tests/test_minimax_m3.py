@@ -3,7 +3,8 @@ model: text_config, `language_model.*` beside a vision tower ktlite never reads)
 layers (blocks of 4 keys, 2 kept: the sparse layers drop key blocks past 8 tokens), dense / MoE / MoE MLPs, clamped
 SwiGLU (limit 1) everywhere, a sigmoid router x 2 and a shared expert. The reference model's logits and greedy tokens,
 the indexer's selection itself, then the Engine: CPU experts, chunked prefill with preemption and GPU experts, tensor
-parallelism, the memory plan against what is allocated."""
+parallelism, MXFP8 experts, an FP8 pool, the memory plan against what is allocated; the older config fields and
+`ktlite tiny-model --arch minimax_m3` against transformers' reading of them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import transformers
 from hf_checkpoints import hf_last_logits_and_greedy, hf_model, hf_step_logits
+from test_gqa_engine import EXACT, GREEDY
 from test_gqa_families import random_ids
 from test_tensor_parallel import logits_of
 
@@ -20,9 +22,6 @@ from ktlite.runtime.models.minimax_m3 import BlockSparseAttention
 from ktlite.runtime.plan_components import allocated_by_component
 
 TOL = 1e-4
-GREEDY = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True}
-EXACT = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 2048, "chunked_prefill_size": 256,
-         "gpu_memory": "1GiB", "max_running_requests": 8}
 N_EXPERTS = 8
 
 
