@@ -83,3 +83,13 @@ def tiny_gpt_oss(tmp_path_factory) -> Path:
     from hf_checkpoints import write_hf_checkpoint
 
     return write_hf_checkpoint(tmp_path_factory.mktemp("hf_gpt_oss") / "gpt_oss", "gpt_oss", seed=11)
+
+
+@pytest.fixture(scope="session")
+def tiny_minimax_m3(tmp_path_factory) -> Path:
+    """MiniMax-M3 written by transformers as the hub ships it (the VL model: text_config, language_model.* beside a
+    tiny vision tower): sparse / full / sparse attention (blocks of 4 keys, 2 kept), dense / MoE / MoE MLPs, 8 experts
+    top-2 with a shared expert, clamp limit 1 (tests/hf_checkpoints.py)."""
+    from hf_checkpoints import write_hf_vl_checkpoint
+
+    return write_hf_vl_checkpoint(tmp_path_factory.mktemp("hf_minimax_m3") / "minimax_m3", "minimax_m3", seed=13)

@@ -9,12 +9,14 @@ the tiny BPE tokenizer ktlite's demo model uses.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 
+from ktlite.runtime.models import minimax_m3
 from ktlite.runtime.tiny_model import BOS, CONTEXT, EOS, train_tokenizer, write_tokenizer_files
 
 _COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -68,6 +70,8 @@ FAMILIES: dict[str, tuple[type, dict[str, Any]]] = {
                          "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
                          "truncate": False})),
     "deepseek_v3": (transformers.DeepseekV3Config, dict(**_MLA, rope_parameters=_YARN)),
+    # every layer kind, blocks of 4 keys with 2 kept, clamp limit 1 (ktlite's tiny-model fields: minimax_m3.TINY_TEXT)
+    "minimax_m3": (transformers.MiniMaxM3VLTextConfig, {**_COMMON, **minimax_m3.TINY_TEXT}),
     # V2's router (transformers): softmax, best groups by their top expert, always times routed_scaling_factor
     "deepseek_v2": (transformers.DeepseekV2Config, dict(
         **{**_MLA, "q_lora_rank": None, "n_shared_experts": 2, "norm_topk_prob": False, "routed_scaling_factor": 1.5},
@@ -76,16 +80,15 @@ FAMILIES: dict[str, tuple[type, dict[str, Any]]] = {
 
 
 # families whose checkpoints store their (1 + w) norms' w: centred at 0 so every norm scales by about 1
-UNIT_OFFSET_NORMS = ("qwen3_next", "qwen3_5_moe")
-# family -> its vision-language wrapper's config class (the hub checkpoints' layout)
-VL_CONFIGS: dict[str, type] = {"qwen3_5_moe": transformers.Qwen3_5MoeConfig}
+UNIT_OFFSET_NORMS = ("qwen3_next", "qwen3_5_moe", "minimax_m3")
 
 
 def _spread(model: torch.nn.Module, seed: int, norm_center: float) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") and "indexer" not in name:
+            # (1 + w) indexer norms (MiniMax-M3) spread like the others; DSA's LayerNorm indexer keeps its init
+            if name.endswith("norm.weight") and ("indexer" not in name or norm_center == 0.0):
                 value = norm_center + 0.1 * torch.randn(p.shape, generator=gen)
             elif name.endswith("sinks"):  # attention sinks (gpt-oss): logits of the scores' size
                 value = torch.randn(p.shape, generator=gen)
@@ -132,16 +135,24 @@ def write_hf_checkpoint(path: Path, family: str, seed: int = 0, **overrides: Any
 # a tiny vision tower: transformers builds and saves the whole vision-language model, ktlite reads its text part
 _TINY_QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, patch_size=4,
                          temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+# family -> its vision-language wrapper's config class (the hub checkpoints' layout) and the wrapper's fields beside
+# text_config (a tiny vision tower) given the text config
+VL_CONFIGS: dict[str, tuple[type, Callable[[dict[str, Any]], dict[str, Any]]]] = {
+    "qwen3_5_moe": (transformers.Qwen3_5MoeConfig,
+                    lambda text: dict(vision_config={**_TINY_QWEN_VISION, "out_hidden_size": text["hidden_size"]})),
+    "minimax_m3": (transformers.MiniMaxM3VLConfig, lambda text: dict(
+        vision_config=minimax_m3.TINY_VISION,
+        projector_hidden_size=minimax_m3.TINY_CONFIGS["minimax_m3"]["projector_hidden_size"])),
+}
 
 
 def write_hf_vl_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
-    """`family`'s tiny text model inside its vision-language model (the hub layout: `text_config`,
-    `model.language_model.*`, `model.visual.*`), written by transformers' ConditionalGeneration class."""
+    """`family`'s tiny text model inside its vision-language model (the hub layout: `text_config`, the language
+    model's and the vision tower's weights), written by transformers' ConditionalGeneration class."""
     tokenizer = train_tokenizer()
     text = _text_config(family, tokenizer, {}).to_dict()
-    config = VL_CONFIGS[family](text_config=text,
-                                vision_config={**_TINY_QWEN_VISION, "out_hidden_size": text["hidden_size"]},
-                                tie_word_embeddings=False)
+    config_class, wrapper = VL_CONFIGS[family]
+    config = config_class(text_config=text, tie_word_embeddings=False, **wrapper(text))
     torch.manual_seed(seed)
     model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     return _save(model, path, tokenizer, seed, _norm_center(family))

@@ -26,6 +26,7 @@ KV_BYTES = {
     "glm-4.5": 92 * 2 * 8 * 128 * 2,
     "deepseek-v3": 61 * 576 * 2,
     "gpt-oss-120b": 36 * 2 * 8 * 64 * 2,  # sliding layers keep every token too (tests/data/gpt-oss-120b/README.md)
+    "minimax-m3": 60 * 2 * 4 * 128 * 2,  # transformers' defaults: no sparse layer (tests/data/minimax-m3/README.md)
 }
 
 
@@ -43,7 +44,7 @@ def test_kv_heads_split_over_ranks_and_replicate_below_one_per_rank():
         assert plan.kv_bytes_per_token == 48 * 2 * heads * 128 * 2, tp
 
 
-@pytest.mark.parametrize("name", ["qwen3-235b-a22b", "minimax-m2", "glm-4.5", "gpt-oss-120b"])
+@pytest.mark.parametrize("name", ["qwen3-235b-a22b", "minimax-m2", "glm-4.5", "gpt-oss-120b", "minimax-m3"])
 def test_cli_plan_answers_from_config_alone(name, tmp_path):
     result = CliRunner().invoke(main, ["plan", "--model", str(DATA / name), "--gpu-memory", "16GiB",
                                        "--tensor-parallel-size", "2"])
@@ -109,3 +110,14 @@ def test_every_family_plan_rows_name_what_they_hold(arch):
 @pytest.mark.parametrize("name", sorted(p.name for p in DATA.iterdir() if (p / "config.json").is_file()))
 def test_published_config_plan_rows_name_what_they_hold(name):
     _rows_hold_what_they_name(load_config(DATA / name))
+
+
+def test_minimax_m3_needs_two_24gib_gpus():
+    """One 24 GiB GPU: the bf16 attention (60 x 6144 x (64 + 2 x 4 + 64) x 128 x 2 B = 11.95 GiB), embeddings and
+    lm_head (2 x 2.29 GiB) and shared experts (6.33 GiB) pass even 0.95 of it; two split the heads and fit, each
+    caching its 2 of the 4 kv heads."""
+    args = ["plan", "--model", str(DATA / "minimax-m3"), "--gpu-memory", "24GiB"]
+    over = CliRunner().invoke(main, args + ["--mem-fraction-static", "0.95"])
+    assert over.exit_code == 1 and "--tensor-parallel-size 2" in over.output, over.output
+    fits = CliRunner().invoke(main, args + ["--tensor-parallel-size", "2"])
+    assert fits.exit_code == 0 and "verdict: fits" in fits.output and "61,440 B" in fits.output, fits.output

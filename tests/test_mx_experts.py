@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import numba
@@ -33,6 +34,7 @@ from ktlite.runtime.expert_sources import PROJS, MXSource, open_source
 from ktlite.runtime.knobs import cpu_expert_bytes
 from ktlite.runtime.loader import CheckpointReader
 from ktlite.runtime.models import load_config
+from ktlite.runtime.models.wrapper import stored_name
 from hf_checkpoints import hf_last_logits_and_greedy, hf_model
 from test_tensor_parallel import logits_of
 
@@ -200,18 +202,18 @@ def _gpt_oss_blocks(cfg, reader: CheckpointReader) -> tuple[dict[str, torch.Tens
 LAYOUT_BUILDERS = {"FP4": _per_expert_fp4, "MXFP8": _per_expert_mxfp8}
 
 
-@pytest.fixture(scope="module")
-def mx_checkpoints(tiny_v3, tmp_path_factory):
-    """{layout: (MX checkpoint, its dequantized twin for transformers)} from the tiny DeepSeek-V3 checkpoint."""
-    root = tmp_path_factory.mktemp("mx")
-    reader = CheckpointReader(tiny_v3)
-    cfg = load_config(tiny_v3)
+def write_mx_twins(checkpoint: Path, root: Path, layouts: tuple[str, ...]) -> dict[str, tuple[Path, Path]]:
+    """{layout: (MX checkpoint, its dequantized twin for transformers)} of a checkpoint with one tensor per expert,
+    written back under its stored names (a wrapper's too: the reader knows them by the model's); MXFP4 (gpt-oss
+    blocks) from DeepSeek-V3's names."""
+    reader = CheckpointReader(checkpoint)
+    cfg = load_config(checkpoint)
     experts = {cfg.expert_weight_name(l, e, p) for l in cfg.moe_layers for e in range(cfg.n_routed_experts)
                for p in ("gate", "up", "down")}
     dense = {name: reader.get_raw(name) for name in reader.names() if name not in experts}
-    config = json.loads((tiny_v3 / "config.json").read_text())
+    config = json.loads((checkpoint / "config.json").read_text())
     out = {}
-    for layout in ("MXFP4", "FP4", "MXFP8"):
+    for layout in layouts:
         if layout == "MXFP4":
             packed, plain = _gpt_oss_blocks(cfg, reader)
             extra = {"quantization_config": {"quant_method": "mxfp4"}}  # gpt-oss's: experts only
@@ -223,12 +225,19 @@ def mx_checkpoints(tiny_v3, tmp_path_factory):
         for kind, tensors, more in (("packed", packed, extra), ("plain", plain, {})):
             folder = root / f"{layout}-{kind}"
             folder.mkdir()
-            save_file({**dense, **tensors}, str(folder / "model.safetensors"))
+            save_file({stored_name(cfg.weight_renames, k): v for k, v in {**dense, **tensors}.items()},
+                      str(folder / "model.safetensors"))
             (folder / "config.json").write_text(json.dumps({**config, **more}))
             for f in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copy(tiny_v3 / f, folder / f)
+                shutil.copy(checkpoint / f, folder / f)
         out[layout] = (root / f"{layout}-packed", root / f"{layout}-plain")
     return out
+
+
+@pytest.fixture(scope="module")
+def mx_checkpoints(tiny_v3, tmp_path_factory):
+    """{layout: (MX checkpoint, its dequantized twin for transformers)} from the tiny DeepSeek-V3 checkpoint."""
+    return write_mx_twins(tiny_v3, tmp_path_factory.mktemp("mx"), ("MXFP4", "FP4", "MXFP8"))
 
 
 @pytest.mark.parametrize("layout,method,flags", [

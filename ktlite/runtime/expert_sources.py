@@ -315,7 +315,7 @@ class MXSource(Source):
 
     def __init__(self, cfg: ModelConfig, folder: Path, method: str):
         super().__init__(cfg)
-        self.tensors = _Safetensors(folder)
+        self.tensors = _Safetensors(folder, cfg.weight_renames)  # a wrapper's names too (MiniMax-M3)
         self.method = method
         found = _mx_found(cfg, self.tensors)
         stored = stored_mx(cfg, self.tensors)

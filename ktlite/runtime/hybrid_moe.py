@@ -177,7 +177,7 @@ class HybridMoE:
         shared = None
         if self.shared_experts is not None:
             mlp = self.shared_experts
-            if not isinstance(mlp, MLP) or mlp.gate_up_proj is None:
+            if not isinstance(mlp, MLP) or mlp.gate_up_proj is None or not mlp.activation.plain:
                 return None
             shared = swiglu_weights(mlp.gate_up_proj, mlp.down_proj, tokens)
             if shared is None:

@@ -72,7 +72,7 @@ class ModelRunner:
         moe = self.moe_layers.get(layer_idx)
         if moe is not None:
             return moe.compiled_residual(norm, tokens)
-        if isinstance(mlp, MLP) and mlp.gate_up_proj is not None and plain_norm(norm):
+        if isinstance(mlp, MLP) and mlp.gate_up_proj is not None and mlp.activation.plain and plain_norm(norm):
             weights = swiglu_weights(mlp.gate_up_proj, mlp.down_proj, tokens)
             return None if weights is None else swiglu_residual_block(norm.weight.detach().numpy(), norm.eps, *weights)
         return None

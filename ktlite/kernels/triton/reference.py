@@ -190,22 +190,32 @@ def gqa_extend_torch(
     0..prefix_lens[b] + i, only the last `window` of them when window > 0 (computed in fp32). sinks [Hq]: an
     extra logit per head in the softmax's denominator that adds nothing to the output."""
     n_tokens, heads, _ = q.shape
-    group = heads // k_buffer.shape[1]
     head_dv = packed_head_rows(v_buffer).dim if is_packed(v_buffer) else v_buffer.shape[-1]
     out = torch.empty(n_tokens, heads, head_dv, dtype=q.dtype, device=q.device)
     for row, prefix, n, start in request_spans(req_pool_indices, prefix_lens, extend_lens):
         slots = req_to_token[row, : prefix + n].long()
-        k = gather_heads(k_buffer, slots).repeat_interleave(group, dim=1)  # [L, Hq, D]
-        v = gather_heads(v_buffer, slots).repeat_interleave(group, dim=1)
-        scores = torch.einsum("nhd,lhd->nhl", q[start : start + n].float(), k) * sm_scale
-        scores.masked_fill_(~causal_mask(prefix, n, q.device, window)[:, None, :], float("-inf"))
-        if sinks is not None:  # the sink's column joins the softmax, then is dropped
-            sink_col = sinks.float()[None, :, None].expand(n, heads, 1)
-            probs = torch.cat([scores, sink_col], dim=-1).softmax(-1)[..., :-1]
-        else:
-            probs = scores.softmax(-1)
-        out[start : start + n] = torch.einsum("nhl,lhv->nhv", probs, v).to(q.dtype)
+        seen = causal_mask(prefix, n, q.device, window)[:, None, :]
+        out[start : start + n] = attend_heads(q[start : start + n], gather_heads(k_buffer, slots),
+                                              gather_heads(v_buffer, slots), seen, sm_scale, sinks).to(q.dtype)
     return out
+
+
+def attend_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor, sm_scale: float,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention of one request's queries q [n, Hq, D] over its keys k [L, Hkv, D] and values v [L, Hkv, Dv]
+    (float32; query head h reads kv head h // (Hq // Hkv)) where `seen` [n, 1 or Hkv, L] allows -> float32
+    [n, Hq, Dv]. sinks [Hq]: an extra logit per head in the softmax's denominator that adds nothing to the output."""
+    n, heads, _ = q.shape
+    group = heads // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, Hq, D]
+    scores = torch.einsum("nhd,lhd->nhl", q.float(), k) * sm_scale
+    scores.masked_fill_(~seen.repeat_interleave(group if seen.shape[1] > 1 else 1, dim=1), float("-inf"))
+    if sinks is not None:  # the sink's column joins the softmax, then is dropped
+        sink_col = sinks.float()[None, :, None].expand(n, heads, 1)
+        probs = torch.cat([scores, sink_col], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return torch.einsum("nhl,lhv->nhv", probs, v)
 
 
 def gqa_decode_torch(

@@ -55,14 +55,16 @@ def plain_norm(norm: nn.Module) -> bool:
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: dense layers, each routed expert and the shared experts."""
+    """Gated MLP: dense layers, each routed expert and the shared experts. `activation`: SiLU(gate) * up, or a
+    family's clamped variant (kernels/expert_activation.py, e.g. MiniMax-M3's swiglu_oai in every MLP)."""
 
     plan_component = "dense_mlp"
     # gate and up read the same input: a CPU device stores them as one matrix (cpu_dense.py), one kernel call
     fused_linears = {"gate_up_proj": ("gate_proj", "up_proj")}
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, activation: ExpertActivation = SWIGLU):
         super().__init__()
+        self.activation = activation
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
@@ -72,11 +74,12 @@ class MLP(nn.Module):
         if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
-            compiled = swiglu_rows(x, self.gate_up_proj, self.down_proj)  # a CPU device's decode: one call
+            # a CPU device's decode: one call (its kernel computes SiLU(gate) * up only)
+            compiled = swiglu_rows(x, self.gate_up_proj, self.down_proj) if self.activation.plain else None
             if compiled is not None:
                 return compiled
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.activation(gate, up))
 
 
 class Router(nn.Module):
@@ -108,14 +111,15 @@ class MoE(nn.Module):
     activation: ExpertActivation = SWIGLU  # the routed experts' (kernels/expert_activation.py)
 
     def __init__(self, spec: RouterSpec, hidden: int, expert_intermediate: int, shared_intermediate: int,
-                 routed_experts: bool = True):
+                 routed_experts: bool = True, activation: ExpertActivation = SWIGLU):
         super().__init__()
+        self.activation = activation  # the routed and the shared experts'
         self.gate = Router(spec, hidden)
         count = spec.num_experts if routed_experts else 0
-        self.experts = nn.ModuleList(MLP(hidden, expert_intermediate) for _ in range(count))
+        self.experts = nn.ModuleList(MLP(hidden, expert_intermediate, activation) for _ in range(count))
         for expert in self.experts:
             expert.plan_component = "gpu_experts"  # a routed expert on the device is a GPU expert
-        self.shared_experts = MLP(hidden, shared_intermediate) if shared_intermediate else None
+        self.shared_experts = MLP(hidden, shared_intermediate, activation) if shared_intermediate else None
         if self.shared_experts is not None:
             self.shared_experts.plan_component = "shared_experts"
 

@@ -1,0 +1,231 @@
+"""MiniMax-M3 against transformers on a tiny checkpoint transformers wrote as the hub ships it (the vision-language
+model: text_config, `language_model.*` beside a vision tower ktlite never reads): sparse / full / sparse attention
+layers (blocks of 4 keys, 2 kept: the sparse layers drop key blocks past 8 tokens), dense / MoE / MoE MLPs, clamped
+SwiGLU (limit 1) everywhere, a sigmoid router x 2 and a shared expert. The reference model's logits and greedy tokens,
+the indexer's selection itself, then the Engine: CPU experts, chunked prefill with preemption and GPU experts, tensor
+parallelism, MXFP8 experts, an FP8 pool, the memory plan against what is allocated; the older config fields and
+`ktlite tiny-model --arch minimax_m3` against transformers' reading of them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from hf_checkpoints import hf_last_logits_and_greedy, hf_model, hf_step_logits
+from test_gqa_engine import EXACT, GREEDY
+from test_gqa_families import random_ids
+from test_tensor_parallel import logits_of
+
+from ktlite import Engine
+from ktlite.runtime import models
+from ktlite.runtime.models.minimax_m3 import BlockSparseAttention
+from ktlite.runtime.plan_components import allocated_by_component
+
+TOL = 1e-4
+N_EXPERTS = 8
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls on one thread: OpenMP's wake-ups cost milliseconds a call on a loaded machine (10x this file's
+    runtime)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_minimax_m3, one_thread):
+    return models.load(tiny_minimax_m3), hf_model(tiny_minimax_m3, transformers.AutoModelForImageTextToText)
+
+
+def test_config_reads_the_text_model_of_the_vl_checkpoint(tiny_minimax_m3):
+    cfg = models.load_config(tiny_minimax_m3)
+    assert cfg.vision_skipped and cfg.sparse_layer_ids == (0, 2) and cfg.moe_layers == [1, 2]
+    assert (cfg.activation.kind, cfg.activation.limit, cfg.activation.alpha) == ("swiglu_oai", 1.0, 1.702)
+    assert cfg.router.scoring == "sigmoid" and cfg.router.correction_bias and cfg.router.scaling_factor == 2.0
+    assert cfg.rope.head_dim == 8 and cfg.attention.qk_norm == "per_head" and cfg.attention.unit_offset_norms
+    assert cfg.expert_weight_name(1, 3, "up") == "model.layers.1.block_sparse_moe.experts.3.w3.weight"
+
+
+def test_prefill_logits_match_transformers_and_sparse_layers_drop_key_blocks(pair):
+    """25 tokens: 7 blocks of 4 keys, 2 kept per query and kv head. The selection (compared with transformers'
+    indexer on the same hidden states) leaves key blocks out for the later queries."""
+    ours, ref = pair
+    ids = random_ids(2, 25, ours.config.vocab_size)
+    captured: dict[int, torch.Tensor] = {}
+    hooks = [layer.self_attn.indexer.register_forward_hook(
+        lambda m, args, out, i=i: captured.__setitem__(i, out))
+        for i, layer in enumerate(ref.model.language_model.layers) if layer.self_attn.indexer is not None]
+    with torch.no_grad():
+        expected = ref(ids).logits
+    for hook in hooks:
+        hook.remove()
+    got = ours(ids)
+    assert (got - expected).abs().max().item() <= TOL
+    for i in ours.config.sparse_layer_ids:
+        attn = ours.model.layers[i].self_attn
+        assert isinstance(attn, BlockSparseAttention)
+        ours_sel = torch.stack(attn.last_selection)  # [B, T, kv heads, k]
+        theirs = captured[i].permute(0, 2, 1, 3)  # [B, index heads, T, k] -> [B, T, heads, k]
+        assert torch.equal(ours_sel.sort(-1).values, theirs.sort(-1).values), i
+        kept = (ours_sel >= 0).sum(-1)  # [B, T, heads]: blocks each query attends to
+        visible = torch.arange(ids.shape[1]) // 4 + 1  # blocks holding a key at or before the query
+        assert (kept == visible.clamp(max=2)[None, :, None]).all()
+        assert visible[-1] == 7  # the last queries drop 5 of their 7 blocks
+
+
+
+def test_long_prefill_runs_in_query_steps_and_still_matches_transformers(pair, monkeypatch):
+    """A budget of one score value makes each sparse layer take its queries one at a time (as a long prefill takes
+    them a few at a time): the logits still equal transformers'."""
+    from ktlite.runtime.models import minimax_m3
+
+    ours, ref = pair
+    ids = random_ids(1, 21, ours.config.vocab_size, seed=4)
+    monkeypatch.setattr(minimax_m3, "SCORES_PER_STEP", 1)
+    with torch.no_grad():
+        expected = ref(ids).logits
+    assert (ours(ids) - expected).abs().max().item() <= TOL
+
+def test_decode_step_by_step_matches_transformers(pair):
+    ours, ref = pair
+    ids = random_ids(2, 23, ours.config.vocab_size, seed=2)
+    expected = hf_step_logits(ref, ids, 6)
+    cache = ours.new_cache(2, 23)
+    got = [ours(ids[:, :6], cache)] + [ours(ids[:, i : i + 1], cache) for i in range(6, 23)]
+    assert (torch.cat(got, dim=1) - expected).abs().max().item() <= TOL
+
+
+def test_greedy_32_equals_generate(pair):
+    ours, ref = pair
+    ids = random_ids(2, 9, ours.config.vocab_size, seed=3)
+    _, expected = hf_last_logits_and_greedy(ref, ids.tolist(), 32)
+    assert ours.generate_greedy(ids, 32).tolist() == expected
+
+
+# ---- the Engine -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def expected(pair):
+    """Prompts of 5..30 tokens (the sparse layers drop key blocks in all but the first) and transformers' greedy tokens
+    and last-token logits."""
+    g = torch.Generator().manual_seed(7)
+    batch = [torch.randint(4, pair[0].config.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    logits, tokens = hf_last_logits_and_greedy(pair[1], batch, GREEDY["max_tokens"])
+    return batch, tokens, logits
+
+
+def test_engine_cpu_experts_equal_transformers_and_plan_counts_index_keys(tiny_minimax_m3, expected):
+    batch, tokens, logits = expected
+    with Engine(str(tiny_minimax_m3), **EXACT) as eng:
+        assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == tokens
+        assert (logits_of(eng, batch) - logits).abs().max().item() <= TOL
+        plan = eng.runtime.plan
+        allocated = allocated_by_component(eng.runtime.runner.model)
+        allocated.update(plan.allocated())
+        assert plan.mismatches(allocated) == {}
+    # 3 layers x K + V x 2 kv heads x 16, plus the 2 sparse layers' index key of 16, fp32
+    assert plan.kv_bytes_per_token == (3 * 2 * 2 * 16 + 2 * 16) * 4
+
+
+
+def test_fp8_pool_packs_index_keys_beside_k_and_v_as_planned(tiny_minimax_m3, expected):
+    """--kv-cache-dtype fp8_e4m3: the sparse layers' index keys are one packed row each (16 e4m3 codes + an fp32
+    scale), like a kv head, and the pool is allocated as planned; serving runs (accuracy is e4m3's: not compared)."""
+    batch, _, _ = expected
+    with Engine(str(tiny_minimax_m3), **EXACT, kv_cache_dtype="fp8_e4m3") as eng:
+        plan = eng.runtime.plan
+        layout = {k: (v.dtype, tuple(v.shape[2:])) for k, v in eng.runtime.runner.kv_pool.buffers.items()}
+        assert plan.mismatches(plan.allocated()) == {}
+        assert all(len(r.token_ids) == GREEDY["max_tokens"]
+                   for r in eng.generate(input_ids=batch, sampling_params=GREEDY))
+    assert layout == {"k": (torch.uint8, (2, 20)), "v": (torch.uint8, (2, 20)), "index_key": (torch.uint8, (1, 20))}
+    assert plan.kv_bytes_per_token == 3 * 2 * 2 * 20 + 2 * 20
+
+def test_half_gpu_experts_chunk_5_and_preemption(tiny_minimax_m3, expected):
+    """Chunks of 5 tokens (the indexer scores each chunk against the cached index keys), half the experts on the
+    device side and 48 KV slots, which force preemption."""
+    batch, tokens, _ = expected
+    flags = {**EXACT, "kt_num_gpu_experts": N_EXPERTS // 2, "chunked_prefill_size": 5, "max_total_tokens": 48}
+    with Engine(str(tiny_minimax_m3), **flags) as eng:
+        assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == tokens
+        assert eng.scheduler.preemptions > 0
+
+
+def test_tp2_equals_transformers_and_each_rank_allocates_its_plan(tiny_minimax_m3, expected):
+    """Heads split over 2 ranks (one kv head each: each rank keeps its kv head's block selection), the indexer and its
+    keys replicated, GPU experts split."""
+    batch, tokens, logits = expected
+    with Engine(str(tiny_minimax_m3), **EXACT, kt_num_gpu_experts=3, tensor_parallel_size=2) as eng:
+        assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == tokens
+        torch.testing.assert_close(logits_of(eng, batch), logits, atol=TOL, rtol=TOL)
+        plan, allocated = eng.runtime.plan, eng.runtime.allocated_per_rank
+    assert sorted(allocated) == [0, 1]
+    for rank, got in allocated.items():
+        assert plan.mismatches(got, rank) == {}, rank
+    assert plan.kv_bytes_per_token == (3 * 2 * 1 * 16 + 2 * 16) * 4  # each rank: 1 of the 2 kv heads, all index keys
+
+
+def test_mxfp8_experts_equal_transformers_on_their_dequantized_twin(tiny_minimax_m3, tmp_path):
+    """MiniMax-M3's experts are one tensor each (`w1` / `w3` / `w2`), so its MXFP8 checkpoints fit the per-expert
+    layout (e4m3 `weight` + e8m0 `weight_scale_inv` per 32): served as stored, 3 experts a layer in the device's MX
+    stacks, the logits and greedy tokens equal transformers' on the weights transformers dequantized."""
+    from test_mx_experts import write_mx_twins
+
+    packed, plain = write_mx_twins(tiny_minimax_m3, tmp_path, ("MXFP8",))["MXFP8"]
+    ref = hf_model(plain, transformers.AutoModelForImageTextToText)
+    g = torch.Generator().manual_seed(3)
+    batch = [torch.randint(4, ref.config.text_config.vocab_size, (n,), generator=g).tolist() for n in (5, 26)]
+    with Engine(str(packed), **{**EXACT, "kt_method": "MXFP8"}, kt_num_gpu_experts=3) as eng:
+        layer = next(iter(eng.runtime.cpu_moe.layers.values()))
+        assert (layer.gate_up.method, layer.down.method) == ("MXFP8", "MXFP8")
+        got = logits_of(eng, batch)
+        tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+    want, expected = hf_last_logits_and_greedy(ref, batch, GREEDY["max_tokens"])
+    assert (got - want).abs().max().item() <= TOL
+    assert tokens == expected
+
+
+def test_legacy_fields_read_as_transformers_reads_them():
+    """The older field names (`sparse_attention_config`, `moe_layer_freq`) place the sparse and dense layers as
+    transformers' config does, and the plan counts each sparse layer's index key."""
+    from ktlite.runtime.memory import make_plan
+    from ktlite.runtime.models import parse_config
+    from ktlite.runtime.plan_inputs import PlanInputs
+    from ktlite.runtime.tiny_model import tiny_config
+
+    raw = tiny_config("minimax_m3", vocab_size=1024)
+    text = {k: v for k, v in raw["text_config"].items()
+            if k not in ("layer_types", "mlp_layer_types") and not k.startswith("index_")}
+    text.update(moe_layer_freq=[0, 1, 1], sparse_attention_config={
+        "sparse_attention_freq": [1, 0, 1], "sparse_num_index_heads": 2, "sparse_index_dim": 16,
+        "sparse_block_size": 4, "sparse_topk_blocks": 2, "sparse_local_block": 1})
+    theirs = transformers.MiniMaxM3VLTextConfig(**text)
+    cfg = parse_config({**raw, "text_config": text})
+    assert [i for i, t in enumerate(theirs.layer_types) if t == "minimax_m3_sparse"] == list(cfg.sparse_layer_ids)
+    assert [i for i, t in enumerate(theirs.mlp_layer_types) if t == "sparse"] == cfg.moe_layers
+    assert (cfg.index.heads, cfg.index.head_dim, cfg.index.block, cfg.index.topk, cfg.index.local) == (
+        theirs.index_n_heads, theirs.index_head_dim, theirs.index_block_size, theirs.index_topk_blocks,
+        theirs.index_local_blocks)
+    plan = make_plan(cfg, PlanInputs(gpu_memory="1GiB", dtype="bfloat16"))
+    assert plan.kv_bytes_per_token == (3 * 2 * 2 * 16 + 2 * 16) * 2
+
+
+def test_tiny_model_cli_writes_what_transformers_reads(tmp_path, one_thread):
+    """`ktlite tiny-model --arch minimax_m3` writes the VL checkpoint's names and fields transformers reads (its
+    vision tower, absent from the file, is left at transformers' initialisation): its logits equal ktlite's."""
+    from click.testing import CliRunner
+
+    from ktlite.cli import main
+
+    result = CliRunner().invoke(main, ["tiny-model", str(tmp_path / "m"), "--arch", "minimax_m3"])
+    assert result.exit_code == 0, result.output
+    ours, ref = models.load(tmp_path / "m"), hf_model(tmp_path / "m", transformers.AutoModelForImageTextToText)
+    assert ours.config.sparse_layer_ids == (0, 2) and ref.config.text_config.layer_types[0] == "minimax_m3_sparse"
+    ids = random_ids(1, 20, ours.config.vocab_size, seed=5)
+    with torch.no_grad():
+        expected = ref(ids).logits
+    assert (ours(ids) - expected).abs().max().item() <= TOL
