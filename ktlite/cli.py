@@ -239,7 +239,7 @@ def _make_engine(model_path: str, flags: dict[str, Any]):
               help="Require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on /v1/*.")
 @click.option("--tool-call-parser", default=None,
               help="Take tool calls out of chat replies in this model format (SGLang's names: qwen3_coder, deepseekv3, "
-                   "deepseekv31, deepseekv32, kimi_k2, glm45, glm47, minimax-m2, gpt-oss).")
+                   "deepseekv31, deepseekv32, kimi_k2, glm45, glm47, minimax-m2 (also minimax-m3, minimax), gpt-oss).")
 @click.option("--reasoning-parser", default=None,
               help="Split thinking into reasoning_content (deepseek-r1, deepseek-v3, qwen3, kimi, kimi_k2, glm45, minimax, "
                    "gpt-oss).")

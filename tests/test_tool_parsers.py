@@ -126,16 +126,17 @@ def _gpt_oss(content: str, calls: list[Call]) -> str:
 RENDER: dict[str, Callable[[str, list[Call]], str]] = {
     "qwen3_coder": _qwen3_coder, "glm45": _glm45, "glm47": _glm47, "minimax-m2": _minimax_m2,
     "deepseekv3": _deepseekv3, "deepseekv31": _deepseekv31, "deepseekv32": _deepseekv32, "kimi_k2": _kimi_k2,
-    "gpt-oss": _gpt_oss,
+    "gpt-oss": _gpt_oss, "minimax-m3": _minimax_m2, "minimax": _minimax_m2,
 }
 CALL_CLOSE = {"qwen3_coder": "</function>", "glm45": "</tool_call>", "glm47": "</tool_call>",
               "minimax-m2": "</invoke>", "deepseekv3": "<｜tool▁call▁end｜>",
               "deepseekv31": "<｜tool▁call▁end｜>", "deepseekv32": "</｜DSML｜invoke>", "kimi_k2": "<|tool_call_end|>",
-              "gpt-oss": "<|call|>"}
+              "gpt-oss": "<|call|>", "minimax-m3": "</invoke>", "minimax": "</invoke>"}
 REGION_START = {"qwen3_coder": "<tool_call>", "glm45": "<tool_call>", "glm47": "<tool_call>",
                 "minimax-m2": "<minimax:tool_call>", "deepseekv3": "<｜tool▁calls▁begin｜>",
                 "deepseekv31": "<｜tool▁calls▁begin｜>", "deepseekv32": "<｜DSML｜function_calls>",
-                "kimi_k2": "<|tool_calls_section_begin|>", "gpt-oss": "<|start|>assistant<|channel|>commentary to="}
+                "kimi_k2": "<|tool_calls_section_begin|>", "gpt-oss": "<|start|>assistant<|channel|>commentary to=",
+                "minimax-m3": "<minimax:tool_call>", "minimax": "<minimax:tool_call>"}
 
 
 def chunkings(text: str, seed: int, count: int = 30) -> list[list[str]]:

@@ -173,6 +173,7 @@ def _parse_harmony(body: str, schemas: Schemas) -> ParsedCall | None:
 
 
 _GLM = ToolFormat(("<tool_call>",), (), "", "</tool_call>", _parse_glm)
+_MINIMAX = ToolFormat(("<minimax:tool_call>",), ("</minimax:tool_call>",), "<invoke", "</invoke>", _parse_minimax)
 
 FORMATS: dict[str, ToolFormat] = {
     "qwen3_coder": ToolFormat(("<tool_call>",), ("</tool_call>",), "<function=", "</function>", _parse_qwen3_coder),
@@ -188,8 +189,10 @@ FORMATS: dict[str, ToolFormat] = {
                           "<|tool_call_begin|>", "<|tool_call_end|>", _parse_kimi_k2),
     "glm45": _GLM,
     "glm47": _GLM,
-    "minimax-m2": ToolFormat(("<minimax:tool_call>",), ("</minimax:tool_call>",), "<invoke", "</invoke>",
-                             _parse_minimax),
+    "minimax-m2": _MINIMAX,
+    # MiniMax-M3 keeps M2's call syntax (MiniMax's M2.x guides; no other M3 format is published): SGLang's names
+    "minimax-m3": _MINIMAX,
+    "minimax": _MINIMAX,
     "gpt-oss": ToolFormat(("<|start|>assistant<|channel|>commentary to=", "<|channel|>commentary to=",
                            "<|start|>assistant to="), (), "", "<|call|>", _parse_harmony),
 }
