@@ -195,6 +195,12 @@ class EngineConfig:
             return self.max_mamba_cache_size
         return min(DEFAULT_STATE_SNAPSHOTS, self.max_running_requests)
 
+    def state_verify_rows(self, recurrent: bool) -> int:
+        """State rows kept for speculative verifies on a model with recurrent layers: one per running request,
+        each holding its state from before the verify, which the accepted tokens replay from (the layers'
+        `rewind`); 0 without speculation or recurrent layers."""
+        return self.max_running_requests if recurrent and self.speculative_algorithm is not None else 0
+
     @property
     def torch_device(self) -> torch.device:
         if self.device == "auto":

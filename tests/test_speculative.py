@@ -221,16 +221,26 @@ def test_cli_flags_reach_the_engine(tiny_v3):
     assert result.exit_code == 1 and "MTP layers are not built yet" in result.output
 
 
-def test_recurrent_models_refuse_speculation(tiny_qwen3_next):
-    with pytest.raises(ConfigError, match="recurrent"):
-        Engine(str(tiny_qwen3_next), **EXACT, speculative_algorithm="NGRAM")
+def test_recurrent_models_refuse_speculation_under_tensor_parallelism(tiny_qwen3_next):
+    with pytest.raises(ConfigError, match="recurrent.*--tensor-parallel-size 1"):
+        Engine(str(tiny_qwen3_next), **EXACT, speculative_algorithm="NGRAM", tensor_parallel_size=2)
 
 
 # ---- engine: greedy output unchanged ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def newer_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    from hf_checkpoints import write_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("spec_families")
+    return {family: write_hf_checkpoint(root / family, family, seed=5) for family in ("qwen3_5_moe", "gpt_oss")}
+
+
 @pytest.mark.parametrize("family", ["deepseek_v2", "qwen3_moe", "minimax_m2", "glm4_moe", "deepseek_v32",
-                                    "glm_moe_dsa"])
-def test_random_checkpoints_of_every_family_give_the_same_greedy_output(family, tiny_v2, hf_gqa_checkpoints):
-    path = tiny_v2 if family == "deepseek_v2" else hf_gqa_checkpoints[family]
+                                    "glm_moe_dsa", "qwen3_next", "qwen3_5_moe", "gpt_oss"])
+def test_random_checkpoints_of_every_family_give_the_same_greedy_output(family, tiny_v2, hf_gqa_checkpoints,
+                                                                        newer_checkpoints):
+    """Mostly rejected drafts; on Qwen3-Next and Qwen3.5 each rejection rewinds the Gated DeltaNet states."""
+    path = tiny_v2 if family == "deepseek_v2" else {**hf_gqa_checkpoints, **newer_checkpoints}[family]
     batch = prompts(1000) + [list(range(4, 304))]  # a third of the ids: outputs often match one of them
     got = run(path, batch, GREEDY)
     same(got.results, plain(path, batch, GREEDY))
@@ -242,10 +252,13 @@ def test_random_checkpoints_of_every_family_give_the_same_greedy_output(family, 
     {"chunked_prefill_size": 7, "enable_mixed_chunk": True},
     {"max_total_tokens": 60, "chunked_prefill_size": 16},
 ])
-def test_oracle_drafts_in_batches_chunks_and_preemption_give_the_same_greedy_output(tiny_v3, flags):
+@pytest.mark.parametrize("model", ["tiny_v3", "tiny_qwen3_next"])
+def test_oracle_drafts_in_batches_chunks_and_preemption_give_the_same_greedy_output(model, flags, request):
+    """Drafts accepted up to a corrupted one, in every position of the chain (on Qwen3-Next: rewinds to each)."""
+    path = request.getfixturevalue(model)
     batch = prompts(1000)
-    got = run(tiny_v3, batch, GREEDY, oracle=True, **flags)
-    same(got.results, plain(tiny_v3, batch, GREEDY))
+    got = run(path, batch, GREEDY, oracle=True, **flags)
+    same(got.results, plain(path, batch, GREEDY))
     assert 0.4 < got.scheduler.accepted_tokens / got.scheduler.drafted_tokens < 0.9  # partial acceptance
     if "max_total_tokens" in flags:
         assert got.scheduler.preemptions > 0
@@ -384,3 +397,15 @@ def test_without_a_draft_count_each_step_drafts_what_the_cost_curve_favours(copy
         got = eng.generate(input_ids=batch, sampling_params=params)
     assert max(drafted, default=0) == most and (eng.scheduler.accepted_tokens > 0) == (most > 0)
     same(got, plain(copying, batch, params))
+
+
+def test_recurrent_states_from_before_a_verify_are_planned(tiny_qwen3_next):
+    """Speculation on a model with recurrent layers adds one state row per running request (the state from before
+    a verify), planned and allocated alike."""
+    flags = {**EXACT, "max_running_requests": 3, "max_mamba_cache_size": 2}
+    with Engine(str(tiny_qwen3_next), **flags) as eng:
+        plain_rows = eng.runtime.plan.bytes("state_pool")
+    with Engine(str(tiny_qwen3_next), **flags, **NGRAM) as eng:
+        plan, states = eng.runtime.plan, eng.runtime.runner.state_pool
+        assert plan.allocated()["state_pool"] == plan.bytes("state_pool") == plain_rows * (3 + 2 + 3) // (3 + 2)
+        assert states.verify_rows == 3

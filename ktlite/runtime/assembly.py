@@ -156,8 +156,10 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
         pool = KVPool(specs, plan.kv_pool_tokens, config.max_running_requests, context, config.torch_kv_dtype,
                       device, alloc=alloc)
         # recurrent layers' per-request state, at the request's KV-pool row
+        recurrent = bool(cfg.request_state_specs())
         states = StatePool(cfg.request_state_specs(tp.size if tp is not None else 1), config.max_running_requests,
-                           device, alloc=alloc, snapshots=config.state_snapshots(bool(cfg.request_state_specs())))
+                           device, alloc=alloc, snapshots=config.state_snapshots(recurrent),
+                           verify_rows=config.state_verify_rows(recurrent))
         runner = ModelRunner(model, pool, moe_layers, config.kt_max_deferred_experts_per_token, tp=tp,
                              state_pool=states)
         if config.kt_max_deferred_experts_per_token:

@@ -17,6 +17,8 @@ class ForwardBatch:
     prefix_lens: torch.Tensor  # [B] tokens already in the pool before this step
     extend_lens: torch.Tensor  # [B] new tokens per request
     logit_rows: torch.Tensor  # [R] indices into N whose next-token logits are wanted
+    # speculative drafts verified behind each request's last token (its last drafts[i] new tokens); () for none
+    drafts: tuple[int, ...] = ()
 
     @property
     def is_decode(self) -> bool:
@@ -33,6 +35,7 @@ class ForwardBatch:
         want_logits: list[bool],
         device: torch.device,
         extra_rows: list[range] | None = None,
+        drafts: list[int] | None = None,
     ) -> "ForwardBatch":
         """From per-request new tokens, prefix lengths, pool rows and freshly allocated slots.
         want_logits[i]: the logits of request i's last new token; extra_rows[i]: offsets into its
@@ -56,4 +59,5 @@ class ForwardBatch:
             prefix_lens=tensor(prefix_lens),
             extend_lens=tensor(extend),
             logit_rows=tensor(logit_rows),
+            drafts=tuple(drafts) if drafts and any(drafts) else (),
         )

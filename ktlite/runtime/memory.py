@@ -289,7 +289,7 @@ def plan_on(cfg: ModelConfig, inputs: PlanInputs, device_bytes: tuple[int, ...])
     request_table = inputs.max_running_requests * res.context_length * 4  # int32 token slots per request
     state_per_request = state_bytes_per_request(cfg.request_state_specs(tp))
     static_budget = [int(frac * d) for d in device_bytes]
-    state_pool = (inputs.max_running_requests + inputs.state_snapshots) * state_per_request
+    state_pool = (inputs.max_running_requests + inputs.state_snapshots + inputs.state_verify_rows) * state_per_request
     fixed = [sum(weights.values()) + experts_on[r] * moe_layers * per_expert + request_table + state_pool
              for r in range(tp)]
 

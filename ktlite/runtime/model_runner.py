@@ -50,6 +50,14 @@ class ModelRunner:
         self._pending = None
         return self.model.forward_batch(batch, self)
 
+    @torch.inference_mode()
+    def rewind_states(self, row: int, keep: int) -> None:
+        """After a speculative verify that rejected drafts: request row `row`'s recurrent states (Gated DeltaNet)
+        as if only the first `keep` tokens of the verify had run (StatePool's verify rows)."""
+        for layer in self.model.model.layers:
+            if hasattr(layer.self_attn, "rewind"):
+                layer.self_attn.rewind(self.state_pool, layer.layer_idx, row, keep)
+
     def feed_forward(self, layer_idx: int, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """The MLP/MoE block's contribution to the residual stream (summed over ranks)."""
         moe = self.moe_layers.get(layer_idx)

@@ -302,7 +302,7 @@ class TPDriver:
     def __init__(self, runner: ModelRunner, workers: _Workers):
         self.runner, self.workers = runner, workers
         self.kv_pool, self.config, self.moe_layers = runner.kv_pool, runner.config, runner.moe_layers
-        self.model = runner.model
+        self.model, self.state_pool = runner.model, runner.state_pool
         self.kv_pool.journal = []  # what the prefix cache does to the pool beyond the batches
         self._lock = threading.Lock()
 

@@ -91,6 +91,7 @@ class PlanInputs:
     gpu_expert_format: str = "dense"
     dense_quantization: str | None = None
     state_snapshots: int = 0
+    state_verify_rows: int = 0  # recurrent states from before a speculative verify (EngineConfig.state_verify_rows)
 
     def __post_init__(self) -> None:
         if self.gpu_memory is not None:
@@ -202,4 +203,5 @@ def plan_inputs(config: EngineConfig, cfg: ModelConfig) -> PlanInputs:
         gpu_expert_format=gpu_expert_format(config),
         dense_quantization=config.cpu_dense_quantization,
         state_snapshots=config.state_snapshots(bool(cfg.request_state_specs())),
+        state_verify_rows=config.state_verify_rows(bool(cfg.request_state_specs())),
     )

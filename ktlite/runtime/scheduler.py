@@ -463,7 +463,7 @@ class Scheduler:
         # logits rows before the last token's: prompt logprobs, or (with drafts) the rows that verify them
         extra = [range(len(req.drafts)) if req.drafts else req.prompt_rows(n) for req, n in plan]
         batch = ForwardBatch.build(chunks, prefix, rows, slots, want, self.runner.device,
-                                   extra if any(extra) else None)
+                                   extra if any(extra) else None, [len(req.drafts) for req, _ in plan])
         return batch, [req for (req, _), w in zip(plan, want) if w]
 
     def _forward_and_sample(self, batch: ForwardBatch, plan: list[tuple[Request, int]],
@@ -567,7 +567,10 @@ class Scheduler:
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         req.acceptance.record(drafted, accepted)
+        verified_from = req.computed - 1  # where the verify's last token sat
         req.computed = min(req.computed + accepted, req.sequence_len)
+        if req.computed - verified_from < 1 + drafted and self.runner.state_pool.verify_rows:
+            self.runner.rewind_states(req.row, req.computed - verified_from)  # recurrent layers keep only those
         self.pool.truncate(req.row, req.computed)
 
     @staticmethod

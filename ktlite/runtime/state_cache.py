@@ -12,6 +12,11 @@ the recurrent layers' state, which depends on every token before it. The pool th
 `snapshots` rows beyond the requests' ones; `StateSnapshots` copies a request's state into one of them
 where the prefix cache indexes the end of a prompt or of a finished request, and copies it back into the
 row of a request that starts from that prefix (SGLang keeps such states in its mamba cache the same way).
+
+Speculative verifies: a verify runs the recurrent layers over a request's last token and its drafts, but only
+the accepted ones may stay in its state. With `verify_rows`, each request row has a verify row beside it where
+the layers keep the state from before the verify; when drafts are rejected, the layer's `rewind` copies it
+back and replays the accepted tokens over it (gated_deltanet.py).
 """
 
 from __future__ import annotations
@@ -43,20 +48,26 @@ def state_bytes_per_request(specs: Sequence[RequestStateSpec]) -> int:
 
 class StatePool:
     def __init__(self, specs: Sequence[RequestStateSpec], max_requests: int, device: torch.device | str,
-                 alloc: Allocator = _plain_alloc, snapshots: int = 0):
+                 alloc: Allocator = _plain_alloc, snapshots: int = 0, verify_rows: int = 0):
         self.buffers: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, dict[int, int]] = {}
-        # rows max_requests.. hold snapshots (none without state to keep)
+        # rows max_requests.. hold snapshots (none without state to keep), then one verify row per request row
         self.snapshot_rows = range(max_requests, max_requests + snapshots) if specs else range(0)
+        self._verify_base = max_requests + len(self.snapshot_rows)
+        self.verify_rows = verify_rows if specs else 0  # max_requests where speculative verifies run, else 0
+        rows = self._verify_base + self.verify_rows
         for spec in specs:
-            buf = alloc("state_pool", (len(spec.layers), max_requests + len(self.snapshot_rows), *spec.shape),
-                        spec.dtype, torch.device(device))
+            buf = alloc("state_pool", (len(spec.layers), rows, *spec.shape), spec.dtype, torch.device(device))
             self.buffers[spec.name] = buf.zero_()
             self._layer_index[spec.name] = {layer: j for j, layer in enumerate(spec.layers)}
 
     def state(self, name: str, layer_idx: int) -> torch.Tensor:
         """[max_requests, *shape] view of one layer's state `name`, indexed by KV-pool row."""
         return self.buffers[name][self._layer_index[name][layer_idx]]
+
+    def verify_row(self, row: int) -> int:
+        """Where request row `row`'s state from before a speculative verify is kept."""
+        return self._verify_base + row
 
     def copy_row(self, src: int, dst: int) -> None:
         """Every layer's state of row src into row dst."""

@@ -93,6 +93,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(s.value_heads))
         self.norm = GatedRMSNorm(s.value_dim, s.eps)
         self.out_proj = nn.Linear(vv, s.hidden, bias=False)
+        # row -> (conv input, a, b) of its last verify's tokens, while a rewind may need them
+        self._verified: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def shard(self, prefix: str, tp, shards: dict) -> None:
         self.ranks = tp.size
@@ -116,16 +118,55 @@ class GatedDeltaNet(nn.Module):
                       layer_idx: int) -> torch.Tensor:
         s, n, states = self.spec, h.shape[0], ctx.state_pool
         rows, lens, reset = batch.req_pool_indices, batch.extend_lens, batch.prefix_lens == 0
-        mixed, z, b, a = self._split(h)
-        mixed = attention.causal_conv1d(mixed, states.state("conv", layer_idx), self.conv1d.weight.squeeze(1), rows,
-                                      lens, reset)
+        mixed_in, z, b, a = self._split(h)
+        if batch.drafts:
+            self._before_verify(states, layer_idx, batch, mixed_in, a, b)
+        mixed = attention.causal_conv1d(mixed_in, states.state("conv", layer_idx), self.conv1d.weight.squeeze(1),
+                                        rows, lens, reset)
+        q, k, v = self._heads(mixed)
+        o = attention.gated_delta_rule(q, k, v, self._decay(a), b.float().sigmoid(), states.state("recurrent", layer_idx),
+                                       rows, lens, reset)
+        out = self.out_proj(self.norm(o, z).reshape(n, -1))
+        return out / self.ranks if self.ranks > 1 else out
+
+    def _decay(self, a: torch.Tensor) -> torch.Tensor:
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log decay <= 0
+
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output [N, channels] -> q, k [N, Hv, dk] (each key head repeated for its value heads), v."""
+        s, n = self.spec, mixed.shape[0]
         kv = s.key_heads * s.key_dim
         q, k, v = mixed.split([kv, kv, s.value_heads * s.value_dim], dim=-1)
         per_key = s.value_heads // s.key_heads  # each key head serves this many value heads
         q = q.reshape(n, s.key_heads, s.key_dim).repeat_interleave(per_key, dim=1)
         k = k.reshape(n, s.key_heads, s.key_dim).repeat_interleave(per_key, dim=1)
-        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log decay <= 0
-        o = attention.gated_delta_rule(q, k, v.reshape(n, s.value_heads, s.value_dim), decay, b.float().sigmoid(),
-                                     states.state("recurrent", layer_idx), rows, lens, reset)
-        out = self.out_proj(self.norm(o, z).reshape(n, -1))
-        return out / self.ranks if self.ranks > 1 else out
+        return q, k, v.reshape(n, s.value_heads, s.value_dim)
+
+    # ---- speculative verifies: only the accepted tokens stay in a request's state -------------------------------
+    def _before_verify(self, states, layer_idx: int, batch: ForwardBatch, mixed_in: torch.Tensor, a: torch.Tensor,
+                       b: torch.Tensor) -> None:
+        """Keep each drafting request's states in its verify row and its tokens' conv input, decay and beta
+        inputs (`rewind` replays the accepted ones)."""
+        self._verified.clear()
+        starts = [0] + batch.extend_lens.cumsum(0).tolist()
+        for i, row in enumerate(batch.req_pool_indices.tolist()):
+            if batch.drafts[i]:
+                for name in ("conv", "recurrent"):
+                    state = states.state(name, layer_idx)
+                    state[states.verify_row(row)].copy_(state[row])
+                span = slice(starts[i], starts[i + 1])
+                self._verified[row] = (mixed_in[span], a[span], b[span])
+
+    def rewind(self, states, layer_idx: int, row: int, keep: int) -> None:
+        """Request row `row`'s states as if only the first `keep` tokens of its last verify had run: its states
+        from before the verify, advanced over those tokens again (conv window and delta rule)."""
+        conv, recurrent = states.state("conv", layer_idx), states.state("recurrent", layer_idx)
+        conv[row].copy_(conv[states.verify_row(row)])
+        recurrent[row].copy_(recurrent[states.verify_row(row)])
+        mixed_in, a, b = (t[:keep] for t in self._verified.pop(row))
+        one = torch.tensor([row], device=mixed_in.device)
+        lens, reset = torch.tensor([keep], device=mixed_in.device), torch.zeros(1, dtype=torch.bool,
+                                                                                  device=mixed_in.device)
+        mixed = attention.causal_conv1d(mixed_in, conv, self.conv1d.weight.squeeze(1), one, lens, reset)
+        q, k, v = self._heads(mixed)
+        attention.gated_delta_rule(q, k, v, self._decay(a), b.float().sigmoid(), recurrent, one, lens, reset)

@@ -41,13 +41,13 @@ class Speculation:
 
 
 def speculation_for(config: EngineConfig, has_recurrent_state: bool) -> Speculation | None:
-    """The engine's speculation from its flags (None: off). A model with per-request recurrent state (Gated DeltaNet)
-    is refused: a verify forward advances that state over drafts that may be rejected, and rolling it back is not
-    built yet."""
+    """The engine's speculation from its flags (None: off). On a model with per-request recurrent state (Gated
+    DeltaNet) a verify keeps each request's state from before it in a state-pool row and rewinds to the accepted
+    tokens (state_cache.py); under tensor parallelism the other ranks do not rewind yet, so that is refused."""
     if config.speculative_algorithm is None:
         return None
-    if has_recurrent_state:
+    if has_recurrent_state and config.tensor_parallel_size > 1:
         raise ConfigError(f"--speculative-algorithm {config.speculative_algorithm}: this model has recurrent "
-                          "(linear-attention) layers, whose state a rejected draft would leave advanced; speculative "
-                          "decoding does not roll that state back yet: leave the flag out for this model")
+                          "(linear-attention) layers, whose state a rejected draft must rewind, which tensor-parallel "
+                          "ranks do not do yet: use --tensor-parallel-size 1 or leave the speculative flag out")
     return Speculation(config.speculative_drafts, NgramDrafter, auto=config.speculative_drafts_auto)
