@@ -83,3 +83,12 @@ def tiny_gpt_oss(tmp_path_factory) -> Path:
     from hf_checkpoints import write_hf_checkpoint
 
     return write_hf_checkpoint(tmp_path_factory.mktemp("hf_gpt_oss") / "gpt_oss", "gpt_oss", seed=11)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v4(tmp_path_factory) -> Path:
+    """DeepSeek-V4 written by transformers: HCA, CSA and sliding-only layers (window 8, rates 8 and 4, indexer top-3),
+    hash-MoE then routed MoE layers, mHC over 4 streams, a clamp limit of 1 (tests/hf_checkpoints.py)."""
+    from hf_checkpoints import write_hf_checkpoint
+
+    return write_hf_checkpoint(tmp_path_factory.mktemp("hf_deepseek_v4") / "deepseek_v4", "deepseek_v4", seed=13)

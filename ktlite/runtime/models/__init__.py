@@ -12,7 +12,7 @@ from ktlite.runtime.models.config import ModelConfig, load_config, parse_config
 from ktlite.runtime.models.fp8 import swap_in_fp8
 from ktlite.runtime.models.layers import Router
 from ktlite.runtime.models.registry import family_of, supported
-from ktlite.runtime.models.rope import inv_frequencies
+from ktlite.runtime.models.rope import RotaryEmbedding, inv_frequencies
 
 
 def build(
@@ -48,7 +48,9 @@ def build(
         model.to_empty(device=device)
     # to_empty leaves buffers uninitialised; the rope frequencies are derived, not loaded, and stay
     # float32 whatever the weights' dtype (bf16 angles drift at long positions)
-    model.model.rotary.inv_freq = inv_frequencies(cfg.rope).to(device)
+    for module in model.modules():  # every rope table (DeepSeek-V4 has two)
+        if isinstance(module, RotaryEmbedding):
+            module.inv_freq = inv_frequencies(module.cfg).to(device)
     return model.eval()
 
 

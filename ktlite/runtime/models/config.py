@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from ktlite.runtime.kv_cache import TokenCacheSpec
 
-SCORING_FUNCS = ("softmax", "sigmoid")
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -81,7 +81,7 @@ class RopeConfig:
 class RouterSpec:
     """How a MoE layer picks experts and weighs them (router math in float32).
 
-    scores = softmax or sigmoid of the logits; the choice uses scores + e_score_correction_bias when
+    scores = softmax, sigmoid or sqrt(softplus) (DeepSeek-V4) of the logits; the choice uses scores + e_score_correction_bias when
     `correction_bias` (the bias steers the choice only); `method` limits the choice to the best
     `topk_group` of `n_group` expert groups (noaux_tc scores a group by its top-2, group_limited_greedy
     by its best); the weights are the chosen unbiased scores, divided by their sum when `normalize`,

@@ -1,0 +1,151 @@
+"""DeepSeek-V4 against transformers on a tiny checkpoint transformers wrote (tests/hf_checkpoints.py): an HCA layer
+(one entry per 8 tokens), two CSA layers (rate 4, overlapping windows, the indexer keeps 3 entries) and a
+sliding-only layer, all with a window of 8 and sinks; hash-MoE then routed MoE layers with the clamp at 1; mHC over 4
+streams. Prompts of ~30 tokens drop window keys and compressed entries alike. The reference model's logits (one
+prefill, and a prefill then one-token steps through the pool and the per-request compressor state) and greedy
+tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_checkpoints import hf_model
+from test_gqa_families import random_ids
+
+from ktlite.runtime import models
+from ktlite.runtime.models.deepseek_v4 import CSA, HCA, SLIDING
+
+TOL = 1e-4
+LENGTH = 30
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_deepseek_v4):
+    return models.load(tiny_deepseek_v4), hf_model(tiny_deepseek_v4)
+
+
+@pytest.fixture(scope="module")
+def ids(pair):
+    return random_ids(2, LENGTH, pair[0].config.vocab_size, seed=1)
+
+
+@pytest.fixture(scope="module")
+def expected(pair, ids):
+    with torch.no_grad():
+        return pair[1](ids).logits
+
+
+def test_config_reads_every_layer_kind(tiny_deepseek_v4):
+    cfg = models.load_config(tiny_deepseek_v4)
+    assert cfg.layer_kinds == (HCA, CSA, SLIDING, CSA) and cfg.hash_layers == (0, 1)
+    assert (cfg.csa_rate, cfg.hca_rate, cfg.window, cfg.index_topk) == (4, 8, 8, 3)
+    # the prompts really drop: keys out of the window, closed CSA entries past the indexer's top-k
+    assert LENGTH > cfg.window and LENGTH // cfg.csa_rate > cfg.index_topk
+    assert cfg.router.scoring == "sqrtsoftplus" and cfg.router.correction_bias and cfg.activation.limit == 1.0
+    assert (cfg.rope.theta, cfg.rope.kind, cfg.compress_rope.theta, cfg.compress_rope.kind) == (
+        10000.0, "default", 160000.0, "yarn")
+    assert cfg.compress_rope.cos_sin_scale == 1.0 and cfg.rope.head_dim == 8 and cfg.rope.interleave
+
+
+def test_prefill_logits_match_transformers(pair, ids, expected):
+    got = pair[0](ids)
+    assert (got - expected).abs().max().item() <= TOL
+
+
+@pytest.fixture(scope="module")
+def generated(pair):
+    """transformers' greedy 32 tokens after 7-token prompts, with the logits of each step of its cached decode."""
+    prompt = random_ids(2, 7, pair[0].config.vocab_size, seed=3)
+    with torch.no_grad():
+        out = pair[1].generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
+                               pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return prompt, out.sequences[:, prompt.shape[1]:], torch.stack(out.logits, dim=1)
+
+
+def test_decode_step_by_step_matches_transformers(pair, generated):
+    """The prompt at once (no window closed yet), then transformers' tokens one at a time: the compressors close
+    their windows from the per-request ring. Compared with transformers' own cached decode, not its one-shot prefill:
+    the indexer's scores tie (relu zeros) and transformers breaks those ties differently in the two."""
+    ours, (prompt, tokens, logits) = pair[0], generated
+    cache = ours.new_cache(2, prompt.shape[1] + tokens.shape[1])
+    got = [ours(prompt, cache)[:, -1:]] + [ours(tokens[:, i : i + 1], cache) for i in range(tokens.shape[1] - 1)]
+    assert (torch.cat(got, dim=1) - logits).abs().max().item() <= TOL
+
+
+def test_greedy_32_equals_generate(pair, generated):
+    prompt, tokens, _ = generated
+    assert pair[0].generate_greedy(prompt, 32).tolist() == tokens.tolist()
+
+
+# ---- the hub's dialect: config fields and tensor names ----------------------------------------------------------
+
+RATIOS = {SLIDING: 0, CSA: 4, HCA: 128}  # the hub's compress_ratios values
+
+
+def hub_config(resaved: dict) -> dict:
+    """A transformers-written config.json dict as the hub's files state it: per-layer `compress_ratios` (the tiny
+    HCA rate through the legacy `compress_rate_hca`), `num_hash_layers`, `qk_rope_head_dim`, and the compressed
+    branches' YaRN in a flat `rope_scaling` under `type` beside `rope_theta` / `compress_rope_theta`."""
+    hub = {k: v for k, v in resaved.items() if k not in (
+        "layer_types", "mlp_layer_types", "compress_rates", "rope_parameters", "partial_rotary_factor")}
+    compress = dict(resaved["rope_parameters"]["compress"])
+    hub.update(compress_ratios=[RATIOS[k] for k in resaved["layer_types"]],
+               compress_rate_hca=resaved["compress_rates"][HCA],
+               num_hash_layers=resaved["mlp_layer_types"].count("hash_moe"),
+               rope_theta=resaved["rope_parameters"]["main"]["rope_theta"], compress_rope_theta=compress["rope_theta"],
+               rope_scaling={"type": compress["rope_type"], **{k: compress[k] for k in (
+                   "factor", "original_max_position_embeddings", "beta_fast", "beta_slow")}})
+    return hub
+
+
+def hub_name(stored: str) -> str:
+    """transformers' save_pretrained keeps the hub's names under `model.`: the hub's own."""
+    renames = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}
+    if stored in renames:
+        return renames[stored]
+    if stored.startswith("model.hc_head.hc_"):
+        return "hc_head_" + stored.removeprefix("model.hc_head.hc_")
+    return stored.removeprefix("model.")
+
+
+@pytest.fixture(scope="module")
+def hub_twin(tiny_deepseek_v4, tmp_path_factory):
+    """The tiny checkpoint with the hub's config fields and tensor names."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("dsv4_hub")
+    for f in tiny_deepseek_v4.iterdir():
+        if f.suffix == ".safetensors":
+            save_file({hub_name(k): v for k, v in load_file(f).items()}, out / f.name)
+        elif f.name == "config.json":
+            (out / f.name).write_text(json.dumps(hub_config(json.loads(f.read_text()))))
+        else:
+            (out / f.name).symlink_to(f)
+    return out
+
+
+def test_hub_dialect_parses_as_transformers_reads_it(tiny_deepseek_v4, hub_twin):
+    """Both dialects parse to one config; each rope table is the one transformers derives from the hub file."""
+    import json
+
+    from transformers import DeepseekV4Config as HFConfig
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    from ktlite.runtime.models.rope import RotaryEmbedding
+
+    ours = models.load_config(hub_twin)
+    assert ours == models.load_config(tiny_deepseek_v4)
+    hf = HFConfig(**json.loads((hub_twin / "config.json").read_text()))
+    rotary = DeepseekV4RotaryEmbedding(hf)
+    positions = torch.arange(0, 400, 7)
+    for kind, rope in (("main", ours.rope), ("compress", ours.compress_rope)):
+        cos, sin = rotary(torch.zeros(1), positions[None], layer_type=kind)
+        got = RotaryEmbedding(rope).cos_sin(positions)
+        assert (got[0] - cos[0]).abs().max() <= 1e-5 and (got[1] - sin[0]).abs().max() <= 1e-5, kind
+
+
+def test_hub_names_load_to_the_same_logits(pair, hub_twin, ids, expected):
+    """The hub's tensor names (`embed`, `layers.N.attn.wq_a`, `hc_head_fn`, ...) serve the same model."""
+    assert (models.load(hub_twin)(ids) - expected).abs().max().item() <= TOL
