@@ -149,3 +149,77 @@ def test_hub_dialect_parses_as_transformers_reads_it(tiny_deepseek_v4, hub_twin)
 def test_hub_names_load_to_the_same_logits(pair, hub_twin, ids, expected):
     """The hub's tensor names (`embed`, `layers.N.attn.wq_a`, `hc_head_fn`, ...) serve the same model."""
     assert (models.load(hub_twin)(ids) - expected).abs().max().item() <= TOL
+
+
+# ---- the Engine -------------------------------------------------------------------------------------------------
+
+GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+EXACT = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 2048, "chunked_prefill_size": 256,
+         "gpu_memory": "1GiB", "max_running_requests": 4}
+
+
+@pytest.fixture(scope="module")
+def engine_expected(pair):
+    """Prompts of 5..30 tokens and transformers' greedy tokens and last-token logits for each, one at a time."""
+    from hf_checkpoints import hf_last_logits_and_greedy
+
+    g = torch.Generator().manual_seed(7)
+    batch = [torch.randint(4, pair[0].config.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    logits, tokens = hf_last_logits_and_greedy(pair[1], batch, GREEDY["max_tokens"])
+    return batch, tokens, logits
+
+
+def test_engine_cpu_experts_equal_transformers_and_the_caches_are_planned_exactly(tiny_deepseek_v4, engine_expected):
+    """Every routed expert on the CPU (the clamp in its kernel); the KV pool (window rows, compressed entries, index
+    keys) and the state pool (the compressors' rings, per running request and per prefix-cache snapshot) are
+    allocated as planned, and the plan's arithmetic is the config's."""
+    from test_tensor_parallel import logits_of
+
+    from ktlite import Engine
+    from ktlite.runtime.plan_components import allocated_by_component
+
+    batch, tokens, logits = engine_expected
+    with Engine(str(tiny_deepseek_v4), **EXACT) as eng:
+        assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == tokens
+        assert (logits_of(eng, batch) - logits).abs().max().item() <= TOL
+        plan, states = eng.runtime.plan, eng.runtime.runner.state_pool
+        allocated = {**allocated_by_component(eng.runtime.runner.model), **plan.allocated()}
+        requests = EXACT["max_running_requests"] + len(states.snapshot_rows)
+    assert plan.mismatches(allocated) == {} and allocated["kv_pool"] > 0 and allocated["state_pool"] > 0
+    # per token, fp32: a window row on 4 layers, an entry on the 3 compressed ones, an index key on the 2 CSA ones
+    assert plan.kv_bytes_per_token == (4 * 32 + 3 * 32 + 2 * 16) * 4
+    # per request, fp32 kv + gate rings: HCA 8 positions x 32; CSA 2 x 4 positions x 2 x 32, its indexer x 2 x 16
+    assert plan.bytes("state_pool") == requests * 2 * (1 * 8 * 32 + 2 * 8 * 64 + 2 * 8 * 32) * 4
+
+
+def test_half_gpu_experts_chunk_5_and_preemption(tiny_deepseek_v4, engine_expected):
+    """Chunks of 5 tokens close windows mid-chunk from the ring the previous chunk left; 48 KV slots force
+    preemption, and a preempted request recomputes its prompt (its rings are rewritten before they are read);
+    half the experts run on the device (the clamp in the fused MoE), half on the CPU."""
+    from ktlite import Engine
+
+    batch, tokens, _ = engine_expected
+    flags = {**EXACT, "kt_num_gpu_experts": 4, "chunked_prefill_size": 5, "max_total_tokens": 48}
+    with Engine(str(tiny_deepseek_v4), **flags) as eng:
+        assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == tokens
+        assert eng.scheduler.preemptions > 0
+        assert eng.runtime.runner.kv_pool.used_tokens == 0
+
+
+def test_prefix_cache_resumes_from_a_state_snapshot(tiny_deepseek_v4, pair):
+    """The rings cannot be rebuilt from a token prefix: the prefix cache reuses a prefix only where it kept a
+    snapshot of them (the end of a prompt or reply, as for Qwen3-Next's recurrent state), and the next turn's
+    tokens equal transformers' on the whole prompt."""
+    from hf_checkpoints import hf_greedy_each
+
+    from ktlite import Engine
+
+    g = torch.Generator().manual_seed(9)
+    first, added = (torch.randint(4, pair[0].config.vocab_size, (n,), generator=g).tolist() for n in (21, 6))
+    with Engine(str(tiny_deepseek_v4), **EXACT) as eng:
+        assert eng.scheduler.cache is not None and eng.scheduler.cache.snapshots is not None
+        r1 = eng.generate(input_ids=first, sampling_params=GREEDY)
+        second = first + r1.token_ids + added
+        r2 = eng.generate(input_ids=second, sampling_params=GREEDY)
+    assert r1.cached_tokens == 0 and r2.cached_tokens == len(first) + GREEDY["max_tokens"] - 1
+    assert [r1.token_ids, r2.token_ids] == hf_greedy_each(pair[1], [first, second], GREEDY["max_tokens"])
