@@ -7,6 +7,8 @@ tokens."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hf_checkpoints import hf_model
@@ -99,13 +101,14 @@ def hub_config(resaved: dict) -> dict:
 
 
 def hub_name(stored: str) -> str:
-    """transformers' save_pretrained keeps the hub's names under `model.`: the hub's own."""
+    """transformers' save_pretrained keeps the hub's names under `model.` but for the main kv norm (`attn.norm`,
+    `attn.kv_norm` on the hub: tests/data/deepseek-v4-flash/README.md): the hub's own."""
     renames = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}
     if stored in renames:
         return renames[stored]
     if stored.startswith("model.hc_head.hc_"):
         return "hc_head_" + stored.removeprefix("model.hc_head.hc_")
-    return stored.removeprefix("model.")
+    return re.sub(r"\.attn\.norm\.", ".attn.kv_norm.", stored.removeprefix("model."))
 
 
 @pytest.fixture(scope="module")

@@ -32,9 +32,11 @@ Cache (what this file declares; the attention here is a model-level torch implem
   position 0 (a new one, or a preempted one recomputing its prompt) needs no reset. It is not rewindable: these
   models skip the prefix cache.
 
-Names: the hub's (`layers.N.attn.wq_a`, `layers.N.ffn.experts.E.w1`, `embed`, `head`, `hc_head_fn`, ...); a folder
-transformers re-saved keeps them under `model.` (`model.layers.N.attn.wq_a`, `model.embed_tokens`, ...), which
-`weight_renames` maps onto the same names.
+Names: the hub's (`layers.N.attn.wq_a`, `layers.N.attn.kv_norm`, `layers.N.ffn.experts.E.w1`, `embed`, `head`,
+`hc_head_fn`, ...); a folder transformers re-saved keeps them under `model.` (`model.layers.N.attn.wq_a`,
+`model.embed_tokens`, ...) but for the main kv norm (`attn.norm`), which `weight_renames` maps onto the same names.
+The hub stores the attention projections (and the indexer's wq_b, the shared experts) in block FP8 with `.scale`
+e8m0 tensors (`fp8_linears` says which: the compressors' and weights_proj stay bf16), the routed experts in FP4.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.kv_cache import TokenCacheSpec
 from ktlite.runtime.models.base import Backbone, CausalLM
 from ktlite.runtime.models.config import Fields, ModelConfig, RopeConfig, RouterSpec, rope_config
+from ktlite.runtime.models.fp8 import linear_weight
 from ktlite.runtime.models.layers import MLP, MoE, RMSNorm, Router
 from ktlite.runtime.models.rope import RotaryEmbedding, apply_rope
 from ktlite.runtime.models.router import router_scores, weigh_experts
@@ -241,7 +244,10 @@ def parse_config(raw: dict[str, Any]) -> DeepseekV4Config:
         activation=ExpertActivation("swiglu", limit=None if limit is None else float(limit)),
         # where transformers' save_pretrained puts the hub's names (see the module doc)
         weight_renames=(("model.layers.", "layers."), ("model.embed_tokens.", "embed."), ("model.norm.", "norm."),
-                        ("model.hc_head.hc_", "hc_head_")),
+                        ("model.hc_head.hc_", "hc_head_"))
+        # the hub's `layers.N.attn.kv_norm` is `attn.norm` once transformers re-saves it (its conversion renames
+        # every `.norm.` to `.kv_norm.` on load, so saving reverses it)
+        + tuple((f"model.layers.{i}.attn.norm.", f"layers.{i}.attn.kv_norm.") for i in range(layers)),
     )
 
 
@@ -313,23 +319,18 @@ class HyperHead(nn.Module):
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
-class GroupedLinear(nn.Module):
-    """Block-diagonal projection: x [N, groups, in] -> [N, groups * out], group g through weight rows g*out..;
-    the hub stores the weight as one [groups * out, in] matrix."""
-
-    def __init__(self, in_per_group: int, out_total: int, groups: int):
-        super().__init__()
-        self.groups = groups
-        self.weight = nn.Parameter(torch.empty(out_total, in_per_group))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight.view(self.groups, -1, x.shape[-1])  # [groups, out, in]
-        return torch.einsum("ngi,goi->ngo", x, w).flatten(1)
+def grouped_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal projection (V4's `wo_a`): x [N, groups, in] -> [N, groups * out], group g through rows
+    g * out .. of the layer's [groups * out, in] weight (an nn.Linear, or an FP8Linear dequantized)."""
+    w = linear_weight(layer, x.dtype).view(x.shape[1], -1, x.shape[-1])  # [groups, out, in]
+    return torch.einsum("ngi,goi->ngo", x, w).flatten(1)
 
 
 class Compressor(nn.Module):
     """Pools windows of `rate` tokens into entries of `dim` values (hub names: wkv, wgate, ape, norm). `overlap`
     (CSA): the projections are 2 * dim wide and entry w pools window w's second half with window w-1's first half."""
+
+    fp8_linears = ()  # bf16 on the hub, beside FP8 attention projections
 
     def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float, rotary: RotaryEmbedding):
         super().__init__()
@@ -390,6 +391,8 @@ class Indexer(nn.Module):
     """Lightning Indexer of a CSA layer: its compressor's entries (index keys) and, per query, the top `topk` closed
     entries by sum_h w_h relu(q_h . k) (hub names: wq_b, weights_proj, compressor)."""
 
+    fp8_linears = ("wq_b",)  # weights_proj is bf16 on the hub
+
     def __init__(self, cfg: DeepseekV4Config, rotary: RotaryEmbedding):
         super().__init__()
         self.heads, self.dim, self.topk, self.rate = cfg.index_heads, cfg.index_head_dim, cfg.index_topk, cfg.csa_rate
@@ -417,6 +420,7 @@ class Attention(nn.Module):
     """Shared-KV MQA with sinks, a sliding window and, on compressed layers, pooled entries (see the module doc)."""
 
     plan_component = "attention"
+    fp8_linears = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")  # what the hub stores in block FP8 (models/fp8.py)
 
     def __init__(self, cfg: DeepseekV4Config, layer_idx: int, rotary: RotaryEmbedding, compress_rotary: RotaryEmbedding):
         super().__init__()
@@ -429,8 +433,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = nn.Linear(cfg.q_lora_rank, heads * d, bias=False)
         self.wkv = nn.Linear(hidden, d, bias=False)
-        self.norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.wo_a = GroupedLinear(heads * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.wo_a = nn.Linear(heads * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)  # per group
         self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, hidden, bias=False)
         self.attn_sink = nn.Parameter(torch.empty(heads))
         self.compressor = None if self.kind == SLIDING else Compressor(
@@ -445,7 +449,7 @@ class Attention(nn.Module):
         q_residual = self.q_norm(self.wq_a(h))
         q = unweighted_rms(self.wq_b(q_residual).view(n, self.heads, self.head_dim), self.eps)
         q = rotate_tail(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
-        kv = rotate_tail(self.norm(self.wkv(h)), cos, sin)  # [N, d]: key and value
+        kv = rotate_tail(self.kv_norm(self.wkv(h)), cos, sin)  # [N, d]: key and value
         pool.write("kv", layer_idx, batch.out_cache_loc, kv)
         if self.compressor is not None:
             state = "hca" if self.kind == HCA else "csa"
@@ -459,7 +463,7 @@ class Attention(nn.Module):
                                     layer_idx))
             start += m
         o = rotate_tail(torch.cat(out), cos.unsqueeze(-2), -sin.unsqueeze(-2))  # V's rotation undone
-        return self.wo_b(self.wo_a(o.view(n, self.o_groups, -1)))
+        return self.wo_b(grouped_linear(self.wo_a, o.view(n, self.o_groups, -1)))
 
     def _attend(self, q: torch.Tensor, q_residual: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, pool,
                 row: int, p: int, m: int, layer_idx: int) -> torch.Tensor:
@@ -586,7 +590,7 @@ class DeepseekV4ForCausalLM(CausalLM):
             return fixed[name]
         if name.startswith("model.hc_head."):
             return "hc_head_" + name.removeprefix("model.hc_head.")
-        name = name.removeprefix("model.")
+        name = name.removeprefix("model.").replace(".weight_scale_inv", ".scale")  # the hub's FP8 block scales
         name = re.sub(r"\.(attn|ffn)_hc\.", r".hc_\1_", name)
         for ours, hub in ((".self_attn.", ".attn."), (".mlp.", ".ffn."), (".input_layernorm.", ".attn_norm."),
                           (".post_attention_layernorm.", ".ffn_norm."), (".gate.e_score_correction_bias", ".gate.bias"),
