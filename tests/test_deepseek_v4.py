@@ -189,8 +189,9 @@ def test_engine_cpu_experts_equal_transformers_and_the_caches_are_planned_exactl
         allocated = {**allocated_by_component(eng.runtime.runner.model), **plan.allocated()}
         requests = EXACT["max_running_requests"] + len(states.snapshot_rows)
     assert plan.mismatches(allocated) == {} and allocated["kv_pool"] > 0 and allocated["state_pool"] > 0
-    # per token, fp32: a window row on 4 layers, an entry on the 3 compressed ones, an index key on the 2 CSA ones
-    assert plan.kv_bytes_per_token == (4 * 32 + 3 * 32 + 2 * 16) * 4
+    # per token, fp32: a window row on 4 layers; its stripe of the entries and index keys (32 / 4 and 16 / 4 on the
+    # 2 CSA layers, 32 / 8 on the HCA one)
+    assert plan.kv_bytes_per_token == (4 * 32 + 2 * (8 + 4) + 4) * 4
     # per request, fp32 kv + gate rings: HCA 8 positions x 32; CSA 2 x 4 positions x 2 x 32, its indexer x 2 x 16
     assert plan.bytes("state_pool") == requests * 2 * (1 * 8 * 32 + 2 * 8 * 64 + 2 * 8 * 32) * 4
 

@@ -23,9 +23,12 @@ first `num_hash_layers` layers take their experts from the token id (`tid2eid`);
 in routed and shared experts.
 
 Cache (what this file declares; the attention here is a model-level torch implementation, no kernel yet):
-- per token per layer: `kv` (the window row, head_dim); per compressed layer `ckv` (head_dim) and per CSA layer
-  `ikv` (index_head_dim), written at the slot of the token that closes a window (the other tokens' rows stay
-  unused: simple, at the cost of one row per token where one per window would do).
+- per token per layer: `kv` (the window row, head_dim; every token keeps it, as gpt-oss's sliding layers, though
+  only the last `sliding_window` are read); and the compressed entries striped over the slots of the tokens they
+  pool: entry w of a layer with rate r is r stripes of ceil(dim / r) values, stripe k at the slot of position
+  w * r + k (`csa_entry` ceil(head_dim / 4) and `csa_index` ceil(index_head_dim / 4) per CSA layer, `hca_entry`
+  ceil(head_dim / 128) per HCA layer). So the pool holds exactly one entry per window, and the prefix cache
+  shares entries with the tokens they pool.
 - per request per compressed layer: the compressor's (and indexer's) kv and gate projections of the tokens not yet
   pooled, a ring over positions (HCA: `rate` rows; CSA: `2 * rate` rows, since an entry also reads the previous
   window). The ring is only read at positions the request has written, so a request that starts again from
@@ -105,10 +108,11 @@ class DeepseekV4Config(ModelConfig):
         if kv_dtype is not None and kv_dtype.itemsize == 1:
             raise ConfigError("DeepSeek-V4: an FP8 KV cache is not supported yet")
         specs = [TokenCacheSpec("kv", tuple(range(self.num_hidden_layers)), (self.head_dim,))]
-        if self.layers_of(CSA, HCA):
-            specs.append(TokenCacheSpec("ckv", self.layers_of(CSA, HCA), (self.head_dim,)))
-        if self.layers_of(CSA):
-            specs.append(TokenCacheSpec("ikv", self.layers_of(CSA), (self.index_head_dim,)))
+        for name, kind, dim, rate in (("csa_entry", CSA, self.head_dim, self.csa_rate),
+                                      ("csa_index", CSA, self.index_head_dim, self.csa_rate),
+                                      ("hca_entry", HCA, self.head_dim, self.hca_rate)):
+            if self.layers_of(kind):
+                specs.append(TokenCacheSpec(name, self.layers_of(kind), (stripe(dim, rate),)))
         return specs
 
     def request_state_specs(self, tp_size: int = 1) -> list[RequestStateSpec]:
@@ -254,6 +258,26 @@ def parse_config(raw: dict[str, Any]) -> DeepseekV4Config:
 # ---- pieces --------------------------------------------------------------------------------------------------------
 
 
+def stripe(dim: int, rate: int) -> int:
+    """Values of a compressed entry each of the `rate` tokens it pools keeps in its slot."""
+    return -(-dim // rate)
+
+
+def write_entries(pool, name: str, layer_idx: int, row: int, first: int, entries: torch.Tensor, rate: int) -> None:
+    """Entries [W, dim] of windows first .. first + W - 1 into the stripes of their tokens' slots."""
+    width = stripe(entries.shape[-1], rate)
+    stripes = F.pad(entries, (0, width * rate - entries.shape[-1])).reshape(-1, width)  # [W * rate, width]
+    positions = torch.arange(first * rate, first * rate + stripes.shape[0], device=entries.device)
+    pool.write(name, layer_idx, pool.req_to_token[row, positions].long(), stripes)
+
+
+def read_entries(pool, name: str, layer_idx: int, row: int, windows: int, rate: int, dim: int) -> torch.Tensor:
+    """The first `windows` entries of request `row` -> [windows, dim] float32."""
+    slots = pool.req_to_token[row, : windows * rate].long()
+    buf = pool.buffer(name, layer_idx)
+    return buf[slots].float().reshape(windows, rate * buf.shape[-1])[:, :dim]
+
+
 def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
@@ -364,8 +388,8 @@ class Compressor(nn.Module):
         return rotate_tail(entries, cos, sin)
 
     def update(self, h: torch.Tensor, batch: ForwardBatch, ctx, layer_idx: int, state: str, cache: str) -> None:
-        """Pool every window the batch's tokens close; the entries go to the `cache` rows of the closing tokens'
-        slots, the tokens' projections to the request's ring (`state`_kv / _gate)."""
+        """Pool every window the batch's tokens close; the entries go to the `cache` stripes of the slots of the
+        tokens they pool (write_entries), the tokens' projections to the request's ring (`state`_kv / _gate)."""
         pool, states = ctx.kv_pool, ctx.state_pool
         ring_kv, ring_gate = states.state(f"{state}_kv", layer_idx), states.state(f"{state}_gate", layer_idx)
         kv, gate = self.wkv(h).float(), self.wgate(h).float()  # [N, width]
@@ -377,9 +401,7 @@ class Compressor(nn.Module):
                 old = torch.arange(lo, p, device=h.device) % self.ring
                 src_kv = torch.cat((ring_kv[row, old], kv[start : start + end * r - p]))
                 src_gate = torch.cat((ring_gate[row, old], gate[start : start + end * r - p]))
-                entries = self.pool(src_kv, src_gate, first)
-                closing = pool.req_to_token[row, torch.arange(first + 1, end + 1, device=h.device) * r - 1].long()
-                pool.write(cache, layer_idx, closing, entries)
+                write_entries(pool, cache, layer_idx, row, first, self.pool(src_kv, src_gate, first), r)
             keep = min(m, self.ring)
             at = torch.arange(p + m - keep, p + m, device=h.device) % self.ring
             ring_kv[row, at] = kv[start + m - keep : start + m]
@@ -453,9 +475,9 @@ class Attention(nn.Module):
         pool.write("kv", layer_idx, batch.out_cache_loc, kv)
         if self.compressor is not None:
             state = "hca" if self.kind == HCA else "csa"
-            self.compressor.update(h, batch, ctx, layer_idx, state, "ckv")
+            self.compressor.update(h, batch, ctx, layer_idx, state, f"{state}_entry")
         if self.indexer is not None:
-            self.indexer.compressor.update(h, batch, ctx, layer_idx, "idx", "ikv")
+            self.indexer.compressor.update(h, batch, ctx, layer_idx, "idx", "csa_index")
         out, start = [], 0
         for row, p, m in zip(batch.req_pool_indices.tolist(), batch.prefix_lens.tolist(), batch.extend_lens.tolist()):
             rows = slice(start, start + m)
@@ -479,10 +501,11 @@ class Attention(nn.Module):
         values = [keys]
         if self.rate:
             closed = (p + m) // self.rate
-            ends = pool.req_to_token[row, torch.arange(1, closed + 1, device=q.device) * self.rate - 1].long()
-            entries = pool.buffer("ckv", layer_idx)[ends].float()  # [E, d]
+            state = "hca" if self.kind == HCA else "csa"
+            entries = read_entries(pool, f"{state}_entry", layer_idx, row, closed, self.rate, self.head_dim)
             if self.indexer is not None:
-                visible = self.indexer.select(q_residual, h, positions, pool.buffer("ikv", layer_idx)[ends])
+                index_keys = read_entries(pool, "csa_index", layer_idx, row, closed, self.rate, self.indexer.dim)
+                visible = self.indexer.select(q_residual, h, positions, index_keys)
             else:
                 visible = torch.arange(closed, device=q.device) < ((positions + 1) // self.rate).unsqueeze(-1)
             comp = torch.einsum("thd,ed->the", q.float(), entries) * scale
