@@ -8,6 +8,7 @@ tokens."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -210,6 +211,19 @@ def test_half_gpu_experts_chunk_5_and_preemption(tiny_deepseek_v4, engine_expect
         assert eng.runtime.runner.kv_pool.used_tokens == 0
 
 
+def test_engine_tp2_equals_transformers(tiny_deepseek_v4, engine_expected):
+    """Two ranks: query heads and output groups split, the shared KV head, compressors and indexer replicated (their
+    caches too); every rank's plan equals what it allocated."""
+    from ktlite import Engine
+
+    batch, tokens, _ = engine_expected
+    with Engine(str(tiny_deepseek_v4), **EXACT, kt_num_gpu_experts=3, tensor_parallel_size=2) as eng:
+        got = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+        plan, allocated = eng.runtime.plan, eng.runtime.allocated_per_rank
+    assert got == tokens
+    assert len(allocated) == 2 and all(plan.mismatches(used, rank) == {} for rank, used in allocated.items())
+
+
 def test_prefix_cache_resumes_from_a_state_snapshot(tiny_deepseek_v4, pair):
     """The rings cannot be rebuilt from a token prefix: the prefix cache reuses a prefix only where it kept a
     snapshot of them (the end of a prompt or reply, as for Qwen3-Next's recurrent state), and the next turn's
@@ -227,3 +241,47 @@ def test_prefix_cache_resumes_from_a_state_snapshot(tiny_deepseek_v4, pair):
         r2 = eng.generate(input_ids=second, sampling_params=GREEDY)
     assert r1.cached_tokens == 0 and r2.cached_tokens == len(first) + GREEDY["max_tokens"] - 1
     assert [r1.token_ids, r2.token_ids] == hf_greedy_each(pair[1], [first, second], GREEDY["max_tokens"])
+
+
+# ---- the published config's plan ------------------------------------------------------------------------------
+
+FLASH = Path(__file__).parent / "data" / "deepseek-v4-flash"
+FLASH_KV = (43 * 512 + 21 * (128 + 32) + 20 * 4) * 2  # bf16 (tests/data/deepseek-v4-flash/README.md)
+FLASH_STATE = (20 * 2 * 128 * 512 + 21 * 2 * 8 * 1024 + 21 * 2 * 8 * 256) * 4  # fp32 rings per request
+
+
+def test_flash_config_reads_as_published():
+    cfg = models.load_config(FLASH)
+    assert cfg.layer_kinds[:4] == (SLIDING, SLIDING, CSA, HCA) and cfg.layer_kinds[-1] == CSA
+    assert (cfg.layer_kinds.count(CSA), cfg.layer_kinds.count(HCA), cfg.hash_layers) == (21, 20, (0, 1, 2))
+    assert (cfg.window, cfg.index_topk, cfg.csa_rate, cfg.hca_rate, cfg.fp8_block_size) == (128, 512, 4, 128, (128, 128))
+    assert (cfg.rope.head_dim, cfg.compress_rope.factor, cfg.compress_rope.original_max_position_embeddings) == (
+        64, 16.0, 65536)
+
+
+@pytest.mark.parametrize(("gpu", "tp"), [("24GiB", 1), ("16GiB", 2)])
+def test_plan_of_flash_one_24gib_and_two_16gib_gpus(gpu, tp):
+    """The KV and state arithmetic of the published config, and `ktlite plan` on 1 x 24 GiB and 2 x 16 GiB."""
+    from click.testing import CliRunner
+
+    from ktlite.cli import main
+    from ktlite.runtime.memory import make_plan
+    from ktlite.runtime.plan_inputs import PlanInputs
+
+    plan = make_plan(models.load_config(FLASH), PlanInputs(gpu_memory=gpu, tensor_parallel_size=tp,
+                                                           max_running_requests=8, state_snapshots=0))
+    assert plan.kv_bytes_per_token == FLASH_KV == 50_912
+    assert plan.bytes("kv_pool") == plan.kv_pool_tokens * FLASH_KV
+    assert plan.bytes("state_pool") == 8 * FLASH_STATE and FLASH_STATE == 12_206_080
+    attention = (43 * (4_195_328 + 2_097_664 + 3 * 33_562_624 + 128)  # wq_a, wkv, wq_b / wo_a / wo_b, sinks
+                 + 21 * (16_777_216 + 8_192 + 8_390_656 + 524_288 + 4_194_304 + 2_048) + 20 * (8_388_608 + 131_072))
+    if tp == 1:  # fp8 projections, bf16 compressors (README): what the hub stores
+        assert plan.bytes("attention") == attention == 5_398_407_040
+    else:  # query heads and output groups split; the shared KV head, compressors and indexer replicated
+        split = 43 * (3 * 33_562_624 + 128) // 2
+        assert plan.bytes("attention") == attention - split
+    result = CliRunner().invoke(main, ["plan", "--model", str(FLASH), "--gpu-memory", gpu,
+                                       "--tensor-parallel-size", str(tp)])
+    assert result.exit_code == 0, result.output
+    assert "verdict: fits" in result.stdout and f"x {FLASH_KV:,} B" in result.stdout
+    assert f"GPU {tp - 1} of {tp}" in result.stdout and f"{64 // tp} of 64 heads" in result.stdout

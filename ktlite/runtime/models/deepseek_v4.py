@@ -132,8 +132,9 @@ class DeepseekV4Config(ModelConfig):
                 + self.index_heads * self.index_head_dim)
 
     def check_tensor_parallel(self, tp_size: int) -> None:
-        if tp_size > 1:
-            raise ConfigError("DeepSeek-V4: tensor parallelism is not supported yet (use --tensor-parallel-size 1)")
+        for name, count in (("attention heads", self.num_attention_heads), ("o_groups", self.o_groups)):
+            if count % tp_size:
+                raise ConfigError(f"--tensor-parallel-size {tp_size}: the model's {count} {name} must split evenly")
 
     def expert_weight_name(self, layer: int, expert: int, proj: str) -> str:
         return f"layers.{layer}.ffn.experts.{expert}.{_EXPERT_PROJ[proj]}.weight"
@@ -464,8 +465,22 @@ class Attention(nn.Module):
         self.indexer = Indexer(cfg, compress_rotary) if self.kind == CSA else None
         self.o_groups = cfg.o_groups
 
+    def shard(self, prefix: str, tp, shards: dict) -> None:
+        """Tensor parallel: query heads (wq_b rows, their sinks) and whole output groups (wo_a rows) split, wo_b
+        row-parallel (partial sums); the one shared KV head, the compressors and the indexer (its top-k needs every
+        indexer head) are computed whole on every rank, so the caches are replicated."""
+        from ktlite.runtime.models.tp_layers import column, row, split
+
+        column(self, "wq_b", prefix, self.heads * self.head_dim, tp, shards)
+        column(self, "wo_a", prefix, self.wo_a.out_features, tp, shards)
+        row(self, "wo_b", prefix, self.wo_b.in_features, tp, shards)
+        _, lo, hi = split(self.heads, tp)
+        self.attn_sink = nn.Parameter(torch.empty(hi - lo, dtype=self.attn_sink.dtype))
+        shards[prefix + "attn_sink"] = (0, lo, hi)
+        self.heads, self.o_groups = self.heads // tp.size, self.o_groups // tp.size
+
     def forward_batch(self, h: torch.Tensor, batch: ForwardBatch, ctx, layer_idx: int) -> torch.Tensor:
-        """h [N, hidden] (the normed block input) -> [N, hidden]."""
+        """h [N, hidden] (the normed block input) -> this rank's partial output [N, hidden]."""
         pool, n = ctx.kv_pool, h.shape[0]
         cos, sin = self.rotary.cos_sin(batch.positions)  # [N, rope / 2]
         q_residual = self.q_norm(self.wq_a(h))
