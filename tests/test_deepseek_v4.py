@@ -285,3 +285,57 @@ def test_plan_of_flash_one_24gib_and_two_16gib_gpus(gpu, tp):
     assert result.exit_code == 0, result.output
     assert "verdict: fits" in result.stdout and f"x {FLASH_KV:,} B" in result.stdout
     assert f"GPU {tp - 1} of {tp}" in result.stdout and f"{64 // tp} of 64 heads" in result.stdout
+
+
+# ---- the hub's FP4 experts --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp4_pair(tiny_deepseek_v4, hub_twin, tmp_path_factory):
+    """(the hub twin with its routed experts in the hub's FP4: `w1.weight` int8 [out, in / 2] e2m1 pairs and
+    `w1.scale` e8m0 per 32 inputs; the transformers-written folder with those experts as transformers dequantizes
+    them)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from test_mx_experts import fp4_quantize, transformers_fp8_path
+
+    root = tmp_path_factory.mktemp("dsv4_fp4")
+    packed_dir, plain_dir = root / "packed", root / "plain"
+    for folder, source in ((packed_dir, hub_twin), (plain_dir, tiny_deepseek_v4)):
+        folder.mkdir()
+        for f in source.iterdir():
+            if f.suffix != ".safetensors":
+                shutil.copy(f, folder / f.name)
+    expert = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+    packed, plain = {}, {}
+    for name, w in load_file(tiny_deepseek_v4 / "model.safetensors").items():
+        if expert.search(name):
+            codes, scales = fp4_quantize(w.float())
+            packed[hub_name(name)] = codes.view(torch.int8)
+            packed[hub_name(name).removesuffix("weight") + "scale"] = scales.view(torch.float8_e8m0fnu)
+            plain[name] = transformers_fp8_path(codes.view(torch.int8), scales.view(torch.float8_e8m0fnu))
+        else:
+            packed[hub_name(name)], plain[name] = w, w
+    save_file(packed, packed_dir / "model.safetensors")
+    save_file(plain, plain_dir / "model.safetensors")
+    return packed_dir, plain_dir
+
+
+def test_fp4_experts_equal_transformers_on_their_dequantized_weights(fp4_pair):
+    """`--kt-method FP4` serves the hub's routed experts as stored (CPU rows, 3 a layer in the device's MX stacks,
+    the clamp in both): logits and greedy tokens equal transformers' on the dequantized folder."""
+    from hf_checkpoints import hf_last_logits_and_greedy
+    from test_tensor_parallel import logits_of
+
+    from ktlite import Engine
+
+    packed, plain = fp4_pair
+    ref = hf_model(plain)
+    g = torch.Generator().manual_seed(3)
+    batch = [torch.randint(4, ref.config.vocab_size, (n,), generator=g).tolist() for n in (5, 30)]
+    with Engine(str(packed), **{**EXACT, "kt_method": "FP4", "kt_num_gpu_experts": 3}) as eng:
+        got = logits_of(eng, batch)
+        tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+    want, expected = hf_last_logits_and_greedy(ref, batch, GREEDY["max_tokens"])
+    assert (got - want).abs().max().item() <= TOL and tokens == expected
