@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hf_checkpoints import hf_model
 from test_gqa_families import random_ids
 
@@ -339,3 +340,80 @@ def test_fp4_experts_equal_transformers_on_their_dequantized_weights(fp4_pair):
         tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
     want, expected = hf_last_logits_and_greedy(ref, batch, GREEDY["max_tokens"])
     assert (got - want).abs().max().item() <= TOL and tokens == expected
+
+
+# ---- the hub's block-FP8 dense weights ----------------------------------------------------------------------------
+
+HUB_FP8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.ffn\.shared_experts\.w[123]\.weight$")
+HUB_QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+             "weight_block_size": [128, 128]}  # tests/data/deepseek-v4-flash/config.json
+
+
+def fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (float8_e4m3fn codes, float8_e8m0fnu scales [ceil(N/128), ceil(K/128)]): a power-of-two scale per
+    128 x 128 block, the block's largest value within e4m3's 448."""
+    n, k = w.shape
+    blocks = F.pad(w.float(), (0, -k % 128, 0, -n % 128)).view(-(-n // 128), 128, -(-k // 128), 128)
+    scale = torch.exp2(torch.ceil(torch.log2(blocks.abs().amax(dim=(1, 3)).clamp_min(2.0**-60) / 448)))
+    codes = (blocks / scale[:, None, :, None]).view(blocks.shape[0] * 128, -1)[:n, :k].to(torch.float8_e4m3fn)
+    return codes, scale.to(torch.float8_e8m0fnu)
+
+
+def fp8_dequantized(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    full = scale.float().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return codes.float() * full[: codes.shape[0], : codes.shape[1]]
+
+
+@pytest.fixture(scope="module")
+def fp8_pair(tiny_deepseek_v4, hub_twin, tmp_path_factory):
+    """(the hub twin with the hub's block-FP8 projections: e4m3 `weight` + e8m0 `scale` per 128 x 128 block, and its
+    quantization_config; the transformers-written folder with those weights dequantized)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("dsv4_fp8")
+    packed_dir, plain_dir = root / "packed", root / "plain"
+    for folder, source in ((packed_dir, hub_twin), (plain_dir, tiny_deepseek_v4)):
+        folder.mkdir()
+        for f in source.iterdir():
+            if f.suffix != ".safetensors":
+                shutil.copy(f, folder / f.name)
+    config = json.loads((packed_dir / "config.json").read_text())
+    (packed_dir / "config.json").write_text(json.dumps({**config, "quantization_config": HUB_QUANT}))
+    packed, plain = {}, {}
+    for name, w in load_file(tiny_deepseek_v4 / "model.safetensors").items():
+        hub = hub_name(name)
+        if HUB_FP8.search(hub):
+            codes, scale = fp8_blocks(w)
+            packed[hub], packed[hub.removesuffix("weight") + "scale"] = codes, scale
+            plain[name] = fp8_dequantized(codes, scale)
+        else:
+            packed[hub], plain[name] = w, w
+    save_file(packed, packed_dir / "model.safetensors")
+    save_file(plain, plain_dir / "model.safetensors")
+    return packed_dir, plain_dir
+
+
+def test_fp8_projections_equal_transformers_on_their_dequantized_weights(fp8_pair, ids):
+    """The hub's FP8 projections with `.scale` e8m0 blocks: dequantized at load (the reference model) and kept FP8
+    on the device (`--weight-dtype fp8`: FP8Linear layers where the hub has FP8, bf16 compressors), both equal to
+    transformers on the dequantized folder."""
+    from test_tensor_parallel import logits_of
+
+    from ktlite import Engine
+    from ktlite.runtime.models.fp8 import FP8Linear
+
+    packed, plain = fp8_pair
+    ref = hf_model(plain)
+    with torch.no_grad():
+        want = ref(ids).logits
+    assert (models.load(packed)(ids) - want).abs().max().item() <= TOL
+    batch = ids.tolist()
+    with Engine(str(packed), **EXACT, weight_dtype="fp8") as eng:
+        attn = eng.runtime.runner.model.model.layers[1].self_attn  # a CSA layer
+        assert all(isinstance(getattr(attn, n), FP8Linear) for n in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"))
+        assert isinstance(attn.indexer.wq_b, FP8Linear) and not isinstance(attn.compressor.wkv, FP8Linear)
+        got = logits_of(eng, batch)
+    assert (got - want[:, -1]).abs().max().item() <= TOL
