@@ -225,6 +225,30 @@ def test_engine_tp2_equals_transformers(tiny_deepseek_v4, engine_expected):
     assert len(allocated) == 2 and all(plan.mismatches(used, rank) == {} for rank, used in allocated.items())
 
 
+def test_bf16_cpu_device_close_to_transformers(tiny_deepseek_v4, engine_expected):
+    """The serving dtype on a CPU device: bf16 activations, the dense layers INT8 (wo_a stored per group), the
+    mHC weights, sinks and position biases fp32 as the hub keeps them; close to transformers' fp32 logits, and
+    allocated as planned."""
+    from test_tensor_parallel import logits_of
+
+    from ktlite import Engine
+    from ktlite.runtime.plan_components import allocated_by_component
+
+    batch, _, logits = engine_expected
+    with Engine(str(tiny_deepseek_v4), **{**EXACT, "dtype": "bfloat16"}, kt_num_gpu_experts=3) as eng:
+        model, plan = eng.runtime.runner.model, eng.runtime.plan
+        attn = model.model.layers[0].self_attn
+        assert attn.wo_a is None and attn.wo_a_groups is not None  # quantized per group
+        assert {model.model.layers[0].attn_hc.fn.dtype, attn.attn_sink.dtype, attn.compressor.ape.dtype} == {
+            torch.float32}
+        rel = (torch.linalg.norm(logits_of(eng, batch) - logits) / torch.linalg.norm(logits)).item()
+        allocated = {**allocated_by_component(model), **plan.allocated()}
+    # bf16 activations and INT8 dense layers over a random tiny model (large weights, 4 streams): ~5-10 % measured;
+    # a wrong layout (wo_a's groups, the fp32 parameters) is ~100 %
+    assert 0 < rel < 0.2, rel
+    assert plan.mismatches(allocated) == {}
+
+
 def test_prefix_cache_resumes_from_a_state_snapshot(tiny_deepseek_v4, pair):
     """The rings cannot be rebuilt from a token prefix: the prefix cache reuses a prefix only where it kept a
     snapshot of them (the end of a prompt or reply, as for Qwen3-Next's recurrent state), and the next turn's
@@ -274,12 +298,12 @@ def test_plan_of_flash_one_24gib_and_two_16gib_gpus(gpu, tp):
     assert plan.kv_bytes_per_token == FLASH_KV == 50_912
     assert plan.bytes("kv_pool") == plan.kv_pool_tokens * FLASH_KV
     assert plan.bytes("state_pool") == 8 * FLASH_STATE and FLASH_STATE == 12_206_080
-    attention = (43 * (4_195_328 + 2_097_664 + 3 * 33_562_624 + 128)  # wq_a, wkv, wq_b / wo_a / wo_b, sinks
-                 + 21 * (16_777_216 + 8_192 + 8_390_656 + 524_288 + 4_194_304 + 2_048) + 20 * (8_388_608 + 131_072))
-    if tp == 1:  # fp8 projections, bf16 compressors (README): what the hub stores
-        assert plan.bytes("attention") == attention == 5_398_407_040
+    attention = (43 * (4_195_328 + 2_097_664 + 3 * 33_562_624 + 256)  # wq_a, wkv, wq_b / wo_a / wo_b, fp32 sinks
+                 + 21 * (16_777_216 + 16_384 + 8_390_656 + 524_288 + 4_194_304 + 4_096) + 20 * (8_388_608 + 262_144))
+    if tp == 1:  # fp8 projections, bf16 compressors, fp32 sinks and position biases (README): as the hub stores them
+        assert plan.bytes("attention") == attention == 5_401_249_024
     else:  # query heads and output groups split; the shared KV head, compressors and indexer replicated
-        split = 43 * (3 * 33_562_624 + 128) // 2
+        split = 43 * (3 * 33_562_624 + 256) // 2
         assert plan.bytes("attention") == attention - split
     result = CliRunner().invoke(main, ["plan", "--model", str(FLASH), "--gpu-memory", gpu,
                                        "--tensor-parallel-size", str(tp)])

@@ -23,7 +23,7 @@ def build(
     fp8_weights: bool = False,
     tp=None,
 ) -> CausalLM:
-    """An uninitialised model on `device`: weights in `dtype`, routers in float32.
+    """An uninitialised model on `device`: weights in `dtype`, routers (and a module's `fp32_params`) in float32.
 
     `routed_experts=False` leaves the routed expert weights out (the runtime places them itself);
     `fp8_weights=True` keeps the projections of an FP8 checkpoint in FP8 (1 byte + block scales), but those
@@ -44,6 +44,8 @@ def build(
     for module in model.modules():
         if isinstance(module, Router):
             module.float()
+        for name in getattr(module, "fp32_params", ()):  # parameters a family keeps fp32 in any weight dtype
+            setattr(module, name, torch.nn.Parameter(getattr(module, name).float()))
     if torch.device(device).type != "meta":
         model.to_empty(device=device)
     # to_empty leaves buffers uninitialised; the rope frequencies are derived, not loaded, and stay

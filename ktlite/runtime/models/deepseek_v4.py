@@ -294,6 +294,7 @@ class HyperConnection(nn.Module):
     collapsed block input [N, hidden])."""
 
     plan_component = "norms_router"
+    fp32_params = ("fn", "base", "scale")  # fp32 on the hub and in transformers (models.build)
 
     def __init__(self, hc: int, hidden: int, iters: int, hc_eps: float, eps: float):
         super().__init__()
@@ -330,6 +331,7 @@ class HyperHead(nn.Module):
     """The final collapse of the streams into one hidden vector per token."""
 
     plan_component = "norms_router"
+    fp32_params = ("fn", "base", "scale")
 
     def __init__(self, hc: int, hidden: int, hc_eps: float, eps: float):
         super().__init__()
@@ -356,6 +358,7 @@ class Compressor(nn.Module):
     (CSA): the projections are 2 * dim wide and entry w pools window w's second half with window w-1's first half."""
 
     fp8_linears = ()  # bf16 on the hub, beside FP8 attention projections
+    fp32_params = ("ape",)
 
     def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float, rotary: RotaryEmbedding):
         super().__init__()
@@ -444,6 +447,8 @@ class Attention(nn.Module):
 
     plan_component = "attention"
     fp8_linears = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")  # what the hub stores in block FP8 (models/fp8.py)
+    fp32_params = ("attn_sink",)  # fp32 on the hub and in transformers, whatever the weights' dtype (models.build)
+    keep_linears = ("wo_a",)  # applied per group, not called: a CPU device stores its groups (head_matrices)
 
     def __init__(self, cfg: DeepseekV4Config, layer_idx: int, rotary: RotaryEmbedding, compress_rotary: RotaryEmbedding):
         super().__init__()
@@ -464,6 +469,14 @@ class Attention(nn.Module):
             hidden, d, self.rate, self.kind == CSA, cfg.rms_norm_eps, compress_rotary)
         self.indexer = Indexer(cfg, compress_rotary) if self.kind == CSA else None
         self.o_groups = cfg.o_groups
+        self.wo_a_groups: nn.Module | None = None  # wo_a per group once a CPU device stored it quantized
+
+    def head_matrices(self) -> dict[str, torch.Tensor]:
+        """The CPU dense path's protocol (cpu_dense.py): wo_a's groups [groups, out, in] to store quantized as
+        `wo_a_groups`; {} where wo_a is not a plain Linear (FP8 weights stay FP8)."""
+        if not isinstance(self.wo_a, nn.Linear):
+            return {}
+        return {"wo_a_groups": self.wo_a.weight.view(self.o_groups, -1, self.wo_a.in_features)}
 
     def shard(self, prefix: str, tp, shards: dict) -> None:
         """Tensor parallel: query heads (wq_b rows, their sinks) and whole output groups (wo_a rows) split, wo_b
@@ -500,7 +513,10 @@ class Attention(nn.Module):
                                     layer_idx))
             start += m
         o = rotate_tail(torch.cat(out), cos.unsqueeze(-2), -sin.unsqueeze(-2))  # V's rotation undone
-        return self.wo_b(grouped_linear(self.wo_a, o.view(n, self.o_groups, -1)))
+        grouped = o.view(n, self.o_groups, -1)
+        if self.wo_a_groups is not None:
+            return self.wo_b(self.wo_a_groups(grouped).flatten(1))
+        return self.wo_b(grouped_linear(self.wo_a, grouped))
 
     def _attend(self, q: torch.Tensor, q_residual: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, pool,
                 row: int, p: int, m: int, layer_idx: int) -> torch.Tensor:
