@@ -225,6 +225,16 @@ def test_engine_tp2_equals_transformers(tiny_deepseek_v4, engine_expected):
     assert len(allocated) == 2 and all(plan.mismatches(used, rank) == {} for rank, used in allocated.items())
 
 
+def test_speculative_decoding_is_refused(tiny_deepseek_v4):
+    """A verify forward would advance the compressors' rings over drafts that may be rejected: refused before
+    allocating, as for the recurrent families."""
+    from ktlite import Engine
+    from ktlite.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="speculative decoding does not roll that state back"):
+        Engine(str(tiny_deepseek_v4), **EXACT, speculative_algorithm="NGRAM", speculative_num_steps=3)
+
+
 def test_bf16_cpu_device_close_to_transformers(tiny_deepseek_v4, engine_expected):
     """The serving dtype on a CPU device: bf16 activations, the dense layers INT8 (wo_a stored per group), the
     mHC weights, sinks and position biases fp32 as the hub keeps them; close to transformers' fp32 logits, and

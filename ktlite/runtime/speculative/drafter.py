@@ -41,13 +41,14 @@ class Speculation:
 
 
 def speculation_for(config: EngineConfig, has_recurrent_state: bool) -> Speculation | None:
-    """The engine's speculation from its flags (None: off). A model with per-request recurrent state (Gated DeltaNet)
-    is refused: a verify forward advances that state over drafts that may be rejected, and rolling it back is not
+    """The engine's speculation from its flags (None: off). A model with per-request state (Gated DeltaNet, the
+    compressors of DeepSeek-V4) is refused: a verify forward advances that state over drafts that may be rejected, and rolling it back is not
     built yet."""
     if config.speculative_algorithm is None:
         return None
     if has_recurrent_state:
-        raise ConfigError(f"--speculative-algorithm {config.speculative_algorithm}: this model has recurrent "
-                          "(linear-attention) layers, whose state a rejected draft would leave advanced; speculative "
-                          "decoding does not roll that state back yet: leave the flag out for this model")
+        raise ConfigError(f"--speculative-algorithm {config.speculative_algorithm}: this model keeps per-request "
+                          "state (recurrent layers', or DeepSeek-V4's compressors'), which a rejected draft would leave "
+                          "advanced; speculative decoding does not roll that state back yet: leave the flag out for "
+                          "this model")
     return Speculation(config.speculative_drafts, NgramDrafter, auto=config.speculative_drafts_auto)
