@@ -199,13 +199,15 @@ def test_engine_cpu_experts_equal_transformers_and_the_caches_are_planned_exactl
 
 
 def test_half_gpu_experts_chunk_5_and_preemption(tiny_deepseek_v4, engine_expected):
-    """Chunks of 5 tokens close windows mid-chunk from the ring the previous chunk left; 48 KV slots force
+    """Chunks of 5 tokens (mixed with other requests' decode tokens) close windows mid-chunk from the ring the
+    previous chunk left; 48 KV slots force
     preemption, and a preempted request recomputes its prompt (its rings are rewritten before they are read);
     half the experts run on the device (the clamp in the fused MoE), half on the CPU."""
     from ktlite import Engine
 
     batch, tokens, _ = engine_expected
-    flags = {**EXACT, "kt_num_gpu_experts": 4, "chunked_prefill_size": 5, "max_total_tokens": 48}
+    flags = {**EXACT, "kt_num_gpu_experts": 4, "chunked_prefill_size": 5, "max_total_tokens": 48,
+             "enable_mixed_chunk": True}  # decode tokens ride along with the prefill chunks
     with Engine(str(tiny_deepseek_v4), **flags) as eng:
         assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == tokens
         assert eng.scheduler.preemptions > 0
