@@ -375,9 +375,10 @@ class Compressor(nn.Module):
         return 2 * self.rate if self.overlap else self.rate
 
     def pool(self, kv: torch.Tensor, gate: torch.Tensor, first: int) -> torch.Tensor:
-        """kv, gate [T, width] of positions from first_window_start .. (windows first.., whole windows, with
-        the window before `first` in front when overlapping and first > 0) -> entries [windows, dim] of windows
-        first, first + 1, ..."""
+        """The projections kv, gate [T, width] of whole windows (windows first, first + 1, ...; with overlap and
+        first > 0, window first - 1 in front as well) -> entries [windows, dim] of windows first, first + 1, ...:
+        the gate's softmax over each window's slots (plus the position bias), per channel, weighs the kv; then the
+        norm and rope at the window's first position (compress rope)."""
         r, d = self.rate, self.dim
         kv, gate = kv.view(-1, r, kv.shape[-1]), gate.view(-1, r, gate.shape[-1]) + self.ape.float()
         if self.overlap:
