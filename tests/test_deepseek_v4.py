@@ -202,15 +202,19 @@ def test_half_gpu_experts_chunk_5_and_preemption(tiny_deepseek_v4, engine_expect
     """Chunks of 5 tokens (mixed with other requests' decode tokens) close windows mid-chunk from the ring the
     previous chunk left; 48 KV slots force
     preemption, and a preempted request recomputes its prompt (its rings are rewritten before they are read);
-    half the experts run on the device (the clamp in the fused MoE), half on the CPU."""
+    decode steps run half the experts on the device (the clamp in the fused MoE), half on the CPU, prefill chunks
+    all of them on the device (layerwise), and the placement moves every 2 steps."""
     from ktlite import Engine
 
     batch, tokens, _ = engine_expected
     flags = {**EXACT, "kt_num_gpu_experts": 4, "chunked_prefill_size": 5, "max_total_tokens": 48,
-             "enable_mixed_chunk": True}  # decode tokens ride along with the prefill chunks
+             "enable_mixed_chunk": True,  # decode tokens ride along with the prefill chunks
+             "kt_gpu_prefill_token_threshold": 4,  # chunks of 5 run every expert on the device (layerwise)
+             "kt_enable_dynamic_expert_update": True, "kt_expert_update_interval": 2}  # experts move mid-run
     with Engine(str(tiny_deepseek_v4), **flags) as eng:
+        initial = eng.runtime.placement()
         assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == tokens
-        assert eng.scheduler.preemptions > 0
+        assert eng.scheduler.preemptions > 0 and eng.runtime.placement() != initial
         assert eng.runtime.runner.kv_pool.used_tokens == 0
 
 
