@@ -81,6 +81,19 @@ def test_greedy_32_equals_generate(pair, generated):
     assert pair[0].generate_greedy(prompt, 32).tolist() == tokens.tolist()
 
 
+def test_tiny_model_is_what_transformers_reads(tmp_path):
+    """`ktlite tiny-model --arch deepseek_v4` writes a folder transformers loads as written (its config states
+    `intermediate_size`, which transformers reads as the experts' width) and whose logits ktlite's model equals."""
+    from ktlite.runtime.tiny_model import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "tiny", "deepseek_v4")
+    ref, ours = hf_model(path), models.load(path)
+    assert ours.config.moe_intermediate_size == ref.config.moe_intermediate_size == 32
+    ids = random_ids(2, LENGTH, ours.config.vocab_size, seed=5)
+    with torch.no_grad():
+        assert (ours(ids) - ref(ids).logits).abs().max().item() <= TOL
+
+
 # ---- the hub's dialect: config fields and tensor names ----------------------------------------------------------
 
 RATIOS = {SLIDING: 0, CSA: 4, HCA: 128}  # the hub's compress_ratios values

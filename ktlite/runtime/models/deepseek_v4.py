@@ -198,7 +198,10 @@ def parse_config(raw: dict[str, Any]) -> DeepseekV4Config:
                      "swiglu_limit": 10.0, "sliding_window": 128, "o_groups": 8, "o_lora_rank": 1024,
                      "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "hc_mult": 4,
                      "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "q_lora_rank": 1024})
-    common = f.common(ARCHITECTURES[0], intermediate_size=0)  # no dense layers
+    # no dense layers; transformers reads `intermediate_size` as an alias of moe_intermediate_size (its attribute_map),
+    # and a stated one wins
+    common = f.common(ARCHITECTURES[0], intermediate_size=0,
+                      moe_intermediate_size=int(f.get("intermediate_size") or f.need("moe_intermediate_size")))
     layers, heads, hidden = common["num_hidden_layers"], common["num_attention_heads"], common["hidden_size"]
     head_dim = int(f.values["head_dim"])
     if int(f.values["num_key_value_heads"]) != 1:
@@ -656,4 +659,38 @@ class DeepseekV4ForCausalLM(CausalLM):
 
 Model = DeepseekV4ForCausalLM
 
-TINY_CONFIGS: dict[str, dict[str, Any]] = {}
+# `ktlite tiny-model --arch deepseek_v4`: config.json fields beyond the shared tiny ones (ktlite/runtime/tiny_model.py),
+# as transformers writes them (layer_types, compress_rates): every layer kind, hash-MoE then routed MoE, a window of
+# 8, rates 4 and 8 and an indexer top-3, so ~30-token prompts drop keys and entries; a clamp limit of 1
+TINY_CONFIGS = {"deepseek_v4": {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "partial_rotary_factor": 0.25,
+    "q_lora_rank": 48,
+    "o_groups": 2,
+    "o_lora_rank": 16,
+    "intermediate_size": 32,  # transformers' alias of moe_intermediate_size: the shared tiny fields' 128 would win
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus",
+    "layer_types": [HCA, CSA, SLIDING, CSA],
+    "mlp_layer_types": [HASH, HASH, ROUTED, ROUTED],
+    "compress_rates": {CSA: 4, HCA: 8},
+    "sliding_window": 8,
+    "index_n_heads": 4,
+    "index_head_dim": 16,
+    "index_topk": 3,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "swiglu_limit": 1.0,
+    "compress_rope_theta": 160000.0,
+    "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                        "beta_fast": 32, "beta_slow": 1},
+}}
