@@ -189,8 +189,8 @@ def engine_expected(pair):
 
 def test_engine_cpu_experts_equal_transformers_and_the_caches_are_planned_exactly(tiny_deepseek_v4, engine_expected):
     """Every routed expert on the CPU (the clamp in its kernel); the KV pool (window rows, compressed entries, index
-    keys) and the state pool (the compressors' rings, per running request and per prefix-cache snapshot) are
-    allocated as planned, and the plan's arithmetic is the config's."""
+    keys) and the state pool (the compressors' rings, per running request: no prefix-cache snapshots) are allocated
+    as planned, and the plan's arithmetic is the config's."""
     from test_tensor_parallel import logits_of
 
     from ktlite import Engine
@@ -202,7 +202,8 @@ def test_engine_cpu_experts_equal_transformers_and_the_caches_are_planned_exactl
         assert (logits_of(eng, batch) - logits).abs().max().item() <= TOL
         plan, states = eng.runtime.plan, eng.runtime.runner.state_pool
         allocated = {**allocated_by_component(eng.runtime.runner.model), **plan.allocated()}
-        requests = EXACT["max_running_requests"] + len(states.snapshot_rows)
+        requests = EXACT["max_running_requests"]
+        assert not states.snapshot_rows
     assert plan.mismatches(allocated) == {} and allocated["kv_pool"] > 0 and allocated["state_pool"] > 0
     # per token, fp32: a window row on 4 layers; its stripe of the entries and index keys (32 / 4 and 16 / 4 on the
     # 2 CSA layers, 32 / 8 on the HCA one)
@@ -278,10 +279,10 @@ def test_bf16_cpu_device_close_to_transformers(tiny_deepseek_v4, engine_expected
     assert plan.mismatches(allocated) == {}
 
 
-def test_prefix_cache_resumes_from_a_state_snapshot(tiny_deepseek_v4, pair):
-    """The rings cannot be rebuilt from a token prefix: the prefix cache reuses a prefix only where it kept a
-    snapshot of them (the end of a prompt or reply, as for Qwen3-Next's recurrent state), and the next turn's
-    tokens equal transformers' on the whole prompt."""
+def test_no_prefix_cache_a_next_turn_recomputes(tiny_deepseek_v4, pair):
+    """A request resuming from another's prefix would close the window straddling the prefix's end into the
+    prefix's shared slots: the prefix cache is off (no state snapshots planned or kept), the next turn of a
+    conversation recomputes its whole prompt, and its tokens equal transformers'."""
     from hf_checkpoints import hf_greedy_each
 
     from ktlite import Engine
@@ -289,11 +290,11 @@ def test_prefix_cache_resumes_from_a_state_snapshot(tiny_deepseek_v4, pair):
     g = torch.Generator().manual_seed(9)
     first, added = (torch.randint(4, pair[0].config.vocab_size, (n,), generator=g).tolist() for n in (21, 6))
     with Engine(str(tiny_deepseek_v4), **EXACT) as eng:
-        assert eng.scheduler.cache is not None and eng.scheduler.cache.snapshots is not None
+        assert eng.scheduler.cache is None and not eng.runtime.runner.state_pool.snapshot_rows
         r1 = eng.generate(input_ids=first, sampling_params=GREEDY)
         second = first + r1.token_ids + added
         r2 = eng.generate(input_ids=second, sampling_params=GREEDY)
-    assert r1.cached_tokens == 0 and r2.cached_tokens == len(first) + GREEDY["max_tokens"] - 1
+    assert r1.cached_tokens == r2.cached_tokens == 0
     assert [r1.token_ids, r2.token_ids] == hf_greedy_each(pair[1], [first, second], GREEDY["max_tokens"])
 
 

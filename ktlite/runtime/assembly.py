@@ -157,7 +157,7 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
                       device, alloc=alloc)
         # recurrent layers' per-request state, at the request's KV-pool row
         states = StatePool(cfg.request_state_specs(tp.size if tp is not None else 1), config.max_running_requests,
-                           device, alloc=alloc, snapshots=config.state_snapshots(bool(cfg.request_state_specs())))
+                           device, alloc=alloc, snapshots=config.state_snapshots(cfg.snapshot_state))
         runner = ModelRunner(model, pool, moe_layers, config.kt_max_deferred_experts_per_token, tp=tp,
                              state_pool=states)
         if config.kt_max_deferred_experts_per_token:

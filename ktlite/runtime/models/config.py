@@ -163,12 +163,21 @@ class ModelConfig:
     weight_renames: tuple[tuple[str, str], ...] = ()
     vision_skipped: bool = False  # a vision-language checkpoint of which ktlite loads and serves the text model only
 
+    # whether a copy of a request's per-request state where a prompt or reply ends (a prefix-cache snapshot,
+    # runtime/state_cache.py) lets another request resume from there; False turns such a family's prefix cache off
+    snapshots_resume = True
+
     @property
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         raise NotImplementedError
+
+    @property
+    def snapshot_state(self) -> bool:
+        """Whether the prefix cache keeps snapshots of this family's per-request state (EngineConfig.state_snapshots)."""
+        return bool(self.request_state_specs()) and self.snapshots_resume
 
     def token_cache_specs(self, tp_size: int = 1, kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
         """What one tensor-parallel rank caches per token (the KV pool's buffers) in a pool of kv_dtype

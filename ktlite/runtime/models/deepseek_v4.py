@@ -27,13 +27,16 @@ Cache (what this file declares; the attention here is a model-level torch implem
   only the last `sliding_window` are read); and the compressed entries striped over the slots of the tokens they
   pool: entry w of a layer with rate r is r stripes of ceil(dim / r) values, stripe k at the slot of position
   w * r + k (`csa_entry` ceil(head_dim / 4) and `csa_index` ceil(index_head_dim / 4) per CSA layer, `hca_entry`
-  ceil(head_dim / 128) per HCA layer). So the pool holds exactly one entry per window, and the prefix cache
-  shares entries with the tokens they pool.
+  ceil(head_dim / 128) per HCA layer). So the pool holds exactly one entry per window.
 - per request per compressed layer: the compressor's (and indexer's) kv and gate projections of the tokens not yet
   pooled, a ring over positions (HCA: `rate` rows; CSA: `2 * rate` rows, since an entry also reads the previous
   window). The ring is only read at positions the request has written, so a request that starts again from
-  position 0 (a new one, or a preempted one recomputing its prompt) needs no reset. It is not rewindable: these
-  models skip the prefix cache.
+  position 0 (a new one, or a preempted one recomputing its prompt) needs no reset.
+The state is not rewindable and the entries are not a function of a token prefix alone (the window straddling a
+prefix's end pools tokens after it), so preemption recomputes and there is no prefix cache (`snapshots_resume`):
+a cache that resumed only at positions that are multiples of every rate (128), from a snapshot taken when a request
+passes one, would fit the striped layout; not built. Speculative decoding is refused (drafts would advance the
+rings).
 
 Names: the hub's (`layers.N.attn.wq_a`, `layers.N.attn.kv_norm`, `layers.N.ffn.experts.E.w1`, `embed`, `head`,
 `hc_head_fn`, ...); a folder transformers re-saved keeps them under `model.` (`model.layers.N.attn.wq_a`,
@@ -74,6 +77,10 @@ HASH, ROUTED = "hash_moe", "moe"
 
 @dataclass(frozen=True, kw_only=True)
 class DeepseekV4Config(ModelConfig):
+    # A request resuming from another's prefix would close the window that straddles the prefix's end and write that
+    # entry's stripes into the prefix's shared slots (other requests read them): no prefix cache, a request recomputes
+    # (see the module doc)
+    snapshots_resume = False
     head_dim: int
     q_lora_rank: int
     o_groups: int
