@@ -471,3 +471,12 @@ def test_fp8_projections_equal_transformers_on_their_dequantized_weights(fp8_pai
         assert isinstance(attn.indexer.wq_b, FP8Linear) and not isinstance(attn.compressor.wkv, FP8Linear)
         got = logits_of(eng, batch)
     assert (got - want[:, -1]).abs().max().item() <= TOL
+
+
+def test_fp8_kv_cache_is_refused_before_allocating():
+    from ktlite.errors import ConfigError
+    from ktlite.runtime.memory import make_plan
+    from ktlite.runtime.plan_inputs import PlanInputs
+
+    with pytest.raises(ConfigError, match="FP8 KV cache is not supported yet"):
+        make_plan(models.load_config(FLASH), PlanInputs(gpu_memory="24GiB", kv_cache_dtype="fp8_e4m3"))
