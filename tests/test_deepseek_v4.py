@@ -56,6 +56,22 @@ def test_prefill_logits_match_transformers(pair, ids, expected):
     assert (got - expected).abs().max().item() <= TOL
 
 
+def test_chunked_prefill_matches_transformers_chunked(pair, ids):
+    """Chunks of 7 through both caches: windows close mid-chunk from the ring the previous chunk left (transformers'
+    own chunked forward is the reference, as its indexer ties break per forward)."""
+    from transformers import DynamicCache
+
+    ours, ref = pair
+    cache, got, want = ours.new_cache(*ids.shape), [], []
+    with torch.no_grad():
+        hf_cache = DynamicCache(config=ref.config)
+        for start in range(0, LENGTH, 7):
+            chunk = ids[:, start : start + 7]
+            got.append(ours(chunk, cache))
+            want.append(ref(chunk, cache=hf_cache, use_cache=True).logits)
+    assert (torch.cat(got, dim=1) - torch.cat(want, dim=1)).abs().max().item() <= TOL
+
+
 @pytest.fixture(scope="module")
 def generated(pair):
     """transformers' greedy 32 tokens after 7-token prompts, with the logits of each step of its cached decode."""
