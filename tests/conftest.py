@@ -93,3 +93,12 @@ def tiny_minimax_m3(tmp_path_factory) -> Path:
     from hf_checkpoints import write_hf_vl_checkpoint
 
     return write_hf_vl_checkpoint(tmp_path_factory.mktemp("hf_minimax_m3") / "minimax_m3", "minimax_m3", seed=13)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v4(tmp_path_factory) -> Path:
+    """DeepSeek-V4 written by transformers: HCA, CSA and sliding-only layers (window 8, rates 8 and 4, indexer top-3),
+    hash-MoE then routed MoE layers, mHC over 4 streams, a clamp limit of 1 (tests/hf_checkpoints.py)."""
+    from hf_checkpoints import write_hf_checkpoint
+
+    return write_hf_checkpoint(tmp_path_factory.mktemp("hf_deepseek_v4") / "deepseek_v4", "deepseek_v4", seed=13)

@@ -72,6 +72,21 @@ FAMILIES: dict[str, tuple[type, dict[str, Any]]] = {
     "deepseek_v3": (transformers.DeepseekV3Config, dict(**_MLA, rope_parameters=_YARN)),
     # every layer kind, blocks of 4 keys with 2 kept, clamp limit 1 (ktlite's tiny-model fields: minimax_m3.TINY_TEXT)
     "minimax_m3": (transformers.MiniMaxM3VLTextConfig, {**_COMMON, **minimax_m3.TINY_TEXT}),
+    # every layer kind: HCA (one entry per 8 tokens), CSA (rate 4, top-3 of the indexer) and sliding-only layers, a
+    # window of 8, hash-MoE then routed MoE; ~30-token prompts drop window keys and compressed entries alike; a clamp
+    # limit of 1 clamps many gate/up values; the compressed branches' rope is YaRN
+    "deepseek_v4": (transformers.DeepseekV4Config, dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        partial_rotary_factor=0.25, q_lora_rank=48, o_groups=2, o_lora_rank=16, moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=1.5,
+        layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+                     "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        sliding_window=8, index_n_heads=4, index_head_dim=16, index_topk=3, hc_mult=4, hc_sinkhorn_iters=20,
+        swiglu_limit=1.0, rope_theta=10000.0, compress_rope_theta=160000.0, max_position_embeddings=CONTEXT,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                         "beta_fast": 32, "beta_slow": 1}, tie_word_embeddings=False)),
     # V2's router (transformers): softmax, best groups by their top expert, always times routed_scaling_factor
     "deepseek_v2": (transformers.DeepseekV2Config, dict(
         **{**_MLA, "q_lora_rank": None, "n_shared_experts": 2, "norm_topk_prob": False, "routed_scaling_factor": 1.5},
@@ -102,6 +117,9 @@ def _spread(model: torch.nn.Module, seed: int, norm_center: float) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_((0.05 * torch.randn(b.shape, generator=gen)).bfloat16().float())
+            elif name.endswith("tid2eid"):  # hash-MoE (DeepSeek-V4): k distinct experts per token id
+                experts = model.config.n_routed_experts
+                b.copy_(torch.stack([torch.randperm(experts, generator=gen)[: b.shape[1]] for _ in range(b.shape[0])]))
 
 
 def _text_config(family: str, tokenizer, overrides: dict[str, Any]) -> transformers.PreTrainedConfig:

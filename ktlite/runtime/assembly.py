@@ -158,7 +158,7 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
         # recurrent layers' per-request state, at the request's KV-pool row
         recurrent = bool(cfg.request_state_specs())
         states = StatePool(cfg.request_state_specs(tp.size if tp is not None else 1), config.max_running_requests,
-                           device, alloc=alloc, snapshots=config.state_snapshots(recurrent),
+                           device, alloc=alloc, snapshots=config.state_snapshots(cfg.snapshot_state),
                            verify_rows=config.state_verify_rows(recurrent))
         runner = ModelRunner(model, pool, moe_layers, config.kt_max_deferred_experts_per_token, tp=tp,
                              state_pool=states)

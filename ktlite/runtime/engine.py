@@ -67,7 +67,7 @@ class Engine:
         # before the tensor-parallel branch, since the rank count is one of them
         model_config = load_config(self.config.model_path)
         self.config, self.knobs = choose_knobs(self.config, model_config)
-        speculation = speculation_for(self.config, bool(model_config.request_state_specs()))  # before allocating
+        speculation = speculation_for(self.config, model_config)  # before allocating
         self.tokenizer = Tokenizer(self.config.model_path)
         self._failure: EngineFailure | None = None  # set when the scheduler stops on an error or a TP rank dies
         if self.config.tensor_parallel_size > 1:  # ranks 1..N-1 in their own processes

@@ -91,8 +91,18 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._view(name).get_shape())
 
+    def scale_name(self, name: str) -> str | None:
+        """The block scales of FP8 weight `name`: `<name>_scale_inv` (DeepSeek-V3's, transformers'), or `<base>.scale`
+        beside a float8_e4m3fn `<base>.weight` (DeepSeek-V4's hub files: e8m0 scales); None: not FP8."""
+        if (name + SCALE_SUFFIX) in self._file_of:
+            return name + SCALE_SUFFIX
+        hub = name.removesuffix("weight") + "scale"
+        if name.endswith(".weight") and hub in self._file_of and self._view(name).get_dtype() == "F8_E4M3":
+            return hub
+        return None
+
     def is_fp8(self, name: str) -> bool:
-        return (name + SCALE_SUFFIX) in self._file_of
+        return self.scale_name(name) is not None
 
     def get_raw(self, name: str) -> torch.Tensor:
         """The stored tensor as is (float8 stays float8)."""
@@ -102,7 +112,8 @@ class CheckpointReader:
         """The tensor in `dtype`; FP8 block-quantized weights are dequantized first."""
         tensor = self.get_raw(name)
         if self.is_fp8(name):
-            tensor = dequantize_fp8_blocks(tensor, self.get_raw(name + SCALE_SUFFIX), self.fp8_block or (128, 128))
+            scale = self.get_raw(self.scale_name(name)).float()  # e8m0 scales (DeepSeek-V4) read as their values
+            tensor = dequantize_fp8_blocks(tensor, scale, self.fp8_block or (128, 128))
         return tensor.to(dtype)
 
     def get_raw_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
@@ -118,7 +129,7 @@ class CheckpointReader:
             block = self.fp8_block or (128, 128)
             b = block[dim]
             lo, hi = start // b, -(-stop // b)
-            scale = self.get_raw_slice(name + SCALE_SUFFIX, dim, lo, hi).float()
+            scale = self.get_raw_slice(self.scale_name(name), dim, lo, hi).float()
             scale = scale.repeat_interleave(b, dim)
             scale = scale.narrow(dim, start - lo * b, stop - start)
             other = 1 - dim

@@ -202,6 +202,6 @@ def plan_inputs(config: EngineConfig, cfg: ModelConfig) -> PlanInputs:
         kv_cache_dtype=_DTYPE_NAMES[config.torch_kv_dtype],
         gpu_expert_format=gpu_expert_format(config),
         dense_quantization=config.cpu_dense_quantization,
-        state_snapshots=config.state_snapshots(bool(cfg.request_state_specs())),
+        state_snapshots=config.state_snapshots(cfg.snapshot_state),
         state_verify_rows=config.state_verify_rows(bool(cfg.request_state_specs())),
     )

@@ -98,6 +98,11 @@ def _random_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     state = {}
     for name, tensor in model.state_dict().items():
+        if not tensor.is_floating_point():  # a table of expert ids (DeepSeek-V4's hash-MoE tid2eid): k distinct each
+            experts = model.config.n_routed_experts
+            state[name] = torch.stack([torch.randperm(experts, generator=gen)[: tensor.shape[1]]
+                                       for _ in range(tensor.shape[0])])
+            continue
         if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
             value = 1.0 + 0.1 * torch.randn(tensor.shape, generator=gen)
         elif name.endswith("e_score_correction_bias"):
@@ -161,8 +166,11 @@ def write_tiny_model(
     tensors: dict[str, torch.Tensor] = {}
     for name, value in _random_state(model, seed).items():
         stored = stored_name(cfg.weight_renames, model.checkpoint_name(name))
-        if fp8 and name in fp8_names:
-            tensors[stored], tensors[stored + "_scale_inv"] = _fp8_quantize(value)
+        if fp8 and name in fp8_names:  # the scales under the family's name for them (DeepSeek-V4: `.scale`)
+            scale = stored_name(cfg.weight_renames, model.checkpoint_name(name + "_scale_inv"))
+            tensors[stored], tensors[scale] = _fp8_quantize(value)
+        elif not value.is_floating_point():
+            tensors[stored] = value
         elif name.endswith(("mlp.gate.weight", "e_score_correction_bias")):
             tensors[stored] = value  # routers stay float32, as in the published checkpoints
         else:

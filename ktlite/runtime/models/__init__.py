@@ -12,7 +12,7 @@ from ktlite.runtime.models.config import ModelConfig, load_config, parse_config
 from ktlite.runtime.models.fp8 import swap_in_fp8
 from ktlite.runtime.models.layers import Router
 from ktlite.runtime.models.registry import family_of, supported
-from ktlite.runtime.models.rope import inv_frequencies
+from ktlite.runtime.models.rope import RotaryEmbedding, inv_frequencies
 
 
 def build(
@@ -23,7 +23,7 @@ def build(
     fp8_weights: bool = False,
     tp=None,
 ) -> CausalLM:
-    """An uninitialised model on `device`: weights in `dtype`, routers in float32.
+    """An uninitialised model on `device`: weights in `dtype`, routers (and a module's `fp32_params`) in float32.
 
     `routed_experts=False` leaves the routed expert weights out (the runtime places them itself);
     `fp8_weights=True` keeps the projections of an FP8 checkpoint in FP8 (1 byte + block scales), but those
@@ -44,11 +44,15 @@ def build(
     for module in model.modules():
         if isinstance(module, Router):
             module.float()
+        for name in getattr(module, "fp32_params", ()):  # parameters a family keeps fp32 in any weight dtype
+            setattr(module, name, torch.nn.Parameter(getattr(module, name).float()))
     if torch.device(device).type != "meta":
         model.to_empty(device=device)
     # to_empty leaves buffers uninitialised; the rope frequencies are derived, not loaded, and stay
     # float32 whatever the weights' dtype (bf16 angles drift at long positions)
-    model.model.rotary.inv_freq = inv_frequencies(cfg.rope).to(device)
+    for module in model.modules():  # every rope table (DeepSeek-V4 has two)
+        if isinstance(module, RotaryEmbedding):
+            module.inv_freq = inv_frequencies(module.cfg).to(device)
     return model.eval()
 
 

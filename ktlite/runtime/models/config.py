@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from ktlite.runtime.kv_cache import TokenCacheSpec
 
-SCORING_FUNCS = ("softmax", "sigmoid")
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -81,7 +81,7 @@ class RopeConfig:
 class RouterSpec:
     """How a MoE layer picks experts and weighs them (router math in float32).
 
-    scores = softmax or sigmoid of the logits; the choice uses scores + e_score_correction_bias when
+    scores = softmax, sigmoid or sqrt(softplus) (DeepSeek-V4) of the logits; the choice uses scores + e_score_correction_bias when
     `correction_bias` (the bias steers the choice only); `method` limits the choice to the best
     `topk_group` of `n_group` expert groups (noaux_tc scores a group by its top-2, group_limited_greedy
     by its best); the weights are the chosen unbiased scores, divided by their sum when `normalize`,
@@ -163,12 +163,24 @@ class ModelConfig:
     weight_renames: tuple[tuple[str, str], ...] = ()
     vision_skipped: bool = False  # a vision-language checkpoint of which ktlite loads and serves the text model only
 
+    # whether a copy of a request's per-request state where a prompt or reply ends (a prefix-cache snapshot,
+    # runtime/state_cache.py) lets another request resume from there; False turns such a family's prefix cache off
+    snapshots_resume = True
+    # whether its per-request state layers `rewind` to the accepted tokens after a speculative verify
+    # (gated_deltanet.py); False refuses speculative decoding on the family
+    state_rewinds = True
+
     @property
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         raise NotImplementedError
+
+    @property
+    def snapshot_state(self) -> bool:
+        """Whether the prefix cache keeps snapshots of this family's per-request state (EngineConfig.state_snapshots)."""
+        return bool(self.request_state_specs()) and self.snapshots_resume
 
     def token_cache_specs(self, tp_size: int = 1, kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
         """What one tensor-parallel rank caches per token (the KV pool's buffers) in a pool of kv_dtype

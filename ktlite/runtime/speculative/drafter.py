@@ -13,6 +13,7 @@ from typing import Protocol
 
 from ktlite.config import EngineConfig
 from ktlite.errors import ConfigError
+from ktlite.runtime.models.config import ModelConfig
 from ktlite.runtime.speculative.auto_k import Acceptance, best_drafts
 from ktlite.runtime.speculative.ngram import NgramDrafter
 
@@ -40,13 +41,18 @@ class Speculation:
         return best_drafts(acceptance.estimate(), self.cost)
 
 
-def speculation_for(config: EngineConfig, has_recurrent_state: bool) -> Speculation | None:
+def speculation_for(config: EngineConfig, model: ModelConfig) -> Speculation | None:
     """The engine's speculation from its flags (None: off). On a model with per-request recurrent state (Gated
     DeltaNet) a verify keeps each request's state from before it in a state-pool row and rewinds to the accepted
-    tokens (state_cache.py); under tensor parallelism the other ranks do not rewind yet, so that is refused."""
+    tokens (state_cache.py); under tensor parallelism the other ranks do not rewind yet, and a family whose state
+    has no rewind (DeepSeek-V4's compressors, `ModelConfig.state_rewinds`) is refused."""
     if config.speculative_algorithm is None:
         return None
-    if has_recurrent_state and config.tensor_parallel_size > 1:
+    if model.request_state_specs() and not model.state_rewinds:
+        raise ConfigError(f"--speculative-algorithm {config.speculative_algorithm}: this model keeps per-request "
+                          "state (DeepSeek-V4's compressors') that a rejected draft would leave advanced; speculative "
+                          "decoding does not roll that state back yet: leave the flag out for this model")
+    if model.request_state_specs() and config.tensor_parallel_size > 1:
         raise ConfigError(f"--speculative-algorithm {config.speculative_algorithm}: this model has recurrent "
                           "(linear-attention) layers, whose state a rejected draft must rewind, which tensor-parallel "
                           "ranks do not do yet: use --tensor-parallel-size 1 or leave the speculative flag out")
