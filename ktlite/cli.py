@@ -589,14 +589,14 @@ def plan(model_path: str, engine_flags: dict[str, Any], gpus: int | None, cpu_me
     from ktlite.config import EngineConfig
     from ktlite.errors import ConfigError, PlanError
     from ktlite.runtime.knobs import Hardware, format_rows, resolve
-    from ktlite.runtime.models.config import load_config
+    from ktlite.runtime.models import serving_config
 
     try:
         config = EngineConfig.from_kwargs(model_path, **engine_flags)
         hardware = Hardware.describe(gpus, config.gpu_memory, cpu_memory, cpu_cores, numa_nodes,
                                      engine_flags.get("tensor_parallel_size"))
         head = f"model: {model_path}\nmachine: {hardware.summary()}"
-        choice = resolve(config, load_config(model_path), hardware)
+        choice = resolve(config, serving_config(config), hardware)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     except PlanError as exc:

@@ -17,6 +17,10 @@ class ForwardBatch:
     prefix_lens: torch.Tensor  # [B] tokens already in the pool before this step
     extend_lens: torch.Tensor  # [B] new tokens per request
     logit_rows: torch.Tensor  # [R] indices into N whose next-token logits are wanted
+    # a drafter that reads the target's hidden states (MTP) sets capture_hidden; the forward then leaves its last
+    # layer's output [N, hidden] (before the final norm) in hidden_states: a reference, no copy
+    capture_hidden: bool = False
+    hidden_states: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -33,6 +37,7 @@ class ForwardBatch:
         want_logits: list[bool],
         device: torch.device,
         extra_rows: list[range] | None = None,
+        capture_hidden: bool = False,
     ) -> "ForwardBatch":
         """From per-request new tokens, prefix lengths, pool rows and freshly allocated slots.
         want_logits[i]: the logits of request i's last new token; extra_rows[i]: offsets into its
@@ -56,4 +61,5 @@ class ForwardBatch:
             prefix_lens=tensor(prefix_lens),
             extend_lens=tensor(extend),
             logit_rows=tensor(logit_rows),
+            capture_hidden=capture_hidden,
         )

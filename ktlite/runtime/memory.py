@@ -317,6 +317,8 @@ def plan_on(cfg: ModelConfig, inputs: PlanInputs, device_bytes: tuple[int, ...])
             "dense_mlp": f"{cfg.num_hidden_layers - moe_layers} layers, intermediate {_ceil_div(cfg.intermediate_size, tp)}",
             "shared_experts": f"{moe_layers} layers, intermediate {cfg.shared_intermediate_size}" if cfg.shared_intermediate_size else "none",
             "norms_router": "norms (replicated), fp32 routers, rope table",
+            "mtp": (f"MTP layer for NEXTN drafts: attention, {cfg.n_routed_experts} routed experts, {res.weight_dtype}"
+                    if cfg.mtp_layer else "off (no --speculative-algorithm NEXTN)"),
             "gpu_experts": f"{experts_on[r]} per layer x {moe_layers} layers x {per_expert:,} B, {gpu_format}",
             "kv_pool": f"{kv_tokens:,} tokens x {kv_per_token:,} B ({plan_table.cache_note(cache_specs, res.kv_dtype)})",
             "request_table": f"{inputs.max_running_requests} requests x {res.context_length:,} token slots, int32",

@@ -60,7 +60,7 @@ from ktlite.runtime.logprobs import TokenLogprob, gather, prompt_logit_rows
 from ktlite.runtime.model_runner import ForwardBatch, ModelRunner
 from ktlite.runtime.radix_cache import Node, RadixCache
 from ktlite.runtime.sampling import SamplerState, SamplingParams, sample
-from ktlite.runtime.speculative import Drafter, Speculation, accept_drafts, can_speculate
+from ktlite.runtime.speculative import Drafter, Span, Speculation, accept_drafts, can_speculate, may_speculate
 from ktlite.runtime.stop import StopStringMatcher, finish_reason
 from ktlite.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -174,6 +174,9 @@ class Scheduler:
                  speculation: Speculation | None = None):
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
         self.speculation = speculation
+        # a draft model that reads the forward's hidden states (MTP drafts), run after every forward
+        self.draft_model = (speculation.draft_model(runner, speculation.num_drafts)
+                            if speculation is not None and speculation.draft_model is not None else None)
         self.pool: KVPool = runner.kv_pool
         self.cache = prefix_cache
         self.waiting: list[Request] = []
@@ -230,7 +233,7 @@ class Scheduler:
             detok=self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens),
             stops=StopStringMatcher(params.stop), order=next(self._counter),
             grammar=self.grammars.state(params.json_schema) if params.json_schema else None,
-            drafter=self.speculation.new_drafter() if self.speculation is not None else None,
+            drafter=self.speculation.new_drafter() if self.speculation is not None and may_speculate(params) else None,
         )
         self.waiting.append(req)
         self._wake()
@@ -329,7 +332,7 @@ class Scheduler:
             limit = min(self.speculation.num_drafts, spare,
                         req.params.max_tokens - len(req.output_ids) - 1,  # the model's own token follows the drafts
                         self.config.context_length - req.sequence_len - 1, self.pool.max_context - req.sequence_len)
-            if limit > 0 and can_speculate(req.params, req.sampler):
+            if limit > 0 and req.drafter is not None and can_speculate(req.params, req.sampler):
                 req.drafts = req.drafter.propose(req.tokens(req.drafter.seen, req.sequence_len), limit)
                 spare -= len(req.drafts)
 
@@ -460,8 +463,9 @@ class Scheduler:
         want = [req.wants_sample(n) for req, n in plan]
         # logits rows before the last token's: prompt logprobs, or (with drafts) the rows that verify them
         extra = [range(len(req.drafts)) if req.drafts else req.prompt_rows(n) for req, n in plan]
+        capture = self.draft_model is not None and any(req.drafter is not None for req, _ in plan)
         batch = ForwardBatch.build(chunks, prefix, rows, slots, want, self.runner.device,
-                                   extra if any(extra) else None)
+                                   extra if any(extra) else None, capture_hidden=capture)
         return batch, [req for (req, _), w in zip(plan, want) if w]
 
     def _forward_and_sample(self, batch: ForwardBatch, plan: list[tuple[Request, int]],
@@ -482,6 +486,7 @@ class Scheduler:
                 sample_at.append(at)  # with drafts: the first of its 1 + k rows
                 at += 1 + len(req.drafts)
         if not sample_reqs:
+            self._run_draft_model(batch, plan, {})
             return StepOutput([], [], prompt)
         plain_at = [a for a, r in zip(sample_at, sample_reqs) if not r.drafts]
         plain_logits = logits[plain_at] if len(plain_at) < logits.shape[0] else logits
@@ -497,7 +502,23 @@ class Scheduler:
                 token, lp = next(plain_out)
                 kept.append([token])
                 logprobs.append(lp)
+        self._run_draft_model(batch, plan, {id(r): k for r, k in zip(sample_reqs, kept)})
         return StepOutput(kept, logprobs, prompt)
+
+    def _run_draft_model(self, batch: ForwardBatch, plan: list[tuple[Request, int]],
+                         kept: dict[int, list[int]]) -> None:
+        """The draft model (MTP) over the rows each drafting request keeps: a chunk's tokens, or a verify's last token
+        and accepted drafts (kept: id(request) -> the tokens it keeps after its chunk, for those that sampled)."""
+        if self.draft_model is None or not batch.capture_hidden:
+            return
+        spans, offset = [], 0
+        for req, n in plan:
+            if req.drafter is not None:
+                end = req.computed + n  # the token after each row: the sequence's next ones, then what it sampled
+                after = req.tokens(req.computed + 1, min(end + 1, req.sequence_len)) + kept.get(id(req), [])
+                spans.append(Span(req.drafter, req.row, req.computed, offset, after, id(req) in kept))
+            offset += n + len(req.drafts)
+        self.draft_model.step(batch, spans)
 
     @staticmethod
     def _sampled_logprobs(logits: torch.Tensor, reqs: list[Request], ids: list[int]) -> list[TokenLogprob | None]:

@@ -162,6 +162,9 @@ class ModelConfig:
     # wrapper.py); none: the checkpoint names them as the model does
     weight_renames: tuple[tuple[str, str], ...] = ()
     vision_skipped: bool = False  # a vision-language checkpoint of which ktlite loads and serves the text model only
+    # serve the checkpoint's multi-token-prediction layer too (NEXTN drafts; `with_mtp`): its weights and its KV
+    # (one more attention layer) are part of the model the plan counts
+    mtp_layer: bool = False
 
     @property
     def moe_layers(self) -> list[int]:
@@ -169,6 +172,13 @@ class ModelConfig:
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         raise NotImplementedError
+
+    def with_mtp(self) -> "ModelConfig":
+        """This config serving the checkpoint's multi-token-prediction layer (--speculative-algorithm NEXTN); families
+        without one built raise ConfigError."""
+        raise ConfigError(f"--speculative-algorithm NEXTN/EAGLE: drafts from multi-token-prediction layers are built "
+                          f"for DeepSeek-V3-family checkpoints only, not {self.architecture}; "
+                          "--speculative-algorithm NGRAM works with this model")
 
     def token_cache_specs(self, tp_size: int = 1, kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
         """What one tensor-parallel rank caches per token (the KV pool's buffers) in a pool of kv_dtype

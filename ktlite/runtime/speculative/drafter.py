@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ktlite.config import EngineConfig
 from ktlite.errors import ConfigError
+from ktlite.runtime.speculative.mtp import MTPDrafter, MTPDrafts
 from ktlite.runtime.speculative.ngram import NgramDrafter
 
 
@@ -29,16 +30,24 @@ class Drafter(Protocol):
 class Speculation:
     num_drafts: int  # k: the most drafts a request verifies per decode step
     new_drafter: Callable[[], Drafter]  # one per request
+    # drafts from a model that reads the target's hidden states (MTP): built on the runner, run after every forward
+    # (`step(batch, spans)`, see mtp.py); None: the drafters need nothing from the forward
+    draft_model: Callable[[Any, int], MTPDrafts] | None = None
 
 
 def speculation_for(config: EngineConfig, has_recurrent_state: bool) -> Speculation | None:
     """The engine's speculation from its flags (None: off). A model with per-request recurrent state (Gated DeltaNet)
     is refused: a verify forward advances that state over drafts that may be rejected, and rolling it back is not
-    built yet."""
+    built yet. MTP drafts (NEXTN / EAGLE) run in one process only."""
     if config.speculative_algorithm is None:
         return None
     if has_recurrent_state:
         raise ConfigError(f"--speculative-algorithm {config.speculative_algorithm}: this model has recurrent "
                           "(linear-attention) layers, whose state a rejected draft would leave advanced; speculative "
                           "decoding does not roll that state back yet: leave the flag out for this model")
-    return Speculation(config.speculative_drafts, NgramDrafter)
+    if not config.drafts_from_mtp:
+        return Speculation(config.speculative_drafts, NgramDrafter)
+    if config.tensor_parallel_size > 1:
+        raise ConfigError(f"--speculative-algorithm {config.speculative_algorithm} with --tensor-parallel-size "
+                          f"{config.tensor_parallel_size}: MTP drafts are built for one GPU (one process) only")
+    return Speculation(config.speculative_drafts, MTPDrafter, MTPDrafts)

@@ -1,0 +1,210 @@
+"""NEXTN (MTP) speculative drafts on a tiny DeepSeek-V3 written by transformers, with an MTP layer the fixture adds
+(transformers' DeepseekV3 has none): the greedy output equals plain decoding's in batches, chunked prefill and
+preemption; sampling keeps working; a layer trained to predict the token after next is accepted far more often than
+a random one; the plan counts the layer's weights and KV; checkpoints and families without one are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_checkpoints import _spread, write_hf_checkpoint
+from safetensors.torch import load_file, save_file
+
+from ktlite import Engine
+from ktlite.errors import ConfigError
+from ktlite.runtime.models import build, load, load_config
+from ktlite.runtime.models.base import LocalContext, PoolCache
+from ktlite.runtime.memory import make_plan
+from ktlite.runtime.plan_components import allocated_by_component
+from ktlite.runtime.plan_inputs import PlanInputs
+from ktlite.runtime.tiny_model import write_tiny_model
+from ktlite.server.metrics import Metrics
+
+EXACT = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 4096, "chunked_prefill_size": 512,
+         "gpu_memory": "1GiB"}
+NEXTN = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
+NEW = 24  # greedy tokens per request
+GREEDY = {"temperature": 0.0, "max_tokens": NEW, "ignore_eos": True}
+TRAIN_STEPS = 80  # the loss is ~0.01 by 60 (a random layer's: ~ln(vocab) = 6.9 or more)
+
+
+def prompts(vocab: int, n: int = 6, length: int = 8, seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab, (n, length), generator=g).tolist()
+
+
+def with_mtp_tensors(src: Path, dst: Path, mtp: dict[str, torch.Tensor]) -> Path:
+    """A copy of checkpoint src with the MTP layer's tensors (checkpoint names) added, as DeepSeek-V3 stores them:
+    its own copies of the embeddings and the head beside them."""
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    layer = f"model.layers.{json.loads((src / 'config.json').read_text())['num_hidden_layers']}"
+    tensors.update({k: v.to(torch.bfloat16).contiguous() for k, v in mtp.items()})
+    tensors[f"{layer}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[f"{layer}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return dst
+
+
+def mtp_tensors(model) -> dict[str, torch.Tensor]:
+    return {model.checkpoint_name(f"mtp.{k}"): v.detach().clone() for k, v in model.mtp.state_dict().items()}
+
+
+def target_hidden(model, ids: torch.Tensor) -> torch.Tensor:
+    """The target's final-normed hidden states [B, T, hidden] of sequences ids [B, T] (what the engine gives MTP)."""
+    cache = PoolCache(model, *ids.shape)
+    batch = cache.batch(ids)
+    batch.capture_hidden = True
+    with torch.inference_mode():
+        model.forward_batch(batch, LocalContext(cache.pool, cache.states))
+        hidden = model.model.norm(batch.hidden_states)
+    return hidden.clone().view(*ids.shape, -1)  # out of inference mode: usable as a constant in autograd
+
+
+def train_mtp(model, seqs: torch.Tensor, steps: int) -> float:
+    """Train model.mtp (enorm, hnorm, eh_proj and its decoder layer) on sequences [B, T] to predict token t + 2 from
+    the target's state at t and token t + 1; -> the last loss."""
+    torch.manual_seed(0)
+    hidden = target_hidden(model, seqs)[:, :-1]
+    with torch.no_grad():
+        embedded = model.model.embed_tokens(seqs[:, 1:])
+    positions = torch.arange(seqs.shape[1] - 1).expand(seqs.shape[0], -1)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = list(model.mtp.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=1e-2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is ~50x faster than two on a loaded 2-core machine
+    try:
+        for _ in range(steps):
+            logits = model.lm_head(model.mtp(embedded, hidden, positions)[:, :-1])  # the last row has no token t + 2
+            loss = F.cross_entropy(logits.flatten(0, 1), seqs[:, 2:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    return loss.item()
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """{"random": the MTP layer as written, "trained": it trained on the model's own greedy continuations of the
+    prompts the tests serve}."""
+    root = tmp_path_factory.mktemp("mtp")
+    base = write_hf_checkpoint(root / "base", "deepseek_v3", seed=5)
+    model = build(load_config(base).with_mtp())  # transformers writes num_nextn_predict_layers 1, and no layer
+    _spread(model.mtp, seed=6, norm_center=1.0)
+    random = with_mtp_tensors(base, root / "random", mtp_tensors(model))
+    model = load(random, mtp=True)  # bf16-rounded as stored
+    batch = torch.tensor(prompts(model.config.vocab_size))
+    seqs = torch.cat([batch, model.generate_greedy(batch, NEW + 8)], dim=1)
+    loss = train_mtp(model, seqs, TRAIN_STEPS)
+    assert loss < 0.5, loss  # it learned the continuations
+    return {"random": random, "trained": with_mtp_tensors(base, root / "trained", mtp_tensors(model))}
+
+
+def generate(path: Path, batch: list[list[int]], params: dict, **flags) -> tuple[list, Engine]:
+    with Engine(str(path), **{**EXACT, **flags}) as eng:
+        results = eng.generate(input_ids=batch, sampling_params=params)
+        if flags.get("speculative_algorithm"):
+            pool = eng.runtime.runner.kv_pool
+            assert pool.free_tokens == pool.num_slots  # rejected drafts' and the chain's borrowed slots came back
+    return results, eng
+
+
+def tokens(results) -> list[tuple[list[int], str]]:
+    return [(r.token_ids, r.finish_reason) for r in results]
+
+
+@pytest.mark.parametrize("flags", [
+    {},
+    {"chunked_prefill_size": 5, "enable_mixed_chunk": True},
+    {"max_total_tokens": 48, "chunked_prefill_size": 16},
+])
+def test_nextn_greedy_output_equals_plain_decoding(mtp_checkpoints, flags):
+    path = mtp_checkpoints["trained"]
+    batch = prompts(1024)
+    want, _ = generate(path, batch, GREEDY, **flags)
+    got, eng = generate(path, batch, GREEDY, **NEXTN, **flags)
+    assert tokens(got) == tokens(want)
+    sched = eng.scheduler
+    assert sched.drafted_tokens > 0 and sched.accepted_tokens > 0
+    if "max_total_tokens" in flags:
+        assert sched.preemptions > 0
+
+
+def test_a_trained_mtp_layer_is_accepted_and_a_random_one_is_not(mtp_checkpoints):
+    """One draft a step: the layer was trained at depth 1 (measured: trained 1.0, random 0.0; a chain of 3 drafts,
+    whose later steps read the layer's own output, which it was not trained on: 0.58 and 0.0)."""
+    batch = prompts(1024)
+    rates = {}
+    for name in ("random", "trained"):
+        with Engine(str(mtp_checkpoints[name]), **EXACT, speculative_algorithm="EAGLE", speculative_num_steps=1) as eng:
+            eng.generate(input_ids=batch, sampling_params=GREEDY)
+            sched = eng.scheduler
+            page = Metrics("tiny").render(eng)
+        assert f"ktlite_spec_draft_tokens_total {sched.drafted_tokens}" in page
+        assert f"ktlite_spec_accepted_tokens_total {sched.accepted_tokens}" in page
+        rates[name] = sched.accepted_tokens / sched.drafted_tokens
+    assert rates["trained"] > 0.8 and rates["random"] < 0.1, rates
+
+
+def test_sampling_with_nextn_drafts_is_reproducible(mtp_checkpoints):
+    path = mtp_checkpoints["trained"]
+    # the tiny model's top logits are close: even this cool, sampling soon leaves the greedy continuations the layer
+    # learned, so few drafts are accepted (measured: 5 of 174), but some are, through the rejection-sampling path
+    params = {"temperature": 0.05, "top_p": 0.9, "max_tokens": NEW, "ignore_eos": True, "seed": 3}
+    batch = prompts(1024)[:3]
+    first, eng = generate(path, batch, params, **NEXTN)
+    again, _ = generate(path, batch, params, **NEXTN)
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]
+    assert all(r.completion_tokens == NEW for r in first) and eng.scheduler.accepted_tokens > 0
+
+
+def test_the_plan_counts_the_mtp_layer(mtp_checkpoints):
+    with Engine(str(mtp_checkpoints["random"]), **EXACT, **NEXTN) as eng:
+        plan, model = eng.runtime.plan, eng.runtime.runner.model
+        allocated = allocated_by_component(model)
+        allocated.update(plan.allocated())
+        layers = eng.runtime.runner.kv_pool.buffers["latent"].shape[0]
+    assert allocated["mtp"] > 0 and plan.mismatches(allocated) == {}
+    cfg = model.config
+    assert layers == cfg.num_hidden_layers + 1  # the MTP layer's latents beside the decoder's
+    assert plan.kv_bytes_per_token == layers * cfg.kv_latent_dim * 4
+
+
+def test_deepseek_v3_plan_with_its_mtp_layer():
+    """The hub config (61 layers + 1 MTP layer): one more latent per token, and the layer's weights (attention,
+    256 routed experts and the shared one, eh_proj) on the device."""
+    cfg = load_config(Path(__file__).parent / "data" / "deepseek-v3")
+    inputs = PlanInputs(gpu_memory="80GiB", dtype="bfloat16")
+    plain, mtp = make_plan(cfg, inputs), make_plan(cfg.with_mtp(), inputs)
+    assert plain.bytes("mtp") == 0 and plain.kv_bytes_per_token == 61 * (512 + 64) * 2
+    assert mtp.kv_bytes_per_token == 62 * (512 + 64) * 2
+    experts = 257 * 3 * 7168 * 2048 * 2  # bf16
+    assert experts < mtp.bytes("mtp") < experts * 1.05
+    assert {c: mtp.bytes(c) for c in ("attention", "embeddings", "lm_head")} == {
+        c: plain.bytes(c) for c in ("attention", "embeddings", "lm_head")}
+
+
+def test_checkpoints_and_families_without_an_mtp_layer_are_refused(mtp_checkpoints, tmp_path):
+    none = tmp_path / "none"
+    shutil.copytree(mtp_checkpoints["random"], none)
+    config = json.loads((none / "config.json").read_text())
+    (none / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ConfigError, match="--speculative-algorithm NEXTN.*num_nextn_predict_layers is 0"):
+        Engine(str(none), **EXACT, speculative_algorithm="NEXTN")
+    glm = write_tiny_model(tmp_path / "glm", "glm4_moe", seed=1)
+    with pytest.raises(ConfigError, match="built for DeepSeek-V3-family checkpoints only, not Glm4MoeForCausalLM"):
+        Engine(str(glm), **EXACT, speculative_algorithm="EAGLE")
