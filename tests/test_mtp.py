@@ -99,9 +99,12 @@ def train_mtp(model, seqs: torch.Tensor, steps: int) -> float:
 
 @pytest.fixture(scope="module")
 def mtp_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    return write_mtp_checkpoints(tmp_path_factory.mktemp("mtp"))
+
+
+def write_mtp_checkpoints(root: Path) -> dict[str, Path]:
     """{"random": the MTP layer as written, "trained": it trained on the model's own greedy continuations of the
     prompts the tests serve}."""
-    root = tmp_path_factory.mktemp("mtp")
     base = write_hf_checkpoint(root / "base", "deepseek_v3", seed=5)
     model = build(load_config(base).with_mtp())  # transformers writes num_nextn_predict_layers 1, and no layer
     _spread(model.mtp, seed=6, norm_center=1.0)

@@ -29,7 +29,10 @@ Policy:
   up to k tokens; they ride behind its last token in the same step (an extend of 1 + k tokens, so any batch carries
   them) while free KV slots and the tokens the memory plan sizes a forward for last. The kept tokens (accepted drafts
   plus the model's own) go through the same finish checks one by one as plain decoding's would; the rejected
-  drafts' slots are freed and `computed` moves past the kept ones only. Drafting never preempts anyone.
+  drafts' slots are freed and `computed` moves past the kept ones only. Drafting never preempts anyone. A draft model
+  that reads the forward's hidden states (NEXTN: the checkpoint's MTP layer, speculative/mtp.py) runs right after the
+  forward and sampling, in the forward's thread, over the rows each request keeps; its drafts wait in the request's
+  drafter for the next step.
 
 Prefix cache (ktlite/runtime/radix_cache.py, unless --disable-radix-cache): an admitted request starts
 with `computed` = its longest cached prefix; each prefill chunk's tokens are indexed as soon as they are
