@@ -163,6 +163,56 @@ def test_a_trained_mtp_layer_is_accepted_and_a_random_one_is_not(mtp_checkpoints
     assert rates["trained"] > 0.8 and rates["random"] < 0.1, rates
 
 
+def reference_drafts(model, seq: list[int], length: int, drafts: list[int]) -> list[torch.Tensor]:
+    """The plain torch MTP layer's logits [vocab] for each of the drafts proposed after seq[:length]: the first from
+    the target's states over the sequence, each next one from the layer's own output and the previous draft fed in
+    at the next position (the engine's drafts as inputs, so a near-tie does not derail the comparison)."""
+    ids = torch.tensor([seq[:length]])
+    hidden = target_hidden(model, ids)[0, :-1]  # the states at positions 0 .. length - 2
+    tokens = seq[1:length]  # the token after each of them
+    out = []
+    with torch.no_grad():
+        for d in drafts:
+            n = len(tokens)
+            normed = model.mtp(model.model.embed_tokens(torch.tensor([tokens])), hidden[None], torch.arange(n)[None])[0]
+            out.append(model.lm_head(normed[-1]))
+            hidden, tokens = torch.cat([hidden, normed[-1:]]), tokens + [d]
+    return out
+
+
+def test_drafts_are_the_plain_torch_mtp_layers_predictions(mtp_checkpoints):
+    """Every chain of drafts the engine proposes (chunked prefill of 5, so the layer's KV is built over chunks) is
+    the argmax of the plain torch layer run over whole sequences (within float error of its max)."""
+    path = mtp_checkpoints["random"]
+    batch = prompts(1024)[:2]
+    proposed: list[tuple[int, int, list[int]]] = []  # (request, sequence length, drafts)
+    with Engine(str(path), **{**EXACT, "chunked_prefill_size": 5}, **NEXTN) as eng:
+        sched, add = eng.scheduler, eng.scheduler.add
+
+        def spy_add(rid, prompt_ids, params):
+            queue = add(rid, prompt_ids, params)
+            req = sched.waiting[-1]
+            drafter, propose = req.drafter, req.drafter.propose
+
+            def spy(new_tokens, k):
+                drafts = propose(new_tokens, k)
+                if drafts:
+                    proposed.append((batch.index(prompt_ids), drafter.seen, drafts))
+                return drafts
+
+            drafter.propose = spy
+            return queue
+
+        sched.add = spy_add
+        results = eng.generate(input_ids=batch, sampling_params=GREEDY)
+    assert len(proposed) > 10 and max(len(d) for _, _, d in proposed) == NEXTN["speculative_num_steps"]
+    model = load(path, mtp=True)
+    for i, length, drafts in proposed[::4]:
+        seq = batch[i] + results[i].token_ids
+        for d, logits in zip(drafts, reference_drafts(model, seq, length, drafts)):
+            assert logits[d] >= logits.max() - 1e-3 * logits.abs().max()
+
+
 def test_sampling_with_nextn_drafts_is_reproducible(mtp_checkpoints):
     path = mtp_checkpoints["trained"]
     # the tiny model's top logits are close: even this cool, sampling soon leaves the greedy continuations the layer
