@@ -6,6 +6,7 @@ a random one; the plan counts the layer's weights and KV; checkpoints and famili
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -145,6 +146,27 @@ def test_nextn_greedy_output_equals_plain_decoding(mtp_checkpoints, flags):
     assert sched.drafted_tokens > 0 and sched.accepted_tokens > 0
     if "max_total_tokens" in flags:
         assert sched.preemptions > 0
+
+
+def test_requests_that_do_not_draft_share_the_batch(mtp_checkpoints):
+    """A logprobs request (no drafter: no MTP rows) and one whose min_tokens hold its drafts back for a while (its MTP
+    KV still built) decode beside drafting ones, each as plain decoding does."""
+    batch = prompts(1024)[:4]
+    asks = [(batch[0], GREEDY), (batch[1], {**GREEDY, "logprobs": True}), (batch[2], {**GREEDY, "min_tokens": 12}),
+            (batch[3], GREEDY)]
+
+    def together(eng: Engine) -> list:
+        async def all_at_once():
+            return await asyncio.gather(*(eng.async_generate(input_ids=p, sampling_params=s) for p, s in asks))
+
+        return asyncio.run(all_at_once())
+
+    with Engine(str(mtp_checkpoints["trained"]), **EXACT) as eng:
+        want = together(eng)
+    with Engine(str(mtp_checkpoints["trained"]), **EXACT, **NEXTN) as eng:
+        got = together(eng)
+        assert eng.scheduler.accepted_tokens > 0
+    assert tokens(got) == tokens(want)
 
 
 def test_a_trained_mtp_layer_is_accepted_and_a_random_one_is_not(mtp_checkpoints):

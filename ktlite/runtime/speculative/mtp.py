@@ -104,14 +104,14 @@ class MTPDrafts:
             return
         borrowed = pool.take_slots(steps * len(spans), reclaim=False)
         try:
-            slots = torch.tensor(borrowed, dtype=torch.int64).view(len(spans), steps)
-            for s, p, own in zip(spans, positions, slots):
-                pool.req_to_token[s.row, p:p + steps] = own.to(pool.req_to_token.device, torch.int32)
+            slots = torch.tensor(borrowed, dtype=torch.int64).view(steps, len(spans))  # a step's slots contiguous
+            for i, (s, p) in enumerate(zip(spans, positions)):
+                pool.req_to_token[s.row, p:p + steps] = slots[:, i].to(pool.req_to_token.device, torch.int32)
             for j in range(steps):
                 step = ForwardBatch(
                     input_ids=torch.tensor([d[-1] for d in drafts], dtype=torch.int64, device=device),
                     positions=torch.tensor([p + j for p in positions], dtype=torch.int64, device=device),
-                    out_cache_loc=slots[:, j].to(device),
+                    out_cache_loc=slots[j].to(device),
                     req_pool_indices=torch.tensor([s.row for s in spans], dtype=torch.int64, device=device),
                     prefix_lens=torch.tensor([p + j for p in positions], dtype=torch.int64, device=device),
                     extend_lens=torch.ones(len(spans), dtype=torch.int64, device=device),
