@@ -247,6 +247,20 @@ def test_sampling_with_nextn_drafts_is_reproducible(mtp_checkpoints):
     assert all(r.completion_tokens == NEW for r in first) and eng.scheduler.accepted_tokens > 0
 
 
+def test_nextn_drafts_compile_nothing_after_start_up(mtp_checkpoints):
+    """The MTP layer's extends and chain steps are among the paths warmed at start-up (the demo's flags: quantized
+    CPU dense layers, so its attention takes the compiled decode block)."""
+    from test_warm_start import FLAGS, specialisations
+
+    with Engine(str(mtp_checkpoints["trained"]), **FLAGS, **NEXTN) as eng:
+        before = specialisations()
+        eng.generate(input_ids=prompts(1024)[:3] + [[9]], sampling_params={**GREEDY, "max_tokens": 8})
+        after = specialisations()
+        assert eng.scheduler.drafted_tokens > 0
+    grown = {name: (before.get(name, 0), n) for name, n in after.items() if n != before.get(name, 0)}
+    assert grown == {}, f"compiled or loaded during the requests: {grown}"
+
+
 def test_the_plan_counts_the_mtp_layer(mtp_checkpoints):
     with Engine(str(mtp_checkpoints["random"]), **EXACT, **NEXTN) as eng:
         plan, model = eng.runtime.plan, eng.runtime.runner.model
@@ -271,6 +285,15 @@ def test_deepseek_v3_plan_with_its_mtp_layer():
     assert experts < mtp.bytes("mtp") < experts * 1.05
     assert {c: mtp.bytes(c) for c in ("attention", "embeddings", "lm_head")} == {
         c: plain.bytes(c) for c in ("attention", "embeddings", "lm_head")}
+
+
+def test_a_block_fp8_checkpoint_keeps_eh_proj_in_high_precision():
+    """DeepSeek-V3's FP8 checkpoint stores the MTP layer's attention and experts in FP8, eh_proj in bf16."""
+    cfg = load_config(Path(__file__).parent / "data" / "deepseek-v3").with_mtp()
+    model = build(cfg, "meta", torch.bfloat16, routed_experts=False, fp8_weights=True)
+    assert type(model.mtp.eh_proj) is torch.nn.Linear and model.mtp.eh_proj.weight.dtype == torch.bfloat16
+    assert model.mtp.self_attn.q_a_proj.weight.dtype == torch.float8_e4m3fn
+    assert model.mtp.mlp.experts[0].down_proj.weight.dtype == torch.float8_e4m3fn
 
 
 def test_checkpoints_and_families_without_an_mtp_layer_are_refused(mtp_checkpoints, tmp_path):

@@ -31,6 +31,7 @@ class SharedHead(nn.Module):
 
 class MTPLayer(DecoderLayer):
     plan_component = "mtp"  # all its weights (routed experts included) count as the MTP layer's, norms as norms
+    fp8_linears: tuple[str, ...] = ()  # block-FP8 checkpoints keep eh_proj in bf16 (its attention and MLP in FP8)
 
     def __init__(self, layer_idx: int, hidden: int, eps: float, attention: nn.Module, mlp: nn.Module):
         super().__init__(layer_idx, hidden, eps, attention, mlp)
