@@ -7,8 +7,10 @@ a random one; the plan counts the layer's weights and KV; checkpoints and famili
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,17 @@ def target_hidden(model, ids: torch.Tensor) -> torch.Tensor:
     return hidden.clone().view(*ids.shape, -1)  # out of inference mode: usable as a constant in autograd
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Tiny matrices: one torch thread is ~50x faster than two on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def train_mtp(model, seqs: torch.Tensor, steps: int) -> float:
     """Train model.mtp (enorm, hnorm, eh_proj and its decoder layer) on sequences [B, T] to predict token t + 2 from
     the target's state at t and token t + 1; -> the last loss."""
@@ -84,17 +97,13 @@ def train_mtp(model, seqs: torch.Tensor, steps: int) -> float:
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.Adam(params, lr=1e-2)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: one thread is ~50x faster than two on a loaded 2-core machine
-    try:
+    with one_thread():
         for _ in range(steps):
             logits = model.lm_head(model.mtp(embedded, hidden, positions)[:, :-1])  # the last row has no token t + 2
             loss = F.cross_entropy(logits.flatten(0, 1), seqs[:, 2:].flatten())
             opt.zero_grad()
             loss.backward()
             opt.step()
-    finally:
-        torch.set_num_threads(threads)
     return loss.item()
 
 
@@ -229,10 +238,11 @@ def test_drafts_are_the_plain_torch_mtp_layers_predictions(mtp_checkpoints):
         results = eng.generate(input_ids=batch, sampling_params=GREEDY)
     assert len(proposed) > 10 and max(len(d) for _, _, d in proposed) == NEXTN["speculative_num_steps"]
     model = load(path, mtp=True)
-    for i, length, drafts in proposed[::4]:
-        seq = batch[i] + results[i].token_ids
-        for d, logits in zip(drafts, reference_drafts(model, seq, length, drafts)):
-            assert logits[d] >= logits.max() - 1e-3 * logits.abs().max()
+    with one_thread():
+        for i, length, drafts in proposed[::4]:
+            seq = batch[i] + results[i].token_ids
+            for d, logits in zip(drafts, reference_drafts(model, seq, length, drafts)):
+                assert logits[d] >= logits.max() - 1e-3 * logits.abs().max()
 
 
 def test_sampling_with_nextn_drafts_is_reproducible(mtp_checkpoints):
@@ -262,29 +272,34 @@ def test_nextn_drafts_compile_nothing_after_start_up(mtp_checkpoints):
 
 
 def test_the_plan_counts_the_mtp_layer(mtp_checkpoints):
-    with Engine(str(mtp_checkpoints["random"]), **EXACT, **NEXTN) as eng:
+    with Engine(str(mtp_checkpoints["random"]), **EXACT, **NEXTN, kt_num_gpu_experts=4) as eng:
         plan, model = eng.runtime.plan, eng.runtime.runner.model
+        assert sorted(eng.runtime.moe_layers) == [1, 2, 3]  # the MTP layer's experts: 4 on the GPU, 12 on the CPU
+        assert len(eng.runtime.placement()[3]) == 4
         allocated = allocated_by_component(model)
         allocated.update(plan.allocated())
         layers = eng.runtime.runner.kv_pool.buffers["latent"].shape[0]
-    assert allocated["mtp"] > 0 and plan.mismatches(allocated) == {}
+    assert allocated["mtp"] > 0 and allocated["gpu_experts"] > 0 and plan.mismatches(allocated) == {}
     cfg = model.config
     assert layers == cfg.num_hidden_layers + 1  # the MTP layer's latents beside the decoder's
     assert plan.kv_bytes_per_token == layers * cfg.kv_latent_dim * 4
 
 
 def test_deepseek_v3_plan_with_its_mtp_layer():
-    """The hub config (61 layers + 1 MTP layer): one more latent per token, and the layer's weights (attention,
-    256 routed experts and the shared one, eh_proj) on the device."""
+    """The hub config (61 layers + 1 MTP layer): one more latent per token; the layer's attention, shared expert and
+    eh_proj on the device, its routed experts one more MoE layer's (GPU experts per layer, the rest on the CPU)."""
     cfg = load_config(Path(__file__).parent / "data" / "deepseek-v3")
-    inputs = PlanInputs(gpu_memory="80GiB", dtype="bfloat16")
+    inputs = PlanInputs(gpu_memory="640GiB", dtype="bfloat16", kt_num_gpu_experts=2,
+                        max_total_tokens=8192)
     plain, mtp = make_plan(cfg, inputs), make_plan(cfg.with_mtp(), inputs)
     assert plain.bytes("mtp") == 0 and plain.kv_bytes_per_token == 61 * (512 + 64) * 2
     assert mtp.kv_bytes_per_token == 62 * (512 + 64) * 2
-    experts = 257 * 3 * 7168 * 2048 * 2  # bf16
-    assert experts < mtp.bytes("mtp") < experts * 1.05
-    assert {c: mtp.bytes(c) for c in ("attention", "embeddings", "lm_head")} == {
-        c: plain.bytes(c) for c in ("attention", "embeddings", "lm_head")}
+    expert = 3 * 7168 * 2048 * 2  # bf16
+    assert (plain.bytes("gpu_experts"), mtp.bytes("gpu_experts")) == (58 * 2 * expert, 59 * 2 * expert)
+    # attention, shared expert, eh_proj (its norms count as norms)
+    assert mtp.bytes("mtp") == mtp.bytes("attention") // 61 + expert + 2 * 7168 * 7168 * 2
+    assert {c: mtp.bytes(c) for c in ("attention", "shared_experts", "embeddings", "lm_head")} == {
+        c: plain.bytes(c) for c in ("attention", "shared_experts", "embeddings", "lm_head")}
 
 
 def test_a_block_fp8_checkpoint_keeps_eh_proj_in_high_precision():
@@ -293,7 +308,7 @@ def test_a_block_fp8_checkpoint_keeps_eh_proj_in_high_precision():
     model = build(cfg, "meta", torch.bfloat16, routed_experts=False, fp8_weights=True)
     assert type(model.mtp.eh_proj) is torch.nn.Linear and model.mtp.eh_proj.weight.dtype == torch.bfloat16
     assert model.mtp.self_attn.q_a_proj.weight.dtype == torch.float8_e4m3fn
-    assert model.mtp.mlp.experts[0].down_proj.weight.dtype == torch.float8_e4m3fn
+    assert model.mtp.mlp.shared_experts.down_proj.weight.dtype == torch.float8_e4m3fn
 
 
 def test_checkpoints_and_families_without_an_mtp_layer_are_refused(mtp_checkpoints, tmp_path):

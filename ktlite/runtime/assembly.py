@@ -143,7 +143,7 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
             others = [x for x in placement[l] if x not in mine]
             n = len(mine)
             w13, w2 = alloc_gpu_experts(alloc, n, h, i, dtype, device, plan.inputs.gpu_expert_format)  # as planned
-            mlp = model.model.layers[l].mlp
+            mlp = model.layer(l).mlp
             moe_layers[l] = HybridMoE(l, mlp.gate, mlp.shared_experts, mine, w13, w2, cpu, source,
                                       config.kt_gpu_prefill_token_threshold, layerwise, observers,
                                       remote_gpu_experts=others, packed_source=experts.gpu_weights,

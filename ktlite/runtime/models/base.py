@@ -153,6 +153,12 @@ class CausalLM(nn.Module):
         """The checkpoint's name of one of this model's tensors (families with other names override)."""
         return name
 
+    def layer(self, layer_idx: int) -> DecoderLayer:
+        """Decoder layer layer_idx, or the MTP layer at index num_hidden_layers."""
+        if self.mtp is not None and layer_idx == len(self.model.layers):
+            return self.mtp
+        return self.model.layers[layer_idx]
+
     def forward_batch(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         """-> float32 logits [R, vocab] for the tokens in batch.logit_rows."""
         backbone = self.model

@@ -168,7 +168,9 @@ class ModelConfig:
 
     @property
     def moe_layers(self) -> list[int]:
-        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+        """MoE layers: the decoder's, and a served MTP layer (index num_hidden_layers), whose routed experts are placed
+        and stored as every MoE layer's."""
+        return [i for i in range(self.num_hidden_layers + int(self.mtp_layer)) if self.is_moe_layer(i)]
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         raise NotImplementedError

@@ -367,8 +367,8 @@ class DeepseekForCausalLM(CausalLM):
         rotary = RotaryEmbedding(cfg.rope)
         layers = [_layer(cfg, i, rotary, routed_experts, self.attention_class) for i in range(cfg.num_hidden_layers)]
         super().__init__(cfg, Backbone(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, rotary, layers))
-        if cfg.mtp_layer:  # its routed experts stay in the module: the MTP layer runs on the device
-            layer = _layer(cfg, cfg.num_hidden_layers, rotary, True, self.attention_class)
+        if cfg.mtp_layer:  # its routed experts, as every MoE layer's, are the runtime's (CPU store, GPU experts)
+            layer = _layer(cfg, cfg.num_hidden_layers, rotary, routed_experts, self.attention_class)
             self.mtp = MTPLayer(layer.layer_idx, cfg.hidden_size, cfg.rms_norm_eps, layer.self_attn, layer.mlp)
 
     def checkpoint_name(self, name: str) -> str:

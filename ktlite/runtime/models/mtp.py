@@ -8,8 +8,9 @@ and a chain of drafts feeds the layer's own normed output back in as the next po
 
 Checkpoint names: `model.layers.{num_hidden_layers}.{enorm, hnorm, eh_proj, shared_head.norm, self_attn.*, mlp.*,
 input_layernorm, post_attention_layernorm}`; its `embed_tokens` and `shared_head.head` copies are not loaded (the
-target's are used: DeepSeek-V3's are equal to them). The routed experts of its MoE block live in the module itself
-(on the device), not in the CPU expert store.
+target's are used: DeepSeek-V3's are equal to them). Its attention, shared expert, router and eh_proj are on the
+device; its routed experts are one more MoE layer for the runtime (ModelConfig.moe_layers): CPU expert store and GPU
+experts, as every other layer's.
 """
 
 from __future__ import annotations
