@@ -178,20 +178,22 @@ def test_requests_that_do_not_draft_share_the_batch(mtp_checkpoints):
     assert tokens(got) == tokens(want)
 
 
-def test_a_trained_mtp_layer_is_accepted_and_a_random_one_is_not(mtp_checkpoints):
-    """One draft a step: the layer was trained at depth 1 (measured: trained 1.0, random 0.0; a chain of 3 drafts,
-    whose later steps read the layer's own output, which it was not trained on: 0.58 and 0.0)."""
+@pytest.mark.parametrize("steps, trained_above", [(1, 0.8), (3, 0.4)])
+def test_a_trained_mtp_layer_is_accepted_and_a_random_one_is_not(mtp_checkpoints, steps, trained_above):
+    """The layer was trained at depth 1 (measured: trained 1.0, random 0.0); a chain's later steps read the layer's
+    own output, which it was not trained on (3 drafts a step, measured: trained 0.58, random 0.0)."""
     batch = prompts(1024)
     rates = {}
     for name in ("random", "trained"):
-        with Engine(str(mtp_checkpoints[name]), **EXACT, speculative_algorithm="EAGLE", speculative_num_steps=1) as eng:
+        with Engine(str(mtp_checkpoints[name]), **EXACT, speculative_algorithm="EAGLE",
+                    speculative_num_steps=steps) as eng:
             eng.generate(input_ids=batch, sampling_params=GREEDY)
             sched = eng.scheduler
             page = Metrics("tiny").render(eng)
         assert f"ktlite_spec_draft_tokens_total {sched.drafted_tokens}" in page
         assert f"ktlite_spec_accepted_tokens_total {sched.accepted_tokens}" in page
         rates[name] = sched.accepted_tokens / sched.drafted_tokens
-    assert rates["trained"] > 0.8 and rates["random"] < 0.1, rates
+    assert rates["trained"] > trained_above and rates["random"] < 0.1, rates
 
 
 def reference_drafts(model, seq: list[int], length: int, drafts: list[int]) -> list[torch.Tensor]:
