@@ -518,8 +518,11 @@ class Scheduler:
         for req, n in plan:
             if req.drafter is not None:
                 end = req.computed + n  # the token after each row: the sequence's next ones, then what it sampled
-                after = req.tokens(req.computed + 1, min(end + 1, req.sequence_len)) + kept.get(id(req), [])
-                spans.append(Span(req.drafter, req.row, req.computed, offset, after, id(req) in kept))
+                new = kept.get(id(req), [])
+                after = req.tokens(req.computed + 1, min(end + 1, req.sequence_len)) + new
+                # drafts only for a request that sampled and may draft next step (its min_tokens out)
+                drafts = id(req) in kept and len(req.output_ids) + len(new) >= req.params.min_tokens
+                spans.append(Span(req.drafter, req.row, req.computed, offset, after, drafts))
             offset += n + len(req.drafts)
         self.draft_model.step(batch, spans)
 

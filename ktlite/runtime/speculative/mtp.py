@@ -55,7 +55,7 @@ class Span:
     start: int  # the position of its first row
     offset: int  # the index of its first row among the forward's tokens
     next_tokens: list[int]  # the token after each kept row (one per row)
-    sampled: bool  # the rows end at its newest token: it wants drafts
+    sampled: bool  # the rows end at its newest token and it may draft next step: it wants drafts
 
 
 class MTPDrafts:
