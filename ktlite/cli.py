@@ -111,7 +111,7 @@ _ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--record-expert-distribution",), "record_expert_distribution", dict(type=str, help="Write expert routing statistics to this file at shutdown.")),
     (("--kt-max-deferred-experts-per-token",), "kt_max_deferred_experts_per_token", dict(type=int, help="Defer this many CPU experts per token to the next layer [0].")),
     (("--tensor-parallel-size", "--tp-size", "--tp"), "tensor_parallel_size", dict(type=int, help="GPUs to shard attention/dense over [chosen: 1, or every GPU when one cannot hold the model].")),
-    (("--speculative-algorithm",), "speculative_algorithm", dict(type=str, help="Speculative decoding: NGRAM drafts tokens by matching the output's last tokens against the prompt and output so far, verified in one forward (greedy output unchanged, sampling keeps the model's distribution); NEXTN/EAGLE (MTP layers) are not built yet. On models with recurrent layers (Qwen3-Next, Qwen3.5) rejected drafts rewind the layers' state (not under tensor parallelism) [off].")),
+    (("--speculative-algorithm",), "speculative_algorithm", dict(type=str, help="Speculative decoding: NGRAM drafts tokens by matching the output's last tokens against the prompt and output so far, verified in one forward (greedy output unchanged, sampling keeps the model's distribution); NEXTN (EAGLE: the same) drafts with the checkpoint's MTP layer, on DeepSeek-V3/R1-family checkpoints that have one (num_nextn_predict_layers >= 1; its routed experts are placed as every MoE layer's). On models with recurrent layers (Qwen3-Next, Qwen3.5) rejected drafts rewind the layers' state (not under tensor parallelism) [off].")),
     (("--speculative-num-steps",), "speculative_num_steps", dict(type=int, help="Drafts proposed per request per decode step [chosen each step from 1..4 by the verify cost measured at start-up and the request's acceptance].")),
     (("--speculative-num-draft-tokens",), "speculative_num_draft_tokens", dict(type=int, help="Tokens one verify holds per request: the last token and its drafts (--speculative-num-steps + 1) [4].")),
     (("--speculative-eagle-topk",), "speculative_eagle_topk", dict(type=int, help="Draft branches per step: only 1 (a chain) [1].")),
@@ -589,14 +589,14 @@ def plan(model_path: str, engine_flags: dict[str, Any], gpus: int | None, cpu_me
     from ktlite.config import EngineConfig
     from ktlite.errors import ConfigError, PlanError
     from ktlite.runtime.knobs import Hardware, format_rows, resolve
-    from ktlite.runtime.models.config import load_config
+    from ktlite.runtime.models import serving_config
 
     try:
         config = EngineConfig.from_kwargs(model_path, **engine_flags)
         hardware = Hardware.describe(gpus, config.gpu_memory, cpu_memory, cpu_cores, numa_nodes,
                                      engine_flags.get("tensor_parallel_size"))
         head = f"model: {model_path}\nmachine: {hardware.summary()}"
-        choice = resolve(config, load_config(model_path), hardware)
+        choice = resolve(config, serving_config(config), hardware)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     except PlanError as exc:

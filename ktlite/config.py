@@ -21,6 +21,7 @@ AUTO_KNOBS = frozenset({"tensor_parallel_size", "kt_num_gpu_experts", "max_total
                         "kt_cpuinfer", "kt_threadpool_count"})
 CPU_DENSE_METHODS = ("auto", "INT8", "INT4", "none")  # --cpu-dense-method values (any case)
 SPECULATIVE_ALGORITHMS = ("NGRAM", "NEXTN", "EAGLE")  # --speculative-algorithm values (any case)
+MTP_ALGORITHMS = ("NEXTN", "EAGLE")  # drafts from the checkpoint's MTP layer (EAGLE: SGLang's alias of NEXTN)
 # the most drafts a request verifies per step when the caller sets neither --speculative-num-steps nor
 # --speculative-num-draft-tokens: each step takes 1..this many, chosen from the measured cost curve
 # (runtime/speculative/auto_k.py)
@@ -79,7 +80,7 @@ class EngineConfig:
     kt_max_deferred_experts_per_token: int = 0
     tensor_parallel_size: int = 1
     # speculative decoding (SGLang names): drafts proposed per request, verified in one forward of the target model
-    speculative_algorithm: str | None = None  # NGRAM (prompt lookup); NEXTN/EAGLE (MTP layers) not built yet
+    speculative_algorithm: str | None = None  # NGRAM (prompt lookup); NEXTN/EAGLE (the checkpoint's MTP layer)
     speculative_num_steps: int | None = None  # drafts per step (an MTP chain's length)
     speculative_num_draft_tokens: int | None = None  # tokens a verify holds per request: the last one + drafts
     speculative_eagle_topk: int | None = None  # draft branches per step: only 1 (a chain)
@@ -149,9 +150,6 @@ class EngineConfig:
         if algorithm not in SPECULATIVE_ALGORITHMS:
             raise ConfigError(f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, "
                               f"got {self.speculative_algorithm!r}")
-        if algorithm != "NGRAM":
-            raise ConfigError(f"--speculative-algorithm {algorithm}: drafts from the model's MTP layers are not built "
-                              "yet; --speculative-algorithm NGRAM (prompt lookup) is")
         self.speculative_algorithm = algorithm
         if self.speculative_eagle_topk not in (None, 1):
             raise ConfigError(f"--speculative-eagle-topk: only 1 (one chain of drafts) is supported, "
@@ -166,6 +164,11 @@ class EngineConfig:
             raise ConfigError(f"with --speculative-eagle-topk 1, --speculative-num-draft-tokens must be "
                               f"--speculative-num-steps + 1 ({self.speculative_num_steps + 1}), "
                               f"got {self.speculative_num_draft_tokens}")
+
+    @property
+    def drafts_from_mtp(self) -> bool:
+        """Whether drafts come from the checkpoint's multi-token-prediction layer (NEXTN / EAGLE)."""
+        return self.speculative_algorithm in MTP_ALGORITHMS
 
     @property
     def speculative_drafts(self) -> int:

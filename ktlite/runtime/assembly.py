@@ -28,7 +28,7 @@ from ktlite.runtime.loader import CheckpointReader, load_weights
 from ktlite.runtime.memory import MemoryPlan, make_plan
 from ktlite.runtime.model_runner import ModelRunner
 from ktlite.runtime.state_cache import StatePool
-from ktlite.runtime.models.config import load_config
+from ktlite.runtime.models import serving_config
 from ktlite.runtime.plan_inputs import plan_inputs
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
     """The runtime of one process; `tp` (a tp_layers.TPContext) makes it one tensor-parallel rank's
     shard (see ktlite/runtime/parallel.py): sliced weights, its share of the GPU experts, and the
     CPU experts only on rank 0."""
-    cfg = load_config(config.model_path)
+    cfg = serving_config(config)  # with the MTP layer for NEXTN drafts
     config, _ = choose_knobs(config, cfg)  # a config the Engine already resolved comes back unchanged
     device, dtype = config.torch_device, config.torch_dtype
     rank = tp.rank if tp is not None else 0
@@ -143,7 +143,7 @@ def assemble(config: EngineConfig, progress: bool = True, tp=None) -> Runtime:
             others = [x for x in placement[l] if x not in mine]
             n = len(mine)
             w13, w2 = alloc_gpu_experts(alloc, n, h, i, dtype, device, plan.inputs.gpu_expert_format)  # as planned
-            mlp = model.model.layers[l].mlp
+            mlp = model.layer(l).mlp
             moe_layers[l] = HybridMoE(l, mlp.gate, mlp.shared_experts, mine, w13, w2, cpu, source,
                                       config.kt_gpu_prefill_token_threshold, layerwise, observers,
                                       remote_gpu_experts=others, packed_source=experts.gpu_weights,

@@ -77,13 +77,14 @@ class DecodePlan:
         """Whether the plan still describes the model and runs over `pool`."""
         return pool is self.pool and self.generation == module_generation()
 
-    def run(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The residual stream x [T, hidden] (the embeddings) -> the logits of batch.logit_rows where the plan has a
-        head, else the last layer's output [T, hidden]."""
+    def run(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The residual stream x [T, hidden] (the embeddings) -> (the last layer's output [T, hidden], the logits of
+        batch.logit_rows where the plan has a head, else None)."""
         step = step_arrays(batch, self.pool)
-        return torch.from_numpy(self.run_here(self._run, x.contiguous().numpy(), step, batch.logit_rows.numpy()))
+        hidden, logits = self.run_here(self._run, x.contiguous().numpy(), step, batch.logit_rows.numpy())
+        return torch.from_numpy(hidden), None if logits is None else torch.from_numpy(logits)
 
-    def _run(self, x: np.ndarray, step: StepArrays, logit_rows: np.ndarray) -> np.ndarray:
+    def _run(self, x: np.ndarray, step: StepArrays, logit_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         for block in self.blocks:
             x = block(x, step)
-        return x if self.head is None else self.head(x, logit_rows)
+        return x, None if self.head is None else self.head(x, logit_rows)

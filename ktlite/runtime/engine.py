@@ -21,7 +21,7 @@ from ktlite.errors import EngineFailure, RequestError
 from ktlite.runtime.assembly import Runtime, assemble
 from ktlite.runtime.host_cache import make_host_cache
 from ktlite.runtime.knobs import choose_knobs
-from ktlite.runtime.models import load_config
+from ktlite.runtime.models import serving_config
 from ktlite.runtime.radix_cache import RadixCache, prefix_cache_enabled
 from ktlite.runtime.sampling import SamplingParams
 from ktlite.runtime.state_cache import StateSnapshots
@@ -65,7 +65,7 @@ class Engine:
         self.config = EngineConfig.from_kwargs(model_path, **flags)
         # every knob the caller left out, chosen from the plan and the hardware (logged as one table);
         # before the tensor-parallel branch, since the rank count is one of them
-        model_config = load_config(self.config.model_path)
+        model_config = serving_config(self.config)  # ConfigError: NEXTN without an MTP layer
         self.config, self.knobs = choose_knobs(self.config, model_config)
         speculation = speculation_for(self.config, model_config)  # before allocating
         self.tokenizer = Tokenizer(self.config.model_path)

@@ -19,6 +19,10 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # [R] indices into N whose next-token logits are wanted
     # speculative drafts verified behind each request's last token (its last drafts[i] new tokens); () for none
     drafts: tuple[int, ...] = ()
+    # a drafter that reads the target's hidden states (MTP) sets capture_hidden; the forward then leaves its last
+    # layer's output [N, hidden] (before the final norm) in hidden_states: a reference, no copy
+    capture_hidden: bool = False
+    hidden_states: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -36,6 +40,7 @@ class ForwardBatch:
         device: torch.device,
         extra_rows: list[range] | None = None,
         drafts: list[int] | None = None,
+        capture_hidden: bool = False,
     ) -> "ForwardBatch":
         """From per-request new tokens, prefix lengths, pool rows and freshly allocated slots.
         want_logits[i]: the logits of request i's last new token; extra_rows[i]: offsets into its
@@ -60,4 +65,5 @@ class ForwardBatch:
             extend_lens=tensor(extend),
             logit_rows=tensor(logit_rows),
             drafts=tuple(drafts) if drafts and any(drafts) else (),
+            capture_hidden=capture_hidden,
         )

@@ -281,7 +281,9 @@ def plan_on(cfg: ModelConfig, inputs: PlanInputs, device_bytes: tuple[int, ...])
     gpu_format = res.act_dtype if inputs.gpu_expert_format == "dense" else inputs.gpu_expert_format
     per_expert = expert_bytes(cfg, gpu_format)
     dense_expert = expert_bytes(cfg, res.act_dtype)  # the layerwise buffer holds any expert, dequantized
-    moe_layers = len(cfg.moe_layers)
+    moe_layers = len(cfg.moe_layers)  # a served MTP layer's included: its routed experts are placed as the others'
+    dense_layers = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    decoder_moe = cfg.num_hidden_layers - dense_layers
     experts_on = tuple(res.gpu_experts // tp + (r < res.gpu_experts % tp) for r in range(tp))
     kv_dtype = _TORCH_DTYPES[res.kv_dtype]
     cache_specs = cfg.token_cache_specs(tp, kv_dtype)
@@ -314,9 +316,12 @@ def plan_on(cfg: ModelConfig, inputs: PlanInputs, device_bytes: tuple[int, ...])
             "embeddings": f"{shard:,} of {cfg.vocab_size:,} rows x {cfg.hidden_size}, {res.act_dtype}",
             "lm_head": "tied to the embeddings" if cfg.tie_word_embeddings else f"{shard:,} vocab rows x {cfg.hidden_size}, {res.act_dtype}",
             "attention": f"{cfg.num_hidden_layers} layers, {heads} of {cfg.num_attention_heads} heads, {res.weight_dtype}",
-            "dense_mlp": f"{cfg.num_hidden_layers - moe_layers} layers, intermediate {_ceil_div(cfg.intermediate_size, tp)}",
-            "shared_experts": f"{moe_layers} layers, intermediate {cfg.shared_intermediate_size}" if cfg.shared_intermediate_size else "none",
+            "dense_mlp": f"{dense_layers} layers, intermediate {_ceil_div(cfg.intermediate_size, tp)}",
+            "shared_experts": f"{decoder_moe} layers, intermediate {cfg.shared_intermediate_size}" if cfg.shared_intermediate_size else "none",
             "norms_router": "norms (replicated), fp32 routers, rope table",
+            "mtp": (f"MTP layer for NEXTN drafts: attention, shared expert, eh_proj, {res.weight_dtype} (its routed "
+                    "experts: a MoE layer of gpu_experts and the CPU store)" if cfg.mtp_layer
+                    else "off (no --speculative-algorithm NEXTN)"),
             "gpu_experts": f"{experts_on[r]} per layer x {moe_layers} layers x {per_expert:,} B, {gpu_format}",
             "kv_pool": f"{kv_tokens:,} tokens x {kv_per_token:,} B ({plan_table.cache_note(cache_specs, res.kv_dtype)})",
             "request_table": f"{inputs.max_running_requests} requests x {res.context_length:,} token slots, int32",

@@ -36,7 +36,8 @@ class ModelRunner:
         self.config = model.config
         self.deferred_experts = deferred_experts
         # a layer may defer CPU experts only if a later MoE layer can absorb their result
-        self._last_moe = max(moe_layers, default=-1)
+        # (of the decoder: an MTP layer runs in its own forward, after this one)
+        self._last_moe = max((l for l in moe_layers if l < model.config.num_hidden_layers), default=-1)
         self._pending = None  # CPU experts deferred by the previous MoE layer of this forward
         self._cpu = next((moe.cpu for moe in moe_layers.values() if moe.cpu is not None), None)
 

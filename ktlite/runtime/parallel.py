@@ -79,7 +79,7 @@ from ktlite.runtime.assembly import Runtime, assemble
 from ktlite.runtime.host_cache import make_host_cache
 from ktlite.runtime.memory import make_plan
 from ktlite.runtime.model_runner import ForwardBatch, ModelRunner
-from ktlite.runtime.models.config import load_config
+from ktlite.runtime.models import serving_config
 from ktlite.runtime.models.tp_layers import TPContext
 from ktlite.runtime.plan_components import allocated_by_component
 from ktlite.runtime.plan_inputs import plan_inputs
@@ -167,7 +167,7 @@ def _agreed_config(config: EngineConfig, free: list[int | None]) -> EngineConfig
     """The flags every rank plans with, so all ranks get the same plan: the device size (on CUDA
     without --gpu-memory, the tightest GPU's free bytes; on CPU, what rank 0 resolved from free RAM)
     and the KV pool size rank 0's plan chose. Raises the plan's error if it does not fit."""
-    cfg = load_config(config.model_path)
+    cfg = serving_config(config)
     gpu_memory = config.gpu_memory
     if gpu_memory is None:
         gpu_memory = min(free) if all(f is not None for f in free) else plan_inputs(config, cfg).gpu_memory

@@ -14,7 +14,8 @@ from itertools import chain
 
 from torch import nn
 
-WEIGHT_COMPONENTS = ("embeddings", "lm_head", "attention", "dense_mlp", "shared_experts", "norms_router")
+# "mtp": the multi-token-prediction layer NEXTN drafts run (models/mtp.py), its routed experts included
+WEIGHT_COMPONENTS = ("embeddings", "lm_head", "attention", "dense_mlp", "shared_experts", "norms_router", "mtp")
 STATIC_COMPONENTS = WEIGHT_COMPONENTS + ("gpu_experts", "kv_pool", "state_pool", "request_table")
 HEADROOM_COMPONENTS = ("prefill_workspace", "layerwise_buffer")
 COMPONENTS = STATIC_COMPONENTS + HEADROOM_COMPONENTS

@@ -29,7 +29,10 @@ Policy:
   up to k tokens; they ride behind its last token in the same step (an extend of 1 + k tokens, so any batch carries
   them) while free KV slots and the tokens the memory plan sizes a forward for last. The kept tokens (accepted drafts
   plus the model's own) go through the same finish checks one by one as plain decoding's would; the rejected
-  drafts' slots are freed and `computed` moves past the kept ones only. Drafting never preempts anyone.
+  drafts' slots are freed and `computed` moves past the kept ones only. Drafting never preempts anyone. A draft model
+  that reads the forward's hidden states (NEXTN: the checkpoint's MTP layer, speculative/mtp.py) runs right after the
+  forward and sampling, in the forward's thread, over the rows each request keeps; its drafts wait in the request's
+  drafter for the next step.
 
 Prefix cache (ktlite/runtime/radix_cache.py, unless --disable-radix-cache): an admitted request starts
 with `computed` = its longest cached prefix; each prefill chunk's tokens are indexed as soon as they are
@@ -60,7 +63,7 @@ from ktlite.runtime.logprobs import TokenLogprob, gather, prompt_logit_rows
 from ktlite.runtime.model_runner import ForwardBatch, ModelRunner
 from ktlite.runtime.radix_cache import Node, RadixCache
 from ktlite.runtime.sampling import SamplerState, SamplingParams, sample
-from ktlite.runtime.speculative import Drafter, Speculation, accept_drafts, can_speculate
+from ktlite.runtime.speculative import Drafter, Span, Speculation, accept_drafts, can_speculate, may_speculate
 from ktlite.runtime.speculative.auto_k import Acceptance
 from ktlite.runtime.stop import StopStringMatcher, finish_reason
 from ktlite.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -176,6 +179,9 @@ class Scheduler:
                  speculation: Speculation | None = None):
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
         self.speculation = speculation
+        # a draft model that reads the forward's hidden states (MTP drafts), run after every forward
+        self.draft_model = (speculation.draft_model(runner, speculation.num_drafts)
+                            if speculation is not None and speculation.draft_model is not None else None)
         self.pool: KVPool = runner.kv_pool
         self.cache = prefix_cache
         self.waiting: list[Request] = []
@@ -232,7 +238,7 @@ class Scheduler:
             detok=self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens),
             stops=StopStringMatcher(params.stop), order=next(self._counter),
             grammar=self.grammars.state(params.json_schema) if params.json_schema else None,
-            drafter=self.speculation.new_drafter() if self.speculation is not None else None,
+            drafter=self.speculation.new_drafter() if self.speculation is not None and may_speculate(params) else None,
         )
         self.waiting.append(req)
         self._wake()
@@ -331,7 +337,7 @@ class Scheduler:
             limit = min(self.speculation.drafts_for(req.acceptance), spare,
                         req.params.max_tokens - len(req.output_ids) - 1,  # the model's own token follows the drafts
                         self.config.context_length - req.sequence_len - 1, self.pool.max_context - req.sequence_len)
-            if limit > 0 and can_speculate(req.params, req.sampler):
+            if limit > 0 and req.drafter is not None and can_speculate(req.params, req.sampler):
                 req.drafts = req.drafter.propose(req.tokens(req.drafter.seen, req.sequence_len), limit)
                 spare -= len(req.drafts)
 
@@ -462,8 +468,10 @@ class Scheduler:
         want = [req.wants_sample(n) for req, n in plan]
         # logits rows before the last token's: prompt logprobs, or (with drafts) the rows that verify them
         extra = [range(len(req.drafts)) if req.drafts else req.prompt_rows(n) for req, n in plan]
+        capture = self.draft_model is not None and any(req.drafter is not None for req, _ in plan)
         batch = ForwardBatch.build(chunks, prefix, rows, slots, want, self.runner.device,
-                                   extra if any(extra) else None, [len(req.drafts) for req, _ in plan])
+                                   extra if any(extra) else None, [len(req.drafts) for req, _ in plan],
+                                   capture_hidden=capture)
         return batch, [req for (req, _), w in zip(plan, want) if w]
 
     def _forward_and_sample(self, batch: ForwardBatch, plan: list[tuple[Request, int]],
@@ -484,6 +492,7 @@ class Scheduler:
                 sample_at.append(at)  # with drafts: the first of its 1 + k rows
                 at += 1 + len(req.drafts)
         if not sample_reqs:
+            self._run_draft_model(batch, plan, {})
             return StepOutput([], [], prompt)
         plain_at = [a for a, r in zip(sample_at, sample_reqs) if not r.drafts]
         plain_logits = logits[plain_at] if len(plain_at) < logits.shape[0] else logits
@@ -499,7 +508,26 @@ class Scheduler:
                 token, lp = next(plain_out)
                 kept.append([token])
                 logprobs.append(lp)
+        self._run_draft_model(batch, plan, {id(r): k for r, k in zip(sample_reqs, kept)})
         return StepOutput(kept, logprobs, prompt)
+
+    def _run_draft_model(self, batch: ForwardBatch, plan: list[tuple[Request, int]],
+                         kept: dict[int, list[int]]) -> None:
+        """The draft model (MTP) over the rows each drafting request keeps: a chunk's tokens, or a verify's last token
+        and accepted drafts (kept: id(request) -> the tokens it keeps after its chunk, for those that sampled)."""
+        if self.draft_model is None or not batch.capture_hidden:
+            return
+        spans, offset = [], 0
+        for req, n in plan:
+            if req.drafter is not None:
+                end = req.computed + n  # the token after each row: the sequence's next ones, then what it sampled
+                new = kept.get(id(req), [])
+                after = req.tokens(req.computed + 1, min(end + 1, req.sequence_len)) + new
+                # drafts only for a request that sampled and may draft next step (its min_tokens out)
+                drafts = id(req) in kept and len(req.output_ids) + len(new) >= req.params.min_tokens
+                spans.append(Span(req.drafter, req.row, req.computed, offset, after, drafts))
+            offset += n + len(req.drafts)
+        self.draft_model.step(batch, spans)
 
     @staticmethod
     def _sampled_logprobs(logits: torch.Tensor, reqs: list[Request], ids: list[int]) -> list[TokenLogprob | None]:

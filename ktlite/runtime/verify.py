@@ -209,6 +209,17 @@ def reach_sizes(limit: int) -> list[int]:
     return [n for n in sizes if n < limit]
 
 
+def _warm_forward(runner, batch: ForwardBatch) -> None:
+    """runner.forward(batch), then the MTP layer over the same rows where the model serves one: the paths NEXTN
+    drafts take (an extend after a forward, one-token chain steps) compile here too."""
+    mtp = getattr(getattr(runner, "model", None), "mtp", None)
+    batch.capture_hidden = mtp is not None
+    runner.forward(batch)
+    if mtp is not None:
+        with torch.inference_mode():
+            runner.model.draft_forward(batch, runner.model.model.norm(batch.hidden_states), runner)
+
+
 def warm_paths(runtime) -> float:
     """Run a prefill of one request and a decode step of that many requests at each reach_sizes size below the
     verified passes', and an extend after a prefix (see the module docstring); returns the seconds spent."""
@@ -220,19 +231,19 @@ def warm_paths(runtime) -> float:
         for n in reach_sizes(chunk):
             with _Pass(pool) as p:
                 row, slots = p.request(n)
-                runner.forward(ForwardBatch.build([_dummy_ids(n, runtime.vocab_size)], [0], [row], [slots], [True],
-                                                  runner.device))
+                _warm_forward(runner, ForwardBatch.build([_dummy_ids(n, runtime.vocab_size)], [0], [row], [slots],
+                                                         [True], runner.device))
         if pool.free_tokens >= 3:
             with _Pass(pool) as p:  # new tokens after computed ones: a prefill's later chunks, a verify of drafts
                 row, slots = p.request(3)
-                runner.forward(ForwardBatch.build([_dummy_ids(2, runtime.vocab_size)], [1], [row], [slots[1:]], [True],
-                                                  runner.device, [range(1)]))
+                _warm_forward(runner, ForwardBatch.build([_dummy_ids(2, runtime.vocab_size)], [1], [row], [slots[1:]],
+                                                         [True], runner.device, [range(1)]))
         for n in reach_sizes(requests):
             with _Pass(pool) as p:  # each request with one prefix position and its new token
                 rows, slots = zip(*(p.request(2) for _ in range(n)))
                 chunks = [_dummy_ids(1, runtime.vocab_size, r) for r in range(n)]
-                runner.forward(ForwardBatch.build(chunks, [1] * n, list(rows), [s[-1:] for s in slots], [True] * n,
-                                                  runner.device))
+                _warm_forward(runner, ForwardBatch.build(chunks, [1] * n, list(rows), [s[-1:] for s in slots],
+                                                         [True] * n, runner.device))
     seconds = time.perf_counter() - t0
     logger.info("warmed the forwards a request can reach (prefills and decode steps of 1, 2, 3, 4, 8, ... tokens) "
                 "in %.2f s", seconds)

@@ -56,14 +56,24 @@ def build(
     return model.eval()
 
 
+def serving_config(config) -> ModelConfig:
+    """The model config an EngineConfig serves: the checkpoint's, with its MTP layer for NEXTN drafts (ConfigError
+    where the family or the checkpoint has none)."""
+    cfg = load_config(config.model_path)
+    return cfg.with_mtp() if config.drafts_from_mtp else cfg
+
+
 def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-         progress: bool = False) -> CausalLM:
-    """Reference model with the checkpoint's weights: `model(input_ids [B, T]) -> logits [B, T, vocab]`."""
+         progress: bool = False, mtp: bool = False) -> CausalLM:
+    """Reference model with the checkpoint's weights: `model(input_ids [B, T]) -> logits [B, T, vocab]`; with `mtp`
+    its multi-token-prediction layer too (`model.mtp`)."""
     from ktlite.runtime.loader import CheckpointReader, load_weights
 
-    model = build(load_config(path), device, dtype)
+    cfg = load_config(path)
+    model = build(cfg.with_mtp() if mtp else cfg, device, dtype)
     load_weights(model, CheckpointReader(path), progress=progress)
     return model
 
 
-__all__ = ["CausalLM", "ModelConfig", "build", "family_of", "load", "load_config", "parse_config", "supported"]
+__all__ = ["CausalLM", "ModelConfig", "build", "family_of", "load", "load_config", "parse_config",
+           "serving_config", "supported"]

@@ -99,6 +99,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, unit_offset_norms)
         self.mlp = mlp
 
+    def forward_batch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                      ctx: "ForwardContext") -> torch.Tensor:
+        """The residual stream x [N, hidden] through this layer's attention (over the pool) and MLP/MoE block."""
+        h = self.input_layernorm(x)
+        x = x + ctx.reduce(self.self_attn.forward_batch(h, cos, sin, batch, ctx, self.layer_idx))
+        return x + ctx.feed_forward(self.layer_idx, self.mlp, self.post_attention_layernorm(x))
+
 
 class Embedding(nn.Embedding):
     plan_component = "embeddings"
@@ -127,6 +134,8 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = backbone
         self.lm_head = LMHead(config.hidden_size, config.vocab_size, bias=False)
+        # the multi-token-prediction layer (models/mtp.py) where the family builds one and the config serves it
+        self.mtp: nn.Module | None = None
         self._decode_plans: dict[int, DecodePlan] = {}  # decode batch size -> its plan (_decode_plan)
 
     # from the embedding rows, which stay torch tensors when a CPU-only run quantizes the linear layers
@@ -144,23 +153,38 @@ class CausalLM(nn.Module):
         """The checkpoint's name of one of this model's tensors (families with other names override)."""
         return name
 
+    def layer(self, layer_idx: int) -> DecoderLayer:
+        """Decoder layer layer_idx, or the MTP layer at index num_hidden_layers."""
+        if self.mtp is not None and layer_idx == len(self.model.layers):
+            return self.mtp
+        return self.model.layers[layer_idx]
+
     def forward_batch(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         """-> float32 logits [R, vocab] for the tokens in batch.logit_rows."""
         backbone = self.model
         x = backbone.embed_tokens(batch.input_ids)  # [N, hidden]
         plan = self._decode_plan(x, batch, ctx)
         if plan is not None:
-            out = plan.run(x, batch)
-            if plan.head is not None:
-                return out
-            return self.lm_head(backbone.norm(out[batch.logit_rows])).float()
-        cos, sin = backbone.rotary.cos_sin(batch.positions)  # [N, rope/2]
-        for layer in backbone.layers:
-            h = layer.input_layernorm(x)
-            x = x + ctx.reduce(layer.self_attn.forward_batch(h, cos, sin, batch, ctx, layer.layer_idx))
-            h = layer.post_attention_layernorm(x)
-            x = x + ctx.feed_forward(layer.layer_idx, layer.mlp, h)
+            x, logits = plan.run(x, batch)
+        else:
+            logits = None
+            cos, sin = backbone.rotary.cos_sin(batch.positions)  # [N, rope/2]
+            for layer in backbone.layers:
+                x = layer.forward_batch(x, cos, sin, batch, ctx)
+        if batch.capture_hidden:
+            batch.hidden_states = x
+        if logits is not None:
+            return logits
         return self.lm_head(backbone.norm(x[batch.logit_rows])).float()
+
+    def draft_forward(self, batch: ForwardBatch, hidden: torch.Tensor,
+                      ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer over batch (its input_ids are the tokens after the positions of `hidden` [N, hidden], the
+        target's final-normed hidden states or the layer's own previous output) -> (its normed output [N, hidden],
+        float32 logits [R, vocab] of batch.logit_rows: the token after batch.input_ids). Embeddings and the head
+        are the target's (DeepSeek-V3's MTP copies of them are equal)."""
+        out = self.mtp.forward_batch(self.model.embed_tokens(batch.input_ids), hidden, batch, ctx, self.model.rotary)
+        return out, self.lm_head(out[batch.logit_rows]).float()
 
     def _decode_plan(self, x: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext) -> DecodePlan | None:
         """This decode step as compiled calls (compiled_decode.py) where every layer's attention offers

@@ -162,6 +162,9 @@ class ModelConfig:
     # wrapper.py); none: the checkpoint names them as the model does
     weight_renames: tuple[tuple[str, str], ...] = ()
     vision_skipped: bool = False  # a vision-language checkpoint of which ktlite loads and serves the text model only
+    # serve the checkpoint's multi-token-prediction layer too (NEXTN drafts; `with_mtp`): its weights and its KV
+    # (one more attention layer) are part of the model the plan counts
+    mtp_layer: bool = False
 
     # whether a copy of a request's per-request state where a prompt or reply ends (a prefix-cache snapshot,
     # runtime/state_cache.py) lets another request resume from there; False turns such a family's prefix cache off
@@ -172,7 +175,9 @@ class ModelConfig:
 
     @property
     def moe_layers(self) -> list[int]:
-        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+        """MoE layers: the decoder's, and a served MTP layer (index num_hidden_layers), whose routed experts are placed
+        and stored as every MoE layer's."""
+        return [i for i in range(self.num_hidden_layers + int(self.mtp_layer)) if self.is_moe_layer(i)]
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         raise NotImplementedError
@@ -181,6 +186,13 @@ class ModelConfig:
     def snapshot_state(self) -> bool:
         """Whether the prefix cache keeps snapshots of this family's per-request state (EngineConfig.state_snapshots)."""
         return bool(self.request_state_specs()) and self.snapshots_resume
+
+    def with_mtp(self) -> "ModelConfig":
+        """This config serving the checkpoint's multi-token-prediction layer (--speculative-algorithm NEXTN); families
+        without one built raise ConfigError."""
+        raise ConfigError(f"--speculative-algorithm NEXTN/EAGLE: drafts from multi-token-prediction layers are built "
+                          f"for DeepSeek-V3-family checkpoints only, not {self.architecture}; "
+                          "--speculative-algorithm NGRAM works with this model")
 
     def token_cache_specs(self, tp_size: int = 1, kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
         """What one tensor-parallel rank caches per token (the KV pool's buffers) in a pool of kv_dtype

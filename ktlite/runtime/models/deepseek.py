@@ -40,6 +40,7 @@ from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
 from ktlite.runtime.models.deepseek_config import ARCHITECTURES, MODEL_TYPES, TINY_CONFIGS, DeepseekConfig, parse_config
 from ktlite.runtime.models.fp8 import linear_weight
 from ktlite.runtime.models.layers import MLP, MoE, RMSNorm, plain_norm
+from ktlite.runtime.models.mtp import MTPLayer
 from ktlite.runtime.models.rope import RotaryEmbedding
 
 
@@ -345,6 +346,9 @@ class MLAttention(nn.Module):
         return self.o_proj(attn.flatten(-2))
 
 
+MTP_PREFIX = "mtp."
+
+
 def _layer(cfg: DeepseekConfig, i: int, rotary: RotaryEmbedding, routed_experts: bool, attention: type) -> DecoderLayer:
     if cfg.is_moe_layer(i):
         mlp = MoE(cfg.router, cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size, routed_experts)
@@ -363,6 +367,14 @@ class DeepseekForCausalLM(CausalLM):
         rotary = RotaryEmbedding(cfg.rope)
         layers = [_layer(cfg, i, rotary, routed_experts, self.attention_class) for i in range(cfg.num_hidden_layers)]
         super().__init__(cfg, Backbone(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, rotary, layers))
+        if cfg.mtp_layer:  # its routed experts, as every MoE layer's, are the runtime's (CPU store, GPU experts)
+            layer = _layer(cfg, cfg.num_hidden_layers, rotary, routed_experts, self.attention_class)
+            self.mtp = MTPLayer(layer.layer_idx, cfg.hidden_size, cfg.rms_norm_eps, layer.self_attn, layer.mlp)
+
+    def checkpoint_name(self, name: str) -> str:
+        if name.startswith(MTP_PREFIX):  # the MTP layer is the checkpoint's layer num_hidden_layers
+            return f"model.layers.{self.config.num_hidden_layers}.{name.removeprefix(MTP_PREFIX)}"
+        return super().checkpoint_name(name)
 
     @torch.inference_mode()
     def forward(

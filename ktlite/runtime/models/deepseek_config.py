@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ class DeepseekConfig(ModelConfig):
     n_group: int
     topk_group: int
     norm_topk_prob: bool
+    nextn_predict_layers: int = field(default=0, kw_only=True)  # the checkpoint's MTP layers (after the last layer)
 
     @property
     def qk_head_dim(self) -> int:
@@ -83,9 +85,21 @@ class DeepseekConfig(ModelConfig):
             return TokenCacheSpec(name, layers, (self.fp8_rows(name).row_bytes,), torch.uint8)
         return TokenCacheSpec(name, layers, (values,))
 
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Layers with a latent per token: the decoder's, and the MTP layer's (index num_hidden_layers) when served."""
+        return tuple(range(self.num_hidden_layers + int(self.mtp_layer)))
+
+    def with_mtp(self) -> "DeepseekConfig":
+        if self.nextn_predict_layers < 1:
+            raise ConfigError("--speculative-algorithm NEXTN/EAGLE drafts with the checkpoint's multi-token-prediction "
+                              "layer, and this one has none (config.json: num_nextn_predict_layers is 0 or absent); "
+                              "--speculative-algorithm NGRAM needs no extra layer")
+        return dataclasses.replace(self, mtp_layer=True)  # the first MTP layer; chained drafts reuse it (SGLang's)
+
     def token_cache_specs(self, tp_size: int = 1, kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
         # the latent is shared by all heads, so every tensor-parallel rank keeps all of it
-        return [self.cache_spec("latent", tuple(range(self.num_hidden_layers)), self.kv_latent_dim, kv_dtype)]
+        return [self.cache_spec("latent", self.attention_layers, self.kv_latent_dim, kv_dtype)]
 
     def request_state_specs(self, tp_size: int = 1) -> list:
         return []  # attention only: everything is cached per token
@@ -168,6 +182,7 @@ def parse_config(raw: dict[str, Any]) -> DeepseekConfig:
         n_group=int(f.values["n_group"]),
         topk_group=int(f.values["topk_group"]),
         norm_topk_prob=bool(f.values["norm_topk_prob"]),
+        nextn_predict_layers=int(f.get("num_nextn_predict_layers", 0) or 0),
     )
     cfg.router  # validates the routing fields
     return cfg

@@ -54,6 +54,11 @@ class DeepseekV32Config(DeepseekConfig):
     def is_v3(self) -> bool:  # V3's routing and defaults
         return True
 
+    def with_mtp(self) -> "DeepseekV32Config":
+        raise ConfigError(f"--speculative-algorithm NEXTN/EAGLE: the multi-token-prediction layer of sparse-attention "
+                          f"checkpoints ({self.architecture}) is not built (its attention would need the indexer too); "
+                          "it is built for DeepSeek-V3/R1-family checkpoints; --speculative-algorithm NGRAM works here")
+
     def fp8_rows(self, name: str) -> Fp8Rows:
         """In an FP8 pool an index key is its fp8 values with one fp32 scale (132 bytes at dim 128)."""
         return Fp8Rows(self.index_head_dim, self.index_head_dim) if name == "index_key" else super().fp8_rows(name)

@@ -21,9 +21,14 @@ import torch
 from ktlite.runtime.sampling import SamplerState, SamplingParams, target_probs
 
 
-def can_speculate(params: SamplingParams, state: SamplerState) -> bool:
+def may_speculate(params: SamplingParams) -> bool:
+    """Whether a request with these params drafts at all (once its min_tokens are out: can_speculate)."""
     return (params.json_schema is None and not params.has_penalties and params.thinking_budget is None
-            and not params.logprobs and len(state.output_ids) >= params.min_tokens)
+            and not params.logprobs)
+
+
+def can_speculate(params: SamplingParams, state: SamplerState) -> bool:
+    return may_speculate(params) and len(state.output_ids) >= params.min_tokens
 
 
 def accept_drafts(logits: torch.Tensor, drafts: list[int], params: SamplingParams, state: SamplerState) -> list[int]:
