@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from ktlite.config import EngineConfig
 from ktlite.errors import ConfigError
 from ktlite.runtime.models.config import ModelConfig
-from ktlite.runtime.speculative.auto_k import Acceptance, best_drafts
+from ktlite.runtime.speculative.auto_k import Acceptance
 from ktlite.runtime.speculative.mtp import MTPDrafter, MTPDrafts
 from ktlite.runtime.speculative.ngram import NgramDrafter
 
@@ -42,7 +42,7 @@ class Speculation:
         """How many drafts a request with this acceptance so far verifies this step."""
         if self.cost is None:
             return self.num_drafts
-        return best_drafts(acceptance.estimate(), self.cost)
+        return acceptance.drafts(self.cost)
 
 
 def speculation_for(config: EngineConfig, model: ModelConfig) -> Speculation | None:
