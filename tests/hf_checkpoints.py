@@ -221,6 +221,16 @@ def hf_step_logits(ref: torch.nn.Module, ids: torch.Tensor, first: int) -> torch
 
 
 @torch.no_grad()
+def engine_expectations(ref: torch.nn.Module, vocab: int, n: int, lengths: tuple[int, ...] = (5, 17, 9, 30),
+                        seed: int = 7) -> tuple[list[list[int]], list[list[int]], torch.Tensor]:
+    """Random prompts of `lengths` tokens, transformers' n greedy tokens and last-token logits for each: what the
+    families' Engine tests compare against."""
+    g = torch.Generator().manual_seed(seed)
+    batch = [torch.randint(4, vocab, (m,), generator=g).tolist() for m in lengths]
+    logits, tokens = hf_last_logits_and_greedy(ref, batch, n)
+    return batch, tokens, logits
+
+
 def hf_last_logits_and_greedy(ref: torch.nn.Module, batch: list[list[int]], n: int) -> tuple[torch.Tensor, list[list[int]]]:
     """transformers' reference for prompts one at a time: last-token logits [B, vocab] and n greedy tokens each
     (no EOS stop)."""

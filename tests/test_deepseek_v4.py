@@ -361,23 +361,28 @@ def test_plan_of_flash_one_24gib_and_two_16gib_gpus(gpu, tp):
 # ---- the hub's FP4 experts --------------------------------------------------------------------------------------
 
 
+def twin_folders(root: Path, hub_twin: Path, tiny: Path) -> tuple[Path, Path]:
+    """Two folders with every file but the weights: `packed` the hub twin's, `plain` the transformers-written one's."""
+    import shutil
+
+    packed_dir, plain_dir = root / "packed", root / "plain"
+    for folder, source in ((packed_dir, hub_twin), (plain_dir, tiny)):
+        folder.mkdir()
+        for f in source.iterdir():
+            if f.suffix != ".safetensors":
+                shutil.copy(f, folder / f.name)
+    return packed_dir, plain_dir
+
+
 @pytest.fixture(scope="module")
 def fp4_pair(tiny_deepseek_v4, hub_twin, tmp_path_factory):
     """(the hub twin with its routed experts in the hub's FP4: `w1.weight` int8 [out, in / 2] e2m1 pairs and
     `w1.scale` e8m0 per 32 inputs; the transformers-written folder with those experts as transformers dequantizes
     them)."""
-    import shutil
-
     from safetensors.torch import load_file, save_file
     from test_mx_experts import fp4_quantize, transformers_fp8_path
 
-    root = tmp_path_factory.mktemp("dsv4_fp4")
-    packed_dir, plain_dir = root / "packed", root / "plain"
-    for folder, source in ((packed_dir, hub_twin), (plain_dir, tiny_deepseek_v4)):
-        folder.mkdir()
-        for f in source.iterdir():
-            if f.suffix != ".safetensors":
-                shutil.copy(f, folder / f.name)
+    packed_dir, plain_dir = twin_folders(tmp_path_factory.mktemp("dsv4_fp4"), hub_twin, tiny_deepseek_v4)
     expert = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
     packed, plain = {}, {}
     for name, w in load_file(tiny_deepseek_v4 / "model.safetensors").items():
@@ -439,17 +444,10 @@ def fp8_pair(tiny_deepseek_v4, hub_twin, tmp_path_factory):
     """(the hub twin with the hub's block-FP8 projections: e4m3 `weight` + e8m0 `scale` per 128 x 128 block, and its
     quantization_config; the transformers-written folder with those weights dequantized)."""
     import json
-    import shutil
 
     from safetensors.torch import load_file, save_file
 
-    root = tmp_path_factory.mktemp("dsv4_fp8")
-    packed_dir, plain_dir = root / "packed", root / "plain"
-    for folder, source in ((packed_dir, hub_twin), (plain_dir, tiny_deepseek_v4)):
-        folder.mkdir()
-        for f in source.iterdir():
-            if f.suffix != ".safetensors":
-                shutil.copy(f, folder / f.name)
+    packed_dir, plain_dir = twin_folders(tmp_path_factory.mktemp("dsv4_fp8"), hub_twin, tiny_deepseek_v4)
     config = json.loads((packed_dir / "config.json").read_text())
     (packed_dir / "config.json").write_text(json.dumps({**config, "quantization_config": HUB_QUANT}))
     packed, plain = {}, {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_checkpoints import hf_last_logits_and_greedy, hf_model
+from hf_checkpoints import engine_expectations, hf_last_logits_and_greedy, hf_model
 from test_gqa_families import random_ids
 
 from ktlite.runtime import models
@@ -66,10 +66,7 @@ N_EXPERTS = 8
 def expected(tiny_gpt_oss, pair):
     """Prompts of 5..30 tokens (the window of 4 drops keys in all but the first) and transformers' greedy tokens and
     last-token logits."""
-    g = torch.Generator().manual_seed(7)
-    batch = [torch.randint(4, pair[0].config.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
-    logits, tokens = hf_last_logits_and_greedy(pair[1], batch, GREEDY["max_tokens"])
-    return batch, tokens, logits
+    return engine_expectations(pair[1], pair[0].config.vocab_size, GREEDY["max_tokens"])
 
 
 def test_engine_cpu_experts_equal_transformers(tiny_gpt_oss, expected):

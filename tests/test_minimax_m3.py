@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from hf_checkpoints import hf_last_logits_and_greedy, hf_model, hf_step_logits
+from hf_checkpoints import engine_expectations, hf_last_logits_and_greedy, hf_model, hf_step_logits
 from test_gqa_engine import EXACT, GREEDY
 from test_gqa_families import random_ids
 from test_tensor_parallel import logits_of
@@ -112,10 +112,7 @@ def test_greedy_32_equals_generate(pair):
 def expected(pair):
     """Prompts of 5..30 tokens (the sparse layers drop key blocks in all but the first) and transformers' greedy tokens
     and last-token logits."""
-    g = torch.Generator().manual_seed(7)
-    batch = [torch.randint(4, pair[0].config.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
-    logits, tokens = hf_last_logits_and_greedy(pair[1], batch, GREEDY["max_tokens"])
-    return batch, tokens, logits
+    return engine_expectations(pair[1], pair[0].config.vocab_size, GREEDY["max_tokens"])
 
 
 def test_engine_cpu_experts_equal_transformers_and_plan_counts_index_keys(tiny_minimax_m3, expected):
