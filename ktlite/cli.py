@@ -55,7 +55,7 @@ class _TinyArch(click.ParamType):
 @click.group()
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def main(verbose: bool) -> None:
-    """ktlite: MoE inference (DeepSeek-V2/V3, Kimi-K2, Qwen3-MoE, MiniMax-M2, GLM-4.5) with CPU experts and GPU attention."""
+    """ktlite: MoE inference (the model families of the README's table) with CPU experts and GPU attention."""
     _setup_logging(verbose)
 
 
