@@ -14,7 +14,7 @@ Rows, batch-1 decode on the checkpoint bench/e2e.py writes (random weights, --ar
 - a = 1.0, k = 1..K: every draft accepted, so each step verifies k drafts and yields k + 1 tokens: the step's
   time over a plain step's is the verify cost c(k) (the union of the k + 1 tokens' experts grows with k);
 - a in --acceptance, k = 1..K: tok/s and the speed-up over plain decode; the best k per a is marked, and the k that
-  c(k) predicts ((1 - a^(k+1)) / (1 - a) tokens a step over c(k)) beside it;
+  the start-up c(k) predicts ((1 - a^(k+1)) / (1 - a) tokens a step over c(k)) beside it;
 - a in --acceptance, auto: what the engine does without --speculative-num-steps (speculative/auto_k.py: each step's
   k from the c(k) it measures before serving, runtime/verify.py, and the request's acceptance so far); the c(k) it
   measured is printed beside the bench's.
@@ -139,11 +139,11 @@ def main() -> None:
                 if a == 1.0:
                     cost[k] = (k + 1) / rate / step  # a step's time over a plain step's
             best = max(ks, key=lambda k: rates[k][0])
-            predicted = best_drafts(a, cost)
+            predicted = best_drafts(a, startup_cost)  # a=1.0 rows that left the drafts overstate c(k)
             for k in ks:
                 rate, measured = rates[k]
                 what = f"verify cost c({k}) = {cost[k]:.2f} plain steps" if a == 1.0 else \
-                    (f"best k (c(k) predicts k={predicted})" if k == best else "")
+                    (f"best k (the start-up c(k) predicts k={predicted})" if k == best else "")
                 rows.append((f"oracle drafts a={a:.1f}", str(k), f"{measured:.2f}", f"{rate:.2f} tok/s",
                              what, f"{rate / plain_rate:.2f}x"))
             if a < 1.0:  # what the engine does without --speculative-num-steps: k per step from its own c(k)
@@ -162,7 +162,8 @@ def main() -> None:
             + ", ".join(f"c({k}) = {c:.2f}" for k, c in startup_cost.items())
             + ". The drafts follow the greedy output of a k = 1 run"
             + (", equal to plain decode's" if differs is None else
-               f", which plain decode's leaves at token {differs} (a near-tie a plain step's kernels round the other way)")
+               f", which plain decode's leaves at token {differs} (a near-tie a plain step's kernels round the other "
+               "way)")
             + ("; every run gave that output.\n" if not any(v is not None for v in diverged.values()) else
                "; runs whose output left it (a forward of 1 + k rows takes other kernel paths, which round near-ties "
                "differently: the drafts then miss, as the measured acceptance shows): "
