@@ -64,12 +64,16 @@ def main(verbose: bool) -> None:
 @click.option("--arch", type=_TinyArch(), default="deepseek_v3", show_default=True,
               help="Model family of the checkpoint.")
 @click.option("--fp8", is_flag=True, help="Store linear weights as block-scaled float8_e4m3fn (as DeepSeek-V3, MiniMax-M2 and Qwen3 FP8 checkpoints do).")
+@click.option("--fp4", is_flag=True, help="Store the routed experts as FP4: e2m1 codes with an e8m0 scale per 32 (as DeepSeek-V4's checkpoints do; serve with --kt-method FP4).")
 @click.option("--seed", type=int, default=0, show_default=True)
-def tiny_model(path: Path, arch: str, fp8: bool, seed: int) -> None:
+def tiny_model(path: Path, arch: str, fp8: bool, fp4: bool, seed: int) -> None:
     """Write a small random HF-format checkpoint (with tokenizer and chat template) to PATH."""
     from ktlite.runtime.tiny_model import write_tiny_model
 
-    write_tiny_model(path, arch, fp8=fp8, seed=seed)
+    try:
+        write_tiny_model(path, arch, fp8=fp8, fp4=fp4, seed=seed)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     click.echo(f"wrote {arch} tiny checkpoint to {path}")
 
 

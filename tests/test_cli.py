@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import queue
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -36,6 +38,7 @@ class Server:
 
     def __init__(self, args: list[str], tmp_path):
         self.stderr_path = tmp_path / "serve.stderr"
+        self.port_lock = _hold_port(args)
         self.proc = subprocess.Popen([sys.executable, "-m", "ktlite.launch_server", *args], stdout=subprocess.PIPE,
                                      stderr=open(self.stderr_path, "w"), text=True, bufsize=1)
         self.lines: queue.Queue[str] = queue.Queue()
@@ -62,6 +65,7 @@ class Server:
             if line == "":
                 break
         self.proc.kill()
+        self._release()
         raise AssertionError(f"server did not start:\n{''.join(self.stdout)}\n{self.stderr_path.read_text()[-3000:]}")
 
     def stop(self, sig=signal.SIGINT) -> int:
@@ -72,7 +76,24 @@ class Server:
             if line == "":
                 break
             self.stdout.append(line)
+        self._release()
         return rc
+
+    def _release(self) -> None:
+        if self.port_lock is not None:
+            self.port_lock.close()  # closing the file drops its lock
+            self.port_lock = None
+
+
+def _hold_port(args: list[str]):
+    """A launch line with a fixed --port (the users' verbatim ones: 30000) holds a lock file for that port until the
+    server stops, so tests running in parallel processes (pytest -n) take the port in turn; --port 0 holds none."""
+    port = args[args.index("--port") + 1] if "--port" in args else "0"
+    if port == "0":
+        return None
+    lock = open(os.path.join(tempfile.gettempdir(), f"ktlite-tests-port-{port}.lock"), "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return lock
 
 
 @pytest.fixture(scope="module")

@@ -417,6 +417,57 @@ def test_fp4_experts_equal_transformers_on_their_dequantized_weights(fp4_pair):
     assert (got - want).abs().max().item() <= TOL and tokens == expected
 
 
+
+def test_tiny_model_fp4_serves_as_transformers_dequantizes_it(tmp_path):
+    """`ktlite tiny-model --arch deepseek_v4 --fp4` stores the routed experts as the hub does (int8 e2m1 pairs, an
+    F8_E8M0 `.scale` per 32 inputs; all 16 codes in use); `--kt-method FP4` serves that folder == transformers on the
+    folder with those experts as transformers dequantizes them."""
+    import shutil
+
+    from click.testing import CliRunner
+    from hf_checkpoints import hf_last_logits_and_greedy
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from test_mx_experts import transformers_fp8_path
+    from test_tensor_parallel import logits_of
+
+    from ktlite import Engine
+    from ktlite.cli import main
+
+    packed, plain = tmp_path / "fp4", tmp_path / "plain"
+    result = CliRunner().invoke(main, ["tiny-model", str(packed), "--arch", "deepseek_v4", "--fp4"])
+    assert result.exit_code == 0, result.output
+    tensors = load_file(packed / "model.safetensors")
+    scales = [n for n in tensors if n.endswith(".scale")]
+    with safe_open(packed / "model.safetensors", "pt") as f:
+        dtypes = {f.get_slice(n).get_dtype() for n in scales} | {f.get_slice(n.removesuffix("scale") + "weight").get_dtype()
+                                                                 for n in scales}
+    assert dtypes == {"F8_E8M0", "I8"} and all(".experts." in n for n in scales)
+    codes = torch.cat([tensors[n.removesuffix("scale") + "weight"].view(torch.uint8).flatten() for n in scales])
+    assert set(torch.cat((codes & 15, codes >> 4)).tolist()) == set(range(16))
+    shutil.copytree(packed, plain, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({n: (transformers_fp8_path(t, tensors[n.removesuffix("weight") + "scale"])
+                   if n.removesuffix("weight") + "scale" in tensors else t) for n, t in tensors.items()
+               if not n.endswith(".scale")}, plain / "model.safetensors")
+    ref = hf_model(plain)
+    g = torch.Generator().manual_seed(4)
+    batch = [torch.randint(4, ref.config.vocab_size, (n,), generator=g).tolist() for n in (6, 25)]
+    with Engine(str(packed), **{**EXACT, "kt_method": "FP4", "kt_num_gpu_experts": 3}) as eng:
+        got = logits_of(eng, batch)
+        tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+    want, expected = hf_last_logits_and_greedy(ref, batch, GREEDY["max_tokens"])
+    assert (got - want).abs().max().item() <= TOL and tokens == expected
+
+
+def test_tiny_model_fp4_refuses_stacked_experts(tmp_path):
+    """gpt-oss keeps every expert of a layer in one tensor (MX blocks on the hub): --fp4 says it cannot write that."""
+    from click.testing import CliRunner
+
+    from ktlite.cli import main
+
+    result = CliRunner().invoke(main, ["tiny-model", str(tmp_path / "x"), "--arch", "gpt_oss", "--fp4"])
+    assert result.exit_code == 2 and "per-expert FP4" in result.output
+
 # ---- the hub's block-FP8 dense weights ----------------------------------------------------------------------------
 
 HUB_FP8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.ffn\.shared_experts\.w[123]\.weight$")

@@ -19,8 +19,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ktlite.kernels.cpu.mx import E2M1_VALUES, MX_GROUP
 from ktlite.runtime.models import build
-from ktlite.runtime.models.config import parse_config
+from ktlite.runtime.models.config import ModelConfig, parse_config
 from ktlite.runtime.models.wrapper import stored_name
 from ktlite.runtime.models.fp8 import FP8Linear
 from ktlite.runtime.models.registry import tiny_configs
@@ -129,6 +130,27 @@ def _fp8_quantize(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor,
     return q.to(torch.float8_e4m3fn), scale_inv.float()
 
 
+def _fp4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float weight [N, K] -> (int8 [N, K/2] e2m1 codes, two a byte, the low nibble the even k; float8_e8m0fnu
+    [N, K/32] scales), as DeepSeek-V4's hub stores its routed experts. OCP MX v1.0's conversion: a block's scale is
+    2^(floor(log2 amax) - 2), which puts its largest value in e2m1's top binade [4, 8), and each value takes the
+    nearest e2m1 magnitude (E2M1_VALUES' first eight; bit 3 the sign)."""
+    n, k = weight.shape
+    blocks = weight.float().reshape(n, k // MX_GROUP, MX_GROUP)
+    exponent = torch.floor(torch.log2(blocks.abs().amax(-1).clamp_min(2.0**-126))) - 2
+    scaled = blocks / torch.exp2(exponent)[..., None]
+    magnitudes = torch.tensor(E2M1_VALUES[:8])
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1) | ((scaled < 0).long() << 3)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(n, k // 2).to(torch.uint8)
+    return packed.view(torch.int8), (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _routed_expert_weights(cfg: ModelConfig) -> set[str]:
+    """Checkpoint names of every routed expert's gate/up/down matrix (per-expert tensors)."""
+    return {cfg.expert_weight_name(layer, e, proj) for layer in cfg.moe_layers for e in range(cfg.n_routed_experts)
+            for proj in ("gate", "up", "down")}
+
+
 def tiny_config(arch: str, **text: Any) -> dict[str, Any]:
     """config.json of `arch`'s tiny model, `text` adding language-model fields (vocabulary, bos/eos): a wrapper
     family (Kimi-K2.5) nests them and the shared tiny fields in its `text_config`."""
@@ -140,10 +162,12 @@ def tiny_config(arch: str, **text: Any) -> dict[str, Any]:
 
 def write_tiny_model(
     path: str | Path, arch: str = "deepseek_v3", fp8: bool = False, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-    overrides: dict | None = None, fp8_skip: list[str] | None = None,
+    overrides: dict | None = None, fp8_skip: list[str] | None = None, fp4: bool = False,
 ) -> Path:
     """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json into `path`;
     `overrides` replaces config.json fields (e.g. wider experts for formats with 256-wide blocks);
+    `fp4` stores the routed experts as FP4 (`_fp4_quantize`; `<weight>` codes and `<base>.scale`, DeepSeek-V4's hub
+    layout, served with --kt-method FP4), whatever `fp8` does to the other linear layers;
     `fp8_skip` becomes the FP8 quantization_config's `modules_to_not_convert` (transformers' key), and
     the linear layers it names are written in `dtype`."""
     if arch not in ARCH_CONFIGS:
@@ -163,10 +187,16 @@ def write_tiny_model(
     # the linear layers the config's checkpoint stores in FP8 (embeddings, lm_head, norms, routers and
     # modules_to_not_convert stay high precision)
     fp8_names = {f"{n}.weight" for n, m in build(cfg, "meta", fp8_weights=True).named_modules() if isinstance(m, FP8Linear)}
+    fp4_names = _routed_expert_weights(cfg) if fp4 else set()
     tensors: dict[str, torch.Tensor] = {}
     for name, value in _random_state(model, seed).items():
         stored = stored_name(cfg.weight_renames, model.checkpoint_name(name))
-        if fp8 and name in fp8_names:  # the scales under the family's name for them (DeepSeek-V4: `.scale`)
+        if model.checkpoint_name(name) in fp4_names:
+            if value.dim() != 2:  # every expert of a layer in one tensor (gpt-oss: MX blocks on the hub)
+                raise ValueError(f"--fp4 writes per-expert FP4 tensors; {arch} stores its routed experts stacked")
+            fp4_names.discard(model.checkpoint_name(name))
+            tensors[stored], tensors[stored.removesuffix("weight") + "scale"] = _fp4_quantize(value)
+        elif fp8 and name in fp8_names:  # the scales under the family's name for them (DeepSeek-V4: `.scale`)
             scale = stored_name(cfg.weight_renames, model.checkpoint_name(name + "_scale_inv"))
             tensors[stored], tensors[scale] = _fp8_quantize(value)
         elif not value.is_floating_point():
@@ -175,6 +205,8 @@ def write_tiny_model(
             tensors[stored] = value  # routers stay float32, as in the published checkpoints
         else:
             tensors[stored] = value.to(dtype)
+    if fp4_names:
+        raise ValueError(f"--fp4: {arch}'s checkpoint has no tensor {min(fp4_names)!r} to store as FP4")
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(raw, indent=2))
     write_tokenizer_files(path, tokenizer)
