@@ -204,9 +204,9 @@ def engine_expected(pair):
 
 
 def test_engine_cpu_experts_equal_transformers_and_the_caches_are_planned_exactly(tiny_deepseek_v4, engine_expected):
-    """Every routed expert on the CPU (the clamp in its kernel); the KV pool (window rows, compressed entries, index
-    keys) and the state pool (the compressors' rings, per running request: no prefix-cache snapshots) are allocated
-    as planned, and the plan's arithmetic is the config's."""
+    """Every routed expert on the CPU (the clamp in its kernel); the KV pool (compressed entries, index keys) and the
+    state pool (the window rows' and the compressors' rings, per running request: no prefix-cache snapshots) are
+    allocated as planned, and the plan's arithmetic is the config's."""
     from test_tensor_parallel import logits_of
 
     from ktlite import Engine
@@ -221,11 +221,12 @@ def test_engine_cpu_experts_equal_transformers_and_the_caches_are_planned_exactl
         requests = EXACT["max_running_requests"]
         assert not states.snapshot_rows
     assert plan.mismatches(allocated) == {} and allocated["kv_pool"] > 0 and allocated["state_pool"] > 0
-    # per token, fp32: a window row on 4 layers; its stripe of the entries and index keys (32 / 4 and 16 / 4 on the
-    # 2 CSA layers, 32 / 8 on the HCA one)
-    assert plan.kv_bytes_per_token == (4 * 32 + 2 * (8 + 4) + 4) * 4
-    # per request, fp32 kv + gate rings: HCA 8 positions x 32; CSA 2 x 4 positions x 2 x 32, its indexer x 2 x 16
-    assert plan.bytes("state_pool") == requests * 2 * (1 * 8 * 32 + 2 * 8 * 64 + 2 * 8 * 32) * 4
+    # per token, fp32: its stripe of the entries and index keys (32 / 4 and 16 / 4 on the 2 CSA layers, 32 / 8 on the
+    # HCA one)
+    assert plan.kv_bytes_per_token == (2 * (8 + 4) + 4) * 4
+    # per request, fp32: the window's 8 rows x 32 on 4 layers; kv + gate rings: HCA 8 positions x 32; CSA 2 x 4
+    # positions x 2 x 32, its indexer x 2 x 16
+    assert plan.bytes("state_pool") == requests * (4 * 8 * 32 + 2 * (1 * 8 * 32 + 2 * 8 * 64 + 2 * 8 * 32)) * 4
 
 
 def test_half_gpu_experts_chunk_5_and_preemption(tiny_deepseek_v4, engine_expected):
@@ -317,8 +318,8 @@ def test_no_prefix_cache_a_next_turn_recomputes(tiny_deepseek_v4, pair):
 # ---- the published config's plan ------------------------------------------------------------------------------
 
 FLASH = Path(__file__).parent / "data" / "deepseek-v4-flash"
-FLASH_KV = (43 * 512 + 21 * (128 + 32) + 20 * 4) * 2  # bf16 (tests/data/deepseek-v4-flash/README.md)
-FLASH_STATE = (20 * 2 * 128 * 512 + 21 * 2 * 8 * 1024 + 21 * 2 * 8 * 256) * 4  # fp32 rings per request
+FLASH_KV = (21 * (128 + 32) + 20 * 4) * 2  # bf16 (tests/data/deepseek-v4-flash/README.md)
+FLASH_STATE = (43 * 128 * 512 + 20 * 2 * 128 * 512 + 21 * 2 * 8 * 1024 + 21 * 2 * 8 * 256) * 4  # fp32 rings
 
 
 def test_flash_config_reads_as_published():
@@ -341,9 +342,9 @@ def test_plan_of_flash_one_24gib_and_two_16gib_gpus(gpu, tp):
 
     plan = make_plan(models.load_config(FLASH), PlanInputs(gpu_memory=gpu, tensor_parallel_size=tp,
                                                            max_running_requests=8, state_snapshots=0))
-    assert plan.kv_bytes_per_token == FLASH_KV == 50_912
+    assert plan.kv_bytes_per_token == FLASH_KV == 6_880
     assert plan.bytes("kv_pool") == plan.kv_pool_tokens * FLASH_KV
-    assert plan.bytes("state_pool") == 8 * FLASH_STATE and FLASH_STATE == 12_206_080
+    assert plan.bytes("state_pool") == 8 * FLASH_STATE and FLASH_STATE == 23_478_272
     attention = (43 * (4_195_328 + 2_097_664 + 3 * 33_562_624 + 256)  # wq_a, wkv, wq_b / wo_a / wo_b, fp32 sinks
                  + 21 * (16_777_216 + 16_384 + 8_390_656 + 524_288 + 4_194_304 + 4_096) + 20 * (8_388_608 + 262_144))
     if tp == 1:  # fp8 projections, bf16 compressors, fp32 sinks and position biases (README): as the hub stores them

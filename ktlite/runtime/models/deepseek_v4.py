@@ -23,19 +23,22 @@ first `num_hash_layers` layers take their experts from the token id (`tid2eid`);
 in routed and shared experts.
 
 Cache (what this file declares; the attention here is a model-level torch implementation, no kernel yet):
-- per token per layer: `kv` (the window row, head_dim; every token keeps it, as gpt-oss's sliding layers, though
-  only the last `sliding_window` are read); and the compressed entries striped over the slots of the tokens they
-  pool: entry w of a layer with rate r is r stripes of ceil(dim / r) values, stripe k at the slot of position
-  w * r + k (`csa_entry` ceil(head_dim / 4) and `csa_index` ceil(index_head_dim / 4) per CSA layer, `hca_entry`
-  ceil(head_dim / 128) per HCA layer). So the pool holds exactly one entry per window.
+- per token per layer: the compressed entries striped over the slots of the tokens they pool: entry w of a layer
+  with rate r is r stripes of ceil(dim / r) values, stripe k at the slot of position w * r + k (`csa_entry`
+  ceil(head_dim / 4) and `csa_index` ceil(index_head_dim / 4) per CSA layer, `hca_entry` ceil(head_dim / 128) per HCA
+  layer). So the pool holds exactly one entry per window.
+- per request per layer: `window`, a ring of the last `sliding_window` key/value rows (head_dim each, fp32): a query
+  reads the ring's rows of the positions before its chunk and the chunk's own rows, then the chunk's last rows
+  replace the oldest. (Kept per token, these rows were 88 % of Flash's cache: 43 x 512 of its 50,912 B a token.)
 - per request per compressed layer: the compressor's (and indexer's) kv and gate projections of the tokens not yet
   pooled, a ring over positions (HCA: `rate` rows; CSA: `2 * rate` rows, since an entry also reads the previous
-  window). The ring is only read at positions the request has written, so a request that starts again from
-  position 0 (a new one, or a preempted one recomputing its prompt) needs no reset.
-The state is not rewindable and the entries are not a function of a token prefix alone (the window straddling a
-prefix's end pools tokens after it), so preemption recomputes and there is no prefix cache (`snapshots_resume`):
-a cache that resumed only at positions that are multiples of every rate (128), from a snapshot taken when a request
-passes one, would fit the striped layout; not built. Speculative decoding is refused (drafts would advance the
+  window).
+The rings are only read at positions the request has written, so a request that starts again from position 0 (a new
+one, or a preempted one recomputing its prompt) needs no reset. The state is not rewindable and the entries are not a
+function of a token prefix alone (the window straddling a prefix's end pools tokens after it), so preemption
+recomputes and there is no prefix cache (`snapshots_resume`): a cache that resumed only at positions that are
+multiples of every rate (128), from a snapshot taken when a request passes one, would fit the striped layout; not
+built. Speculative decoding is refused (drafts would advance the
 rings).
 
 Names: the hub's (`layers.N.attn.wq_a`, `layers.N.attn.kv_norm`, `layers.N.ffn.experts.E.w1`, `embed`, `head`,
@@ -115,7 +118,7 @@ class DeepseekV4Config(ModelConfig):
     def token_cache_specs(self, tp_size: int = 1, kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
         if kv_dtype is not None and kv_dtype.itemsize == 1:
             raise ConfigError("DeepSeek-V4: an FP8 KV cache is not supported yet")
-        specs = [TokenCacheSpec("kv", tuple(range(self.num_hidden_layers)), (self.head_dim,))]
+        specs = []
         for name, kind, dim, rate in (("csa_entry", CSA, self.head_dim, self.csa_rate),
                                       ("csa_index", CSA, self.index_head_dim, self.csa_rate),
                                       ("hca_entry", HCA, self.head_dim, self.hca_rate)):
@@ -124,7 +127,7 @@ class DeepseekV4Config(ModelConfig):
         return specs
 
     def request_state_specs(self, tp_size: int = 1) -> list[RequestStateSpec]:
-        specs = []
+        specs = [RequestStateSpec("window", tuple(range(self.num_hidden_layers)), (self.window, self.head_dim))]
         for kind, prefix, rows, width in ((HCA, "hca", self.hca_rate, self.head_dim),
                                           (CSA, "csa", 2 * self.csa_rate, 2 * self.head_dim),
                                           (CSA, "idx", 2 * self.csa_rate, 2 * self.index_head_dim)):
@@ -512,7 +515,7 @@ class Attention(nn.Module):
         q = unweighted_rms(self.wq_b(q_residual).view(n, self.heads, self.head_dim), self.eps)
         q = rotate_tail(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
         kv = rotate_tail(self.kv_norm(self.wkv(h)), cos, sin)  # [N, d]: key and value
-        pool.write("kv", layer_idx, batch.out_cache_loc, kv)
+        ring = ctx.state_pool.state("window", layer_idx)  # [requests, window, d]
         if self.compressor is not None:
             state = "hca" if self.kind == HCA else "csa"
             self.compressor.update(h, batch, ctx, layer_idx, state, f"{state}_entry")
@@ -521,8 +524,10 @@ class Attention(nn.Module):
         out, start = [], 0
         for row, p, m in zip(batch.req_pool_indices.tolist(), batch.prefix_lens.tolist(), batch.extend_lens.tolist()):
             rows = slice(start, start + m)
-            out.append(self._attend(q[rows], q_residual[rows], h[rows], batch.positions[rows], pool, row, p, m,
-                                    layer_idx))
+            out.append(self._attend(q[rows], q_residual[rows], h[rows], kv[rows], batch.positions[rows], pool, ring,
+                                    row, p, m, layer_idx))
+            keep = min(m, self.window)  # after attending: the chunk's last rows replace the oldest
+            ring[row, torch.arange(p + m - keep, p + m, device=h.device) % self.window] = kv[rows][m - keep:].float()
             start += m
         o = rotate_tail(torch.cat(out), cos.unsqueeze(-2), -sin.unsqueeze(-2))  # V's rotation undone
         grouped = o.view(n, self.o_groups, -1)
@@ -530,13 +535,14 @@ class Attention(nn.Module):
             return self.wo_b(self.wo_a_groups(grouped).flatten(1))
         return self.wo_b(grouped_linear(self.wo_a, grouped))
 
-    def _attend(self, q: torch.Tensor, q_residual: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, pool,
-                row: int, p: int, m: int, layer_idx: int) -> torch.Tensor:
-        """One request's m queries (positions p .. p + m - 1) -> [m, heads, d]."""
+    def _attend(self, q: torch.Tensor, q_residual: torch.Tensor, h: torch.Tensor, kv: torch.Tensor,
+                positions: torch.Tensor, pool, ring: torch.Tensor, row: int, p: int, m: int,
+                layer_idx: int) -> torch.Tensor:
+        """One request's m queries (positions p .. p + m - 1, their rows kv [m, d]) -> [m, heads, d]; the window's
+        earlier rows come from the request's ring."""
         lo = max(p - self.window + 1, 0)
         key_pos = torch.arange(lo, p + m, device=q.device)
-        slots = pool.req_to_token[row, lo : p + m].long()
-        keys = pool.buffer("kv", layer_idx)[slots].float()  # [K, d]
+        keys = torch.cat((ring[row, torch.arange(lo, p, device=q.device) % self.window], kv.float()))  # [K, d]
         scale = self.head_dim**-0.5
         logits = torch.einsum("thd,kd->thk", q.float(), keys) * scale
         dist = positions.unsqueeze(-1) - key_pos  # [m, K]
