@@ -129,6 +129,10 @@ _NOOP_FLAGS: list[tuple[str, dict[str, Any], str]] = [
     ("--disable-shared-experts-fusion", dict(is_flag=True), "ktlite runs the shared experts as their own GPU MLP, never fused into the routed ones"),
     ("--disable-cuda-graph", dict(is_flag=True), "ktlite does not capture CUDA graphs yet"),
     ("--cuda-graph-max-bs", dict(type=int), "ktlite does not capture CUDA graphs yet"),
+    ("--cuda-graph-bs", dict(type=str), "ktlite does not capture CUDA graphs yet"),
+    ("--watchdog-timeout", dict(type=float), "ktlite runs no watchdog over its forward passes"),
+    ("--max-prefill-tokens", dict(type=int), "a prefill step's new tokens are bounded by --chunked-prefill-size alone"),
+    ("--speculative-moe-runner-backend", dict(type=str), "ktlite's drafts run the MoE layers as the model does"),
     ("--enable-metrics", dict(is_flag=True), "/metrics is always on"),
     ("--fp8-gemm-backend", dict(type=str), "ktlite's FP8 GEMM is its own Triton kernel on CUDA (the torch twin elsewhere)"),
 ]
@@ -160,8 +164,31 @@ def _help_section(name: str) -> str:
     return "CPU experts" if name.startswith("kt_") else "Options"
 
 
+# SGLang flags that take several values (argparse nargs="+"), e.g. `--cuda-graph-bs 1 2 4`: click options take one,
+# so the values are joined with commas before parsing
+_MULTI_VALUE_FLAGS = ("--cuda-graph-bs",)
+
+
+def _join_multi_values(args: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(args):
+        out.append(args[i])
+        i += 1
+        if out[-1] in _MULTI_VALUE_FLAGS:
+            end = i
+            while end < len(args) and not args[end].startswith("-"):
+                end += 1
+            out.append(",".join(args[i:end]))
+            i = end
+    return out
+
+
 class _SectionedCommand(click.Command):
-    """A command whose --help lists its options in sections (model, memory, CPU experts, ...)."""
+    """A command whose --help lists its options in sections (model, memory, CPU experts, ...), and which reads
+    SGLang's several-valued flags (_MULTI_VALUE_FLAGS)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, _join_multi_values(args))
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         sections: dict[str, list[tuple[str, str]]] = {name: [] for name in [*_HELP_SECTIONS, "Options"]}

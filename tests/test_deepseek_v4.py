@@ -469,6 +469,48 @@ def test_tiny_model_fp4_refuses_stacked_experts(tmp_path):
     result = CliRunner().invoke(main, ["tiny-model", str(tmp_path / "x"), "--arch", "gpt_oss", "--fp4"])
     assert result.exit_code == 2 and "per-expert FP4" in result.output
 
+
+# KTransformers' DeepSeek-V4-Flash tutorial (kvcache-ai/ktransformers doc/en/DeepSeek-V4-Flash.md, "Launch Command (8x
+# RTX 5090 Example)"), verbatim but for the command name, the paths and --tensor-parallel-size: 8 there, 1 here (8
+# ranks need 8 GPUs, or 8 CPU processes on this 2-core machine, and a model with 8 query heads)
+KT_V4 = ("--host 127.0.0.1 --port 30000 --model {M} --kt-weight-path {M} --kt-method MXFP4 --kt-num-gpu-experts 144 "
+         "--kt-cpuinfer 8 --kt-threadpool-count 2 --kt-gpu-prefill-token-threshold 4096 "
+         "--kt-enable-dynamic-expert-update --tensor-parallel-size 1 --attention-backend flashinfer "
+         "--mem-fraction-static 0.80 --chunked-prefill-size 2048 --max-running-requests 4 --max-total-tokens 32768 "
+         "--watchdog-timeout 3000 --disable-shared-experts-fusion --cuda-graph-bs 1 2 4 --cuda-graph-max-bs 4 "
+         "--trust-remote-code")
+# its "Optional: Enable MTP" flags, appended
+KT_V4_MTP = (" --speculative-algorithm EAGLE --speculative-num-steps 3 --speculative-eagle-topk 1 "
+             "--speculative-num-draft-tokens 4 --speculative-moe-runner-backend auto")
+
+
+def test_ktransformers_v4_launch_line_serves_an_fp4_checkpoint(tmp_path):
+    """The tutorial's line (SGLang's several-valued --cuda-graph-bs included) serves `tiny-model --fp4` over the
+    OpenAI API; with its MTP flags appended the server refuses to start and names the flag (V4's compressor state has
+    no rewind: no speculative decoding yet)."""
+    import subprocess
+    import sys
+
+    import openai
+    from test_cli import Server
+
+    from ktlite.runtime.tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "M", "deepseek_v4", fp4=True, seed=6)
+    server = Server(KT_V4.format(M=model).split(), tmp_path)
+    try:
+        client = openai.OpenAI(base_url="http://127.0.0.1:30000/v1", api_key="none", max_retries=0, timeout=120)
+        chunks = list(client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=8,
+                                                     temperature=0, messages=[{"role": "user", "content": "hi"}],
+                                                     stream=True))
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    finally:
+        assert server.stop() == 0
+    assert "--cuda-graph-bs 1,2,4: accepted, no effect" in server.stderr_path.read_text()
+    refused = subprocess.run([sys.executable, "-m", "ktlite.launch_server", *(KT_V4 + KT_V4_MTP).format(M=model).split()],
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "--speculative-algorithm" in refused.stderr.splitlines()[-1], refused.stderr[-2000:]
+
 # ---- the hub's block-FP8 dense weights ----------------------------------------------------------------------------
 
 HUB_FP8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.ffn\.shared_experts\.w[123]\.weight$")
