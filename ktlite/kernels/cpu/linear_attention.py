@@ -201,9 +201,10 @@ def _takes_states(states: torch.Tensor) -> bool:
 
 def accepts_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                              states: torch.Tensor, *_: object) -> bool:
-    """Whether gated_delta_rule takes these inputs (else the twin does; the attention registry asks): CPU tensors and
-    contiguous fp32 states."""
-    return q.device.type == "cpu" and _takes_states(states)
+    """Whether gated_delta_rule takes these inputs (else the twin does; the attention registry asks): CPU tensors,
+    contiguous fp32 states and a decay per head (a per-channel decay, Kimi Delta Attention's, runs the twin: no
+    compiled kernel for it yet)."""
+    return q.device.type == "cpu" and g.dim() == 2 and _takes_states(states)
 
 
 def accepts_causal_conv1d(x: torch.Tensor, conv_states: torch.Tensor, *_: object) -> bool:
