@@ -25,9 +25,10 @@ tower (`model.visual.*`, never read), the mHC weights as `layers.N.hc_attn_fn` /
 `q_conv1d` / `k_conv1d` / `v_conv1d`, the forget gate's `f_a_proj`, `f_b_proj`, `dt_bias`, `A_log` on `self_attn`.
 The multi-token-prediction layer (`layers.45.*` on the hub) is not read.
 
-The per-channel decay goes through `attention.gated_delta_rule` like Gated DeltaNet's: on a GPU Triton's recurrent
-kernel (token by token, prompts too: no chunked Triton kernel for it yet), on a CPU device the torch twin (chunked;
-no compiled numba kernel for it yet). Not built: an FP8 KV pool (refused before allocating); the NEXTN drafter.
+The per-channel decay goes through `attention.gated_delta_rule` like Gated DeltaNet's, in its recurrent form on both
+devices (token by token, prompts too: no chunked kernel for a per-channel decay yet): Triton's recurrent kernel on a
+GPU, numba's `kda_rows` on a CPU; the torch twin (chunked) is the spec. Not built: an FP8 KV pool (refused before
+allocating); the NEXTN drafter.
 """
 
 from __future__ import annotations
