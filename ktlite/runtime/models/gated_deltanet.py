@@ -230,6 +230,8 @@ class KimiDeltaAttention(DeltaRuleAttention):
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(s.hidden, width, bias=False) for _ in range(3))
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (
             nn.Conv1d(width, width, s.conv_width, groups=width, bias=False) for _ in range(3))
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            conv.fp32_params = ("weight",)  # fp32 in transformers too (models.build keeps it)
         self.f_a_proj = nn.Linear(s.hidden, s.key_dim, bias=False)
         self.f_b_proj = nn.Linear(s.key_dim, width, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(width))
