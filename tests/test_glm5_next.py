@@ -282,6 +282,11 @@ def test_plan_of_the_published_shape_on_one_24gib_gpu():
                                        "--max-running-requests", "8"])
     assert result.exit_code == 0, result.output
     assert "verdict: fits" in result.stdout and f"x {FLASH_KV:,} B" in result.stdout
+    # the default 64 running requests' state (+ snapshots) does not fit: the plan says so and what would, and
+    # proposes no FP8 KV pool, which this family refuses
+    over = CliRunner().invoke(main, ["plan", "--model", str(FLASH), "--gpu-memory", "24GiB"])
+    assert over.exit_code == 1 and "does not fit" in over.output and "state_pool" in over.output, over.output
+    assert "fp8_e4m3" not in over.output
 
 
 def test_fp8_kv_cache_is_refused_before_allocating():
