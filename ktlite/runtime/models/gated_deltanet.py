@@ -17,7 +17,8 @@ Kimi Delta Attention (`KimiDeltaAttention`, GLM-5.3-Flash's linear layers, trans
 is the same rule and state with a *per-channel* decay: g [N, heads, key_dim] instead of one value per head, from a
 low-rank forget gate (`f_a_proj`, `f_b_proj`, + `dt_bias`) as `lower_bound * sigmoid(exp(A_log) * x)` (or
 `-exp(A_log) * softplus(x)` without a bound); separate q / k / v projections (one head count, key_dim = value_dim),
-each with its own depthwise conv (`q_conv1d`, ...: one conv over the three, as here); beta from `b_proj`; and the
+each with its own depthwise conv (`q_conv1d`, `k_conv1d`, `v_conv1d`: run here as one conv over the three's
+channels, fp32 weights as transformers keeps them); beta from `b_proj`; and the
 output norm gated by sigmoid(`g_b_proj(g_a_proj(x))`) before `o_proj`. Both share `DeltaRuleAttention`: the forward
 over the state pool, the speculative verify's rewind and the tensor-parallel split; only the projections, the decay
 and the output differ.
