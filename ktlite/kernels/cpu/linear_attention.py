@@ -18,8 +18,8 @@ same two passes over S (one read, one read-modify-write). A decay per key channe
 runs that recurrent step for every token (`kda_rows`; no chunked form yet): row j of S decays by e^{g_j}.
 q and k are L2-normalised (q also scaled by dk^-0.5) as they are loaded, as the twin does; all arithmetic is fp32.
 q and k may carry fewer (key) heads than v: value head h reads key head h // (H / Hk), so a caller need not repeat
-them. The helpers index whole arrays by row rather than
-slice them in the inner loops (numba reference-counts every slice it makes).
+them. The helpers index whole arrays by row rather than slice them in the inner loops (numba reference-counts every
+slice it makes).
 
 Causal conv: each output depends only on inputs (the W-1 before it and its own), so the work items are tiles of
 CONV_TOKENS tokens x CONV_BLOCK channels (prange), each reading contiguous runs of the input rows. (A walk over every
