@@ -61,6 +61,40 @@ def test_config_reads_the_text_model_of_the_vl_checkpoint(tiny_glm5_next):
     assert LENGTH // cfg.index_kpool > cfg.index_topk // cfg.index_kpool
 
 
+@pytest.mark.parametrize("linear", [
+    {"num_heads": 4, "head_dim": 8, "short_conv_kernel_size": 3, "gate_lower_bound": -3.0},
+    {"num_heads": 4, "head_dim": 8, "gate_lower_bound": None},  # safe_gate (default): the bound comes back as -5
+    {"num_heads": 4, "head_dim": 8, "gate_lower_bound": None, "safe_gate": False},  # no bound: -exp(A_log) softplus
+])
+def test_linear_attn_config_and_decay_read_as_transformers_reads_them(tiny_glm5_next, linear):
+    """The nested `linear_attn_config` some files state (transformers' reading of it), and the forget gate's decay of
+    the resulting spec against transformers' Glm5NextTextForgetGate on the same weights."""
+    import json
+
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextForgetGate
+
+    from ktlite.runtime.models.gated_deltanet import KimiDeltaAttention
+
+    raw = json.loads((tiny_glm5_next / "config.json").read_text())
+    raw["text_config"] = {k: v for k, v in raw["text_config"].items() if not k.startswith("linear_")}
+    raw["text_config"]["linear_attn_config"] = linear
+    theirs = transformers.Glm5NextConfig(**raw).text_config
+    spec = models.parse_config(raw).linear
+    assert (spec.key_heads, spec.key_dim, spec.conv_width, spec.decay_lower_bound) == (
+        theirs.linear_num_heads, theirs.linear_head_dim, theirs.linear_conv_kernel_dim, theirs.linear_lower_bound)
+    gate, ours = Glm5NextTextForgetGate(theirs), KimiDeltaAttention(spec)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log"):
+            value = torch.randn(ours.get_parameter(name).shape, generator=gen)
+            ours.get_parameter(name).copy_(value)
+            gate.get_parameter(name).copy_(value)
+        h = torch.randn(1, 5, spec.hidden, generator=gen)
+        want = gate(h)[0]  # [5, heads, head_dim]
+        got = ours._decay(ours.f_b_proj(ours.f_a_proj(h[0])))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 def _positions(slots: torch.Tensor, req_to_token: torch.Tensor, rows: list[int], length: int) -> list[set[int]]:
     """Our selection [B * T, width] of pool slots -> per query the positions it attends to."""
     out = []
