@@ -51,7 +51,7 @@ from ktlite.runtime.models.config import Fields, RopeConfig
 from ktlite.runtime.models.deepseek_v32 import DeepseekV32Config, SparseMLAttention, index_scores
 from ktlite.runtime.models.deepseek_v4 import HyperConnection
 from ktlite.runtime.models.gated_deltanet import KimiDeltaAttention, LinearAttentionSpec
-from ktlite.runtime.models.glm_moe_dsa import _indexer_types
+from ktlite.runtime.models.glm_moe_dsa import indexer_types
 from ktlite.runtime.models.layers import MLP, MoE, RMSNorm
 from ktlite.runtime.models.rope import RotaryEmbedding
 from ktlite.runtime.models.wrapper import text_config
@@ -167,7 +167,7 @@ def parse_config(raw: dict[str, Any]) -> Glm5NextConfig:
     kinds = _per_layer([INDEXED if k in _INDEXED_ALIASES else k for k in kinds], "layer_types", (LINEAR, INDEXED), layers)
     mlp_kinds = _per_layer(f.get("mlp_layer_types") or [DENSE] * min(3, layers) + [SPARSE] * max(layers - 3, 0),
                            "mlp_layer_types", (DENSE, SPARSE), layers)
-    index_kinds = _indexer_types(text, layers)
+    index_kinds = indexer_types(text, layers)
     shared = tuple(i for i, kind in enumerate(index_kinds) if kind == "shared" and kinds[i] == INDEXED)
     for i in shared:  # transformers hands a shared layer the selection of the layer right before it
         if i == 0 or kinds[i - 1] != INDEXED or i - 1 in shared:
