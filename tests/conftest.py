@@ -96,6 +96,16 @@ def tiny_minimax_m3(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_glm5_next(tmp_path_factory) -> Path:
+    """GLM-5.3-Flash written by transformers as the hub ships it (the VL model: text_config, `model.language_model.*`
+    beside a tiny vision tower): KDA / indexed MLA / indexed MLA reusing the previous selection / KDA, a dense then MoE
+    layers, pools of 4 tokens with 2 kept, mHC over 4 streams, clamp limit 1 (tests/hf_checkpoints.py)."""
+    from hf_checkpoints import write_hf_vl_checkpoint
+
+    return write_hf_vl_checkpoint(tmp_path_factory.mktemp("hf_glm5_next") / "glm5_next", "glm5_next", seed=17)
+
+
+@pytest.fixture(scope="session")
 def tiny_deepseek_v4(tmp_path_factory) -> Path:
     """DeepSeek-V4 written by transformers: HCA, CSA and sliding-only layers (window 8, rates 8 and 4, indexer top-3),
     hash-MoE then routed MoE layers, mHC over 4 streams, a clamp limit of 1 (tests/hf_checkpoints.py)."""

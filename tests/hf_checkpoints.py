@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import transformers
 
-from ktlite.runtime.models import minimax_m3
+from ktlite.runtime.models import glm5_next, minimax_m3
 from ktlite.runtime.tiny_model import BOS, CONTEXT, EOS, train_tokenizer, write_tokenizer_files
 
 _COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -87,6 +87,9 @@ FAMILIES: dict[str, tuple[type, dict[str, Any]]] = {
         swiglu_limit=1.0, rope_theta=10000.0, compress_rope_theta=160000.0, max_position_embeddings=CONTEXT,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
                          "beta_fast": 32, "beta_slow": 1}, tie_word_embeddings=False)),
+    # KDA, indexed MLA (own indexer, then reusing it), dense then MoE layers; pools of 4 with 2 kept, clamp limit 1
+    # (ktlite's tiny-model fields: glm5_next.TINY_TEXT)
+    "glm5_next": (transformers.Glm5NextTextConfig, {**_COMMON, **glm5_next.TINY_TEXT}),
     # V2's router (transformers): softmax, best groups by their top expert, always times routed_scaling_factor
     "deepseek_v2": (transformers.DeepseekV2Config, dict(
         **{**_MLA, "q_lora_rank": None, "n_shared_experts": 2, "norm_topk_prob": False, "routed_scaling_factor": 1.5},
@@ -161,6 +164,7 @@ VL_CONFIGS: dict[str, tuple[type, Callable[[dict[str, Any]], dict[str, Any]]]] =
     "minimax_m3": (transformers.MiniMaxM3VLConfig, lambda text: dict(
         vision_config=minimax_m3.TINY_VISION,
         projector_hidden_size=minimax_m3.TINY_CONFIGS["minimax_m3"]["projector_hidden_size"])),
+    "glm5_next": (transformers.Glm5NextConfig, lambda text: dict(vision_config=glm5_next.TINY_VISION)),
 }
 
 

@@ -70,6 +70,25 @@ def test_chunk_boundaries(length):
         torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("key_heads", [4, 2], ids=["heads-equal", "key-heads-shared"])
+def test_per_channel_decay_matches_twin(key_heads):
+    """Kimi Delta Attention's decay per key channel (g [N, H, dk] down to -5, GLM-5.3-Flash's bound): a ragged batch
+    (prompts across chunk boundaries, a decode token, an empty request), then one decode step continuing it."""
+    lens = [1, 65, 70, 0]
+    q, k, v, _, beta, states = _delta_inputs(lens, key_heads=key_heads, seed=4)
+    g = -5 * torch.rand(sum(lens), 4, 32, generator=torch.Generator().manual_seed(5))
+    got, ours, want, theirs = _run_both(q, k, v, g, beta, states, rows=[3, 1, 7, 2], lens=lens,
+                                        reset=[False, True, False, True])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=0)
+    assert torch.equal(ours[2], states[2])  # a 0-token request's row untouched, even with reset
+    idx = torch.tensor([0, 65])  # one more token for the first two requests
+    got, ours, want, theirs = _run_both(q[idx], k[idx], v[idx], g[idx], beta[idx], ours, rows=[3, 1], lens=[1, 1],
+                                        reset=[False, False])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=0)
+
+
 def test_decode_steps_match_twin():
     """Three requests, eight decode steps of one token each (the recurrent step), states carried in place."""
     q, k, v, g, beta, states = _delta_inputs([8] * 3, key_heads=2)

@@ -35,8 +35,8 @@ ROPE = {"rope_type": "yarn", "rope_theta": 30000.0, "factor": 3.0, "original_max
 PARTIAL = {"qwen3_next": 0.5, "qwen3_5_moe": 0.5, "glm4_moe": 0.25, "minimax_m2": 0.75}
 HEAD_DIM = 16  # the GQA families' tiny head
 # families with one rope for every layer (DeepSeek-V4 has two, nested per rope kind: tests/test_deepseek_v4.py reads
-# both of its dialects)
-ONE_ROPE = tuple(f for f in FAMILIES if f != "deepseek_v4")
+# both of its dialects; GLM-5.3-Flash has none)
+ONE_ROPE = tuple(f for f in FAMILIES if f not in ("deepseek_v4", "glm5_next"))
 # MiniMax-M3 ships as the VL model (tests/test_minimax_m3.py loads that against transformers): transformers' text-only
 # class (MiniMaxM3VLForCausalLM) saves its in-memory names (fused dense gate_up, `indexer.*`), no checkpoint a user has;
 # its config placements are read here under the VL class's name, which the hub's files state

@@ -48,3 +48,11 @@ def test_gqa_and_sparse_mla_engines_on_triton_kernels_match_torch_twins(hf_gqa_c
         triton, twin = run(model, True), run(model, False)
         assert triton["triton"] and not twin["triton"]
         assert triton["tokens"] == twin["tokens"], family
+
+
+def test_glm5_next_engine_on_triton_kernels_matches_torch_twins(tiny_glm5_next):
+    """GLM-5.3-Flash: Kimi Delta Attention's per-channel decay in the recurrent kernel (prompts too), the sparse MLA
+    kernel with no rope part (a masked zero-width rope tile) over the pooled indexer's slots, the clamped fused MoE."""
+    triton, twin = run(tiny_glm5_next, True), run(tiny_glm5_next, False)
+    assert triton["triton"] and not twin["triton"]
+    assert triton["tokens"] == twin["tokens"]

@@ -129,6 +129,23 @@ def test_delta_rule_prefill_then_decode_continues_state() -> None:
     torch.testing.assert_close(states[2], ref_states[2], atol=2e-5, rtol=0)
 
 
+def test_per_channel_decay_runs_recurrent_and_matches_twin() -> None:
+    """Kimi Delta Attention's decay per key channel (g [N, H, dk], down to -5 per token as GLM-5.3-Flash's bound):
+    the recurrent kernel by default, over prompts and decode steps alike, equal to the twin's chunked form; the
+    chunked kernel, which has no per-channel form, refuses it."""
+    lens, rows, reset = [1, 5, 70], [3, 0, 5], [False, True, False]
+    q, k, v, _, beta, states = delta_inputs(lens, 2, 16, 16, torch.float32, seed=11)
+    g = -5 * torch.rand(q.shape, generator=torch.Generator().manual_seed(12))
+    meta = batch_meta(lens, rows, reset)
+    ref_states = states.clone()
+    ref = gated_delta_rule_batch_torch(q, k, v, g, beta, ref_states, *meta)
+    out = attention.gated_delta_rule(q, k, v, g, beta, states, *meta)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+    torch.testing.assert_close(states, ref_states, atol=2e-5, rtol=0, equal_nan=True)
+    with pytest.raises(ValueError, match="recurrent"):
+        gated_delta_rule_triton(q, k, v, g, beta, states, *meta, mode="chunked")
+
+
 def conv_inputs(lens: list[int], channels: int, width: int, dtype: torch.dtype, state_dtype: torch.dtype):
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(sum(lens), channels, generator=gen).to(dtype)

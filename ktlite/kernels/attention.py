@@ -104,7 +104,8 @@ class GatedDeltaRule(Protocol):
                  states: torch.Tensor, rows: torch.Tensor, extend_lens: torch.Tensor,
                  reset: torch.Tensor) -> torch.Tensor:
         """Gated delta rule (Gated DeltaNet) over a packed batch; see reference.gated_delta_rule_batch_torch.
-        q, k [N, H, dk], v [N, H, dv], g, beta [N, H]; states [R, H, dk, dv] fp32 updated in place at rows [B]
+        q, k [N, H, dk], v [N, H, dv], g [N, H] (a log decay per head) or [N, H, dk] (per key channel: Kimi Delta
+        Attention), beta [N, H]; states [R, H, dk, dv] fp32 updated in place at rows [B]
         (zeroed first where reset [B]); extend_lens [B] -> [N, H, dv]."""
         ...
 

@@ -5,6 +5,8 @@ more GPUs, FP8 weights, a bigger GPU. `largest` is the search they (and ktlite.r
 
 from __future__ import annotations
 
+from ktlite.errors import ConfigError
+
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,7 +73,7 @@ def suggestions(cfg: ModelConfig, inputs: PlanInputs, devices: tuple[int, ...], 
         return plan_on(changed, sizes)
 
     def fits(**changes: object) -> bool:
-        return replan(**changes).fits
+        return _fits(replan, changes)
 
     out = _single_flag_fixes(cfg, plan, replan)
     if not out:
@@ -87,12 +89,21 @@ def suggestions(cfg: ModelConfig, inputs: PlanInputs, devices: tuple[int, ...], 
     return out
 
 
+def _fits(replan: Callable[..., MemoryPlan], changes: dict[str, object]) -> bool:
+    """Whether the plan with `changes` fits; a setting the model refuses (e.g. an FP8 KV pool on DeepSeek-V4 or
+    GLM-5.3-Flash) is no fix."""
+    try:
+        return replan(**changes).fits
+    except ConfigError:
+        return False
+
+
 def _single_flag_fixes(cfg: ModelConfig, plan: MemoryPlan, replan: Callable[..., MemoryPlan]) -> list[Suggestion]:
     """Each memory knob that alone makes `plan` fit (re-planned through `replan`), at its best value."""
     inputs = plan.inputs
 
     def fits(**changes: object) -> bool:
-        return replan(**changes).fits
+        return _fits(replan, changes)
 
     out: list[Suggestion] = []
     n = plan.gpu_experts_total

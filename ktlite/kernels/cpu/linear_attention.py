@@ -14,10 +14,12 @@ With G_t the running sum of g inside the chunk and S the state before it:
     o_t = e^{G_t} b_t + sum_{i<=t} e^{G_t - G_i} (q_t . k_i) u_i
     S  <- e^{G_C} S + sum_i e^{G_C - G_i} k_i u_i^T                (in place)
 One token (a decode step) is the recurrent step: S <- e^g S; u = beta (v - S^T k); S += k u^T; o = S^T q, with the
-same two passes over S (one read, one read-modify-write). q and k are L2-normalised (q also scaled by dk^-0.5) as
-they are loaded, as the twin does; all arithmetic is fp32. q and k may carry fewer (key) heads than v: value head h
-reads key head h // (H / Hk), so a caller need not repeat them. The helpers index whole arrays by row rather than
-slice them in the inner loops (numba reference-counts every slice it makes).
+same two passes over S (one read, one read-modify-write). A decay per key channel (Kimi Delta Attention, g [N, H, dk])
+runs that recurrent step for every token (`kda_rows`; no chunked form yet): row j of S decays by e^{g_j}.
+q and k are L2-normalised (q also scaled by dk^-0.5) as they are loaded, as the twin does; all arithmetic is fp32.
+q and k may carry fewer (key) heads than v: value head h reads key head h // (H / Hk), so a caller need not repeat
+them. The helpers index whole arrays by row rather than slice them in the inner loops (numba reference-counts every
+slice it makes).
 
 Causal conv: each output depends only on inputs (the W-1 before it and its own), so the work items are tiles of
 CONV_TOKENS tokens x CONV_BLOCK channels (prange), each reading contiguous runs of the input rows. (A walk over every
@@ -151,6 +153,49 @@ def gated_delta_rows(q, k, v, g, beta, states, rows, starts, lens, reset, chunk,
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def kda_rows(q, k, v, g, beta, states, rows, starts, lens, reset, out):  # pragma: no cover - compiled
+    """The delta rule with a decay per key channel (Kimi Delta Attention), token by token: as gated_delta_rows with
+    g [N, H, dk] fp32. Per (sequence, head) work item and token, two passes over S: decay row j by e^{g_j} while
+    accumulating S^T k, then S += k u^T while accumulating o = S^T q."""
+    heads, dk, dv = v.shape[1], q.shape[2], v.shape[2]
+    per_key = heads // q.shape[1]
+    scale = np.float32(dk ** -0.5)
+    for item in prange(lens.shape[0] * heads):
+        b, h = item // heads, item % heads
+        n = lens[b]
+        if n == 0:
+            continue
+        kh = h // per_key
+        s = states[rows[b], h]
+        if reset[b]:
+            s[:] = 0.0
+        qt = np.empty((1, dk), np.float32)
+        kt = np.empty((1, dk), np.float32)
+        u = np.empty(dv, np.float32)
+        o = np.empty(dv, np.float32)
+        for t in range(starts[b], starts[b] + n):
+            _load_normalised(q, t, kh, qt, 0, scale)
+            _load_normalised(k, t, kh, kt, 0, np.float32(1.0))
+            u[:] = 0.0
+            for j in range(dk):
+                decay, kj = np.exp(g[t, h, j]), kt[0, j]
+                for x in range(dv):
+                    s[j, x] *= decay
+                    u[x] += kj * s[j, x]
+            bt = beta[t, h]
+            for x in range(dv):
+                u[x] = bt * (v[t, h, x] - u[x])
+            o[:] = 0.0
+            for j in range(dk):
+                kj, qj = kt[0, j], qt[0, j]
+                for x in range(dv):
+                    s[j, x] += kj * u[x]
+                    o[x] += qj * s[j, x]
+            for x in range(dv):
+                out[t, h, x] = o[x]
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def causal_conv_rows(x, conv_states, weight, rows, starts, lens, reset, seq_of, out):  # pragma: no cover - compiled
     """Depthwise causal conv + SiLU over a packed batch: x [N, C], weight [C, W], conv_states [R, C, W-1] (oldest
     first, updated in place; zeros first where reset[b] != 0), seq_of [N] each token's sequence -> out [N, C]; fp32."""
@@ -227,8 +272,13 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      states: torch.Tensor, rows: torch.Tensor, extend_lens: torch.Tensor, reset: torch.Tensor,
                      chunk: int = 64) -> torch.Tensor:
     """reference.gated_delta_rule_batch_torch's signature and result ([N, H, dv] in v's dtype); q and k may also
-    have fewer heads than v (the key heads; see the module docstring)."""
+    have fewer heads than v (the key heads; see the module docstring). A per-channel decay g [N, H, dk] (Kimi Delta
+    Attention) runs kda_rows, token by token."""
     out = torch.empty(v.shape, dtype=torch.float32)
+    if g.dim() == 3:
+        kda_rows(_f32(q), _f32(k), _f32(v), _f32(g), _f32(beta), states.numpy(), *_layout(rows, extend_lens, reset),
+                 out.numpy())
+        return out.to(v.dtype)
     gated_delta_rows(_f32(q), _f32(k), _f32(v), _f32(g), _f32(beta), states.numpy(), *_layout(rows, extend_lens, reset),
                      int(chunk), out.numpy())
     return out.to(v.dtype)

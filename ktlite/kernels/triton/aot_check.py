@@ -145,8 +145,9 @@ def gqa_configs(dt: str) -> list[KernelConfig]:
 
 
 def linear_attn_configs(dt: str) -> list[KernelConfig]:
-    """Gated DeltaNet layers (dk = dv = 128, conv width 4 over 8192 channels): the gated delta rule's
-    recurrent and chunked kernels and the causal conv1d, with int64 index tensors."""
+    """Gated DeltaNet / Kimi Delta Attention layers (dk = dv = 128, conv width 4 over 8192 channels): the gated delta
+    rule's recurrent (decay per head or per key channel) and chunked kernels and the causal conv1d, with int64 index
+    tensors."""
     ints = {name: "*i64" for name in ("Rows", "Starts", "Lens")}
     ptrs = {"Q": f"*{dt}", "K": f"*{dt}", "V": f"*{dt}", "Gate": "*fp32", "Beta": f"*{dt}", "States": "*fp32",
             "Reset": "*i32", "Out": f"*{dt}", "ChunkStart": "*i64", "ChunkLen": "*i32", "W": f"*{dt}", "U": f"*{dt}",
@@ -155,7 +156,10 @@ def linear_attn_configs(dt: str) -> list[KernelConfig]:
     conv = {"X": f"*{dt}", "States": f"*{dt}", "Weight": f"*{dt}", "Reset": "*i32", "Out": f"*{dt}", **ints}
     return [
         KernelConfig("linear", "gated delta recurrent", gated_delta_attn._recurrent_kernel, ptrs,
-                     dict(dims, BLOCK_V=64), floats=("scale",)),
+                     dict(dims, BLOCK_V=64, PER_CHANNEL=False), floats=("scale",)),
+        # Kimi Delta Attention (GLM-5.3-Flash): a decay per key channel
+        KernelConfig("linear", "gated delta recurrent per-channel decay", gated_delta_attn._recurrent_kernel, ptrs,
+                     dict(dims, BLOCK_V=64, PER_CHANNEL=True), floats=("scale",)),
         KernelConfig("linear", "gated delta chunk prep", gated_delta_attn._chunk_prep_kernel, ptrs,
                      dict(dims, BLOCK_DV=128)),
         KernelConfig("linear", "gated delta chunk state", gated_delta_attn._chunk_state_kernel, ptrs,

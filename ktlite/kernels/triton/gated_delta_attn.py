@@ -64,9 +64,9 @@ def _l2norm_rows(x):
 @triton.jit
 def _recurrent_kernel(
     Q, K, V, Gate, Beta, States, Rows, Starts, Lens, Reset, Out, scale,
-    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_gh, stride_bn, stride_bh,
-    stride_sr, stride_sh, stride_sk, stride_on, stride_oh,
-    DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_gh, stride_gk, stride_bn,
+    stride_bh, stride_sr, stride_sh, stride_sk, stride_on, stride_oh,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -88,11 +88,15 @@ def _recurrent_kernel(
             q = tl.load(Q + t * stride_qn + h * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
             k = tl.load(K + t * stride_kn + h * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
             v = tl.load(V + t * stride_vn + h * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-            g = tl.load(Gate + t * stride_gn + h * stride_gh).to(tl.float32)
             beta = tl.load(Beta + t * stride_bn + h * stride_bh).to(tl.float32)
             q = _l2norm_rows(q) * scale
             k = _l2norm_rows(k)
-            state = state * tl.exp(g)
+            if PER_CHANNEL:  # Kimi Delta Attention: one decay per key channel, i.e. per row of the state
+                g = tl.load(Gate + t * stride_gn + h * stride_gh + offs_k * stride_gk, mask=mask_k, other=0.0)
+                state = state * tl.exp(g.to(tl.float32))[:, None]
+            else:
+                g = tl.load(Gate + t * stride_gn + h * stride_gh).to(tl.float32)
+                state = state * tl.exp(g)
             u = beta * (v - tl.sum(state * k[:, None], axis=0))  # the delta: what S predicts for k, corrected
             state = state + k[:, None] * u[None, :]
             o = tl.sum(state * q[:, None], axis=0)
@@ -279,7 +283,9 @@ def _chunk_state_kernel(
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   states: torch.Tensor) -> None:
     n, heads, dk = q.shape
-    assert k.shape == q.shape and v.shape[:2] == (n, heads) and g.shape == beta.shape == (n, heads), \
+    assert k.shape == q.shape and v.shape[:2] == (n, heads) and beta.shape == (n, heads), \
+        f"shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} g {tuple(g.shape)} beta {tuple(beta.shape)}"
+    assert g.shape in ((n, heads), (n, heads, dk)), \
         f"shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} g {tuple(g.shape)} beta {tuple(beta.shape)}"
     assert states.shape[1:] == (heads, dk, v.shape[2]) and states.dtype == torch.float32, \
         f"states must be fp32 [R, {heads}, {dk}, {v.shape[2]}], got {states.dtype} {tuple(states.shape)}"
@@ -294,7 +300,9 @@ def gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 
     mode: "recurrent" (token by token; no host sync) or "chunked" (64-token chunks; one host sync for the
     chunk table; bf16/fp16 on a GPU). Default: recurrent when the batch has at most one token per sequence
-    (decode) or holds fp32 CUDA tensors, else chunked.
+    (decode) or holds fp32 CUDA tensors, else chunked. A per-channel decay g [N, H, dk] (Kimi Delta Attention)
+    runs recurrent only (no chunked kernel for it yet: a prompt walks its tokens in one program per head and
+    dv tile).
     block_v: dv columns per program (default: dv as a power of two, between 16 and 64)."""
     _check_inputs(q, k, v, g, beta, states)
     num_tokens, heads, dk = q.shape
@@ -306,7 +314,10 @@ def gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     # fp32 activations on a GPU run token by token: the state kernel's fp32 dot operands need more
     # shared memory than an SM has (~230 KB at dk = dv = 128, any block_v)
     fp32_gpu = q.is_cuda and q.dtype == torch.float32
-    mode = mode or ("recurrent" if num_tokens <= batch or fp32_gpu else "chunked")
+    per_channel = g.dim() == 3
+    mode = mode or ("recurrent" if num_tokens <= batch or fp32_gpu or per_channel else "chunked")
+    if per_channel and mode != "recurrent":
+        raise ValueError("a per-channel decay (g [N, H, dk]) runs in mode 'recurrent' only")
     block_k = dot_width(dk)
     block_v = block_v or min(64, max(16, triton.next_power_of_2(dv)))
     starts = torch.cumsum(extend_lens, 0) - extend_lens
@@ -318,8 +329,8 @@ def gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         _recurrent_kernel[grid](
             q, k, v, g, beta, states, rows, starts, extend_lens, reset_i, out, scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
-            beta.stride(0), beta.stride(1), *state_strides,
-            DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps,
+            g.stride(2) if per_channel else 0, beta.stride(0), beta.stride(1), *state_strides,
+            DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, PER_CHANNEL=per_channel, num_warps=num_warps,
         )
         return out
     if mode != "chunked":

@@ -260,34 +260,51 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 def gated_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            state: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gated delta rule over one sequence, in chunks (the linear-attention layers of Gated DeltaNet).
+    """Gated delta rule over one sequence, in chunks (the linear-attention layers of Gated DeltaNet and, with a
+    per-channel decay, Kimi Delta Attention).
 
-    q, k [T, H, dk] (L2-normalised here, q also scaled by dk^-0.5), v [T, H, dv], g [T, H] log decay
-    (<= 0), beta [T, H], state [H, dk, dv] fp32 (the recurrent state before token 0) -> (out [T, H, dv] in
-    v's dtype, state after the last token). Token by token:
-        S <- exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T q_t.
+    q, k [T, H, dk] (L2-normalised here, q also scaled by dk^-0.5), v [T, H, dv], g [T, H] log decay (<= 0) per
+    head, or [T, H, dk] per key channel (KDA), beta [T, H], state [H, dk, dv] fp32 (the recurrent state before
+    token 0) -> (out [T, H, dv] in v's dtype, state after the last token). Token by token:
+        S <- diag(exp(g_t)) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T q_t.
     Inside a chunk with G_t = g_1 + ... + g_t, the corrections u solve the unit lower-triangular system
-        u_t + beta_t sum_{i<t} e^{G_t - G_i} (k_t . k_i) u_i = beta_t (v_t - e^{G_t} S_0^T k_t),
-    then o_t = e^{G_t} S_0^T q_t + sum_{i<=t} e^{G_t - G_i} (q_t . k_i) u_i and
-    S_C = e^{G_C} S_0 + sum_i e^{G_C - G_i} k_i u_i^T. One token is the recurrent form."""
+        u_t + beta_t sum_{i<t} (k_t . e^{G_t - G_i} k_i) u_i = beta_t (v_t - S_0^T (e^{G_t} k_t)),
+    then o_t = S_0^T (e^{G_t} q_t) + sum_{i<=t} (q_t . e^{G_t - G_i} k_i) u_i and
+    S_C = e^{G_C} S_0 + sum_i (e^{G_C - G_i} k_i) u_i^T (products with e^G elementwise over the key channels; a
+    per-head g is the same decay on every channel). One token is the recurrent form."""
     q = _l2norm(q.float()) * q.shape[-1] ** -0.5
     k, v, g, beta = _l2norm(k.float()), v.float(), g.float(), beta.float()
+    per_channel = g.dim() == 3
     s = state.float()
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for c0 in range(0, q.shape[0], chunk):
         qc, kc, vc = (t[c0 : c0 + chunk].transpose(0, 1) for t in (q, k, v))  # [H, C, d]
-        gc, bc = g[c0 : c0 + chunk].t(), beta[c0 : c0 + chunk].t()  # [H, C]
-        cum = gc.cumsum(-1)
-        n = cum.shape[-1]
+        bc = beta[c0 : c0 + chunk].t()  # [H, C]
+        n = qc.shape[1]
         lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~lower, float("-inf")).exp()  # e^{G_t - G_i}, i <= t
-        strictly_lower = (bc[:, :, None] * (kc @ kc.transpose(1, 2)) * decay).tril(-1)
-        system = strictly_lower + torch.eye(n, device=q.device)
-        rhs = bc[..., None] * (vc - cum.exp()[..., None] * (kc @ s))
+        if per_channel:
+            cum = g[c0 : c0 + chunk].transpose(0, 1).cumsum(1)  # [H, C, dk]
+            # e^{G_t - G_i} per channel for i <= t: [H, C, C, dk] (exponents <= 0 where used, so no overflow)
+            diff = (cum[:, :, None, :] - cum[:, None, :, :]).masked_fill(~lower[None, :, :, None], float("-inf"))
+            decay = diff.exp()
+            kk = torch.einsum("htc,hic,htic->hti", kc, kc, decay)  # k_t . e^{G_t - G_i} k_i
+            qk = torch.einsum("htc,hic,htic->hti", qc, kc, decay)
+            k_s, q_s = (kc * cum.exp()) @ s, (qc * cum.exp()) @ s  # S_0^T (e^{G_t} k_t), S_0^T (e^{G_t} q_t)
+            last = cum[:, -1]  # [H, dk]
+            k_tail = kc * (last[:, None, :] - cum).exp()  # e^{G_C - G_i} k_i
+            s_decay = last.exp()[..., None]  # [H, dk, 1]
+        else:
+            cum = g[c0 : c0 + chunk].t().cumsum(-1)  # [H, C]
+            decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~lower, float("-inf")).exp()  # e^{G_t - G_i}
+            kk, qk = (kc @ kc.transpose(1, 2)) * decay, (qc @ kc.transpose(1, 2)) * decay
+            k_s, q_s = cum.exp()[..., None] * (kc @ s), cum.exp()[..., None] * (qc @ s)
+            k_tail = kc * (cum[:, -1:] - cum).exp()[..., None]
+            s_decay = cum[:, -1].exp()[:, None, None]
+        system = (bc[:, :, None] * kk).tril(-1) + torch.eye(n, device=q.device)
+        rhs = bc[..., None] * (vc - k_s)
         u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [H, C, dv]
-        out[c0 : c0 + chunk] = (cum.exp()[..., None] * (qc @ s) + ((qc @ kc.transpose(1, 2)) * decay) @ u).transpose(0, 1)
-        tail = (cum[:, -1:] - cum).exp()  # e^{G_C - G_i}
-        s = cum[:, -1].exp()[:, None, None] * s + (kc * tail[..., None]).transpose(1, 2) @ u
+        out[c0 : c0 + chunk] = (q_s + qk @ u).transpose(0, 1)  # qk is 0 above the diagonal (decay)
+        s = s_decay * s + k_tail.transpose(1, 2) @ u
     return out.to(v.dtype), s
 
 
@@ -315,7 +332,7 @@ def gated_delta_rule_batch_torch(q, k, v, g, beta, states: torch.Tensor, rows: t
                                  reset: torch.Tensor, chunk: int = 64) -> torch.Tensor:
     """The gated delta rule over a packed batch: sequence b is tokens of extend_lens[b] in order,
     its recurrent state is states[rows[b]] ([R, H, dk, dv] fp32, updated in place; zeros first when
-    reset[b]). q, k [N, H, dk], v [N, H, dv], g, beta [N, H] -> [N, H, dv]."""
+    reset[b]). q, k [N, H, dk], v [N, H, dv], g [N, H] or per key channel [N, H, dk], beta [N, H] -> [N, H, dv]."""
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     for row, s0, n, fresh in _sequences(rows, extend_lens, reset):
         state = torch.zeros_like(states[row]) if fresh else states[row]

@@ -16,7 +16,7 @@ MODEL_TYPES = ("glm_moe_dsa",)
 Model = deepseek_v32.DeepseekV32ForCausalLM
 
 
-def _indexer_types(raw: dict[str, Any], layers: int) -> list[str]:
+def indexer_types(raw: dict[str, Any], layers: int) -> list[str]:
     """The config's per-layer indexer modes ("full" / "shared"), from either spelling or the
     frequency/offset schedule transformers derives them from."""
     if raw.get("indexer_types"):
@@ -45,7 +45,7 @@ def parse_config(raw: dict[str, Any]) -> deepseek_v32.DeepseekV32Config:
     if "n_routed_experts" not in values and "num_local_experts" in values:
         values["n_routed_experts"] = values["num_local_experts"]
     cfg = deepseek_v32.parse_config(values)
-    kinds = _indexer_types(raw, layers)
+    kinds = indexer_types(raw, layers)
     if kinds and kinds[0] != "full":
         raise ConfigError("config.json: the first layer must run its own indexer (indexer_types[0] == 'full')")
     shared = tuple(i for i, kind in enumerate(kinds) if kind == "shared")

@@ -17,7 +17,7 @@ from ktlite.runtime.models.wrapper import text_config
 
 FAMILY_MODULES = ("deepseek", "kimi_k25", "deepseek_v32", "glm_moe_dsa", "qwen3_moe", "qwen3_next", "qwen3_5_moe",
                   "minimax_m2", "glm4_moe", "gpt_oss", "minimax_m3",
-                  "deepseek_v4")
+                  "deepseek_v4", "glm5_next")
 
 
 def _module(name: str) -> ModuleType:

@@ -1,0 +1,333 @@
+"""GLM-5.3-Flash (glm5_next) against transformers on a tiny checkpoint transformers wrote as the hub ships it (the
+vision-language model: text_config, `model.language_model.*` beside a vision tower ktlite never reads): a Kimi Delta
+Attention layer (per-channel decay), an indexed MLA layer (no rope; its indexer keeps 2 pools of 4 tokens plus the
+query's incomplete pool), an indexed MLA layer reusing that selection, another KDA layer; a dense MLP then MoE layers
+(DeepSeek-V3 router, shared expert), SwiGLU clamped at 1 everywhere, mHC over 4 streams. ~30-token prompts drop pools.
+The reference model's logits (one prefill, chunks, one-token steps), the indexer's selection itself and greedy tokens;
+then the Engine: CPU experts with the caches planned exactly, chunks of 5 with preemption and half the experts on the
+device, tensor parallelism, speculative decoding rewinding the KDA state, a next turn from a state snapshot; the
+published shape's plan and `ktlite tiny-model --arch glm5_next`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from hf_checkpoints import hf_greedy_each, hf_last_logits_and_greedy, hf_model
+from test_gqa_families import random_ids
+from test_tensor_parallel import logits_of
+
+from ktlite import Engine
+from ktlite.runtime import models
+from ktlite.runtime.models.glm5_next import INDEXED, LINEAR
+from ktlite.runtime.plan_components import allocated_by_component
+
+TOL = 1e-4
+LENGTH = 30
+VL = transformers.AutoModelForImageTextToText
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls on one thread: OpenMP's wake-ups cost milliseconds a call on a loaded machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_glm5_next, one_thread):
+    return models.load(tiny_glm5_next), hf_model(tiny_glm5_next, VL)
+
+
+@pytest.fixture(scope="module")
+def ids(pair):
+    return random_ids(2, LENGTH, pair[0].config.vocab_size, seed=1)
+
+
+def test_config_reads_the_text_model_of_the_vl_checkpoint(tiny_glm5_next):
+    cfg = models.load_config(tiny_glm5_next)
+    assert cfg.vision_skipped and cfg.layer_kinds == (LINEAR, INDEXED, INDEXED, LINEAR)
+    assert (cfg.attention_layers, cfg.indexed_layers, cfg.shared_index_layers, cfg.moe_layers) == ((1, 2), (1,), (2,),
+                                                                                                   [1, 2, 3])
+    assert (cfg.index_kpool, cfg.index_topk, cfg.index_tail, cfg.index_width) == (4, 8, True, 11)
+    assert cfg.linear.decay_lower_bound == -5.0 and (cfg.linear.key_heads, cfg.linear.key_dim) == (2, 16)
+    assert cfg.activation.limit == 1.0 and cfg.router.scoring == "sigmoid" and cfg.router.correction_bias
+    assert (cfg.qk_rope_head_dim, cfg.kv_latent_dim, cfg.softmax_scale) == (0, 32, 16**-0.5)
+    # the prompts really drop: more whole pools than the indexer keeps
+    assert LENGTH // cfg.index_kpool > cfg.index_topk // cfg.index_kpool
+
+
+@pytest.mark.parametrize("linear", [
+    {"num_heads": 4, "head_dim": 8, "short_conv_kernel_size": 3, "gate_lower_bound": -3.0},
+    {"num_heads": 4, "head_dim": 8, "gate_lower_bound": None},  # safe_gate (default): the bound comes back as -5
+    {"num_heads": 4, "head_dim": 8, "gate_lower_bound": None, "safe_gate": False},  # no bound: -exp(A_log) softplus
+])
+def test_linear_attn_config_and_decay_read_as_transformers_reads_them(tiny_glm5_next, linear):
+    """The nested `linear_attn_config` some files state (transformers' reading of it), and the forget gate's decay of
+    the resulting spec against transformers' Glm5NextTextForgetGate on the same weights."""
+    import json
+
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextForgetGate
+
+    from ktlite.runtime.models.gated_deltanet import KimiDeltaAttention
+
+    raw = json.loads((tiny_glm5_next / "config.json").read_text())
+    raw["text_config"] = {k: v for k, v in raw["text_config"].items() if not k.startswith("linear_")}
+    raw["text_config"]["linear_attn_config"] = linear
+    theirs = transformers.Glm5NextConfig(**raw).text_config
+    spec = models.parse_config(raw).linear
+    assert (spec.key_heads, spec.key_dim, spec.conv_width, spec.decay_lower_bound) == (
+        theirs.linear_num_heads, theirs.linear_head_dim, theirs.linear_conv_kernel_dim, theirs.linear_lower_bound)
+    gate, ours = Glm5NextTextForgetGate(theirs), KimiDeltaAttention(spec)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log"):
+            value = torch.randn(ours.get_parameter(name).shape, generator=gen)
+            ours.get_parameter(name).copy_(value)
+            gate.get_parameter(name).copy_(value)
+        h = torch.randn(1, 5, spec.hidden, generator=gen)
+        want = gate(h)[0]  # [5, heads, head_dim]
+        got = ours._decay(ours.f_b_proj(ours.f_a_proj(h[0])))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def _positions(slots: torch.Tensor, req_to_token: torch.Tensor, rows: list[int], length: int) -> list[set[int]]:
+    """Our selection [B * T, width] of pool slots -> per query the positions it attends to."""
+    out = []
+    for b, row in enumerate(rows):
+        position = {int(s): p for p, s in enumerate(req_to_token[row, :length].tolist())}
+        out += [{position[int(s)] for s in q if s >= 0} for q in slots[b * length : (b + 1) * length]]
+    return out
+
+
+def test_prefill_logits_and_the_pooled_selection_match_transformers(pair, ids):
+    """One prefill of 30 tokens: the logits, and the positions each query of the indexed layer attends to (its top
+    2 whole pools and its incomplete pool's tokens) equal transformers' indexer output; later queries drop pools."""
+    ours, ref = pair
+    captured = {}
+    hook = ref.model.language_model.layers[1].self_attn.indexer.register_forward_hook(
+        lambda m, args, out: captured.__setitem__("topk", out))
+    try:
+        with torch.no_grad():
+            want = ref(ids).logits
+    finally:
+        hook.remove()
+    cache = ours.new_cache(*ids.shape)
+    got = ours(ids, cache)
+    assert (got - want).abs().max().item() <= TOL
+    ours_sel = _positions(ours.model.layers[1].self_attn.last_slots, cache.pool.req_to_token, cache.rows, LENGTH)
+    theirs = [{int(p) for p in q if p >= 0} for q in captured["topk"].flatten(0, 1)]
+    assert ours_sel == theirs
+    assert max(len(s) for s in theirs) <= 8 + 3 and len(theirs[LENGTH - 1]) < LENGTH  # pools dropped
+
+
+def test_chunked_prefill_matches_transformers_chunked(pair, ids):
+    """Chunks of 7 through both caches: the KDA conv and recurrent state continue, pools close across chunks."""
+    from transformers import DynamicCache
+
+    ours, ref = pair
+    cache, got, want = ours.new_cache(*ids.shape), [], []
+    with torch.no_grad():
+        hf_cache = DynamicCache(config=ref.config.text_config)
+        for start in range(0, LENGTH, 7):
+            chunk = ids[:, start : start + 7]
+            got.append(ours(chunk, cache))
+            want.append(ref(chunk, cache=hf_cache, use_cache=True).logits)
+    assert (torch.cat(got, dim=1) - torch.cat(want, dim=1)).abs().max().item() <= TOL
+
+
+@pytest.fixture(scope="module")
+def generated(pair):
+    """transformers' greedy 32 tokens after 7-token prompts, with the logits of each step of its cached decode."""
+    prompt = random_ids(2, 7, pair[0].config.vocab_size, seed=3)
+    with torch.no_grad():
+        out = pair[1].generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
+                               pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return prompt, out.sequences[:, prompt.shape[1]:], torch.stack(out.logits, dim=1)
+
+
+def test_decode_step_by_step_matches_transformers(pair, generated):
+    """The prompt at once, then transformers' tokens one at a time (the recurrent form of the rule, pools closing)."""
+    ours, (prompt, tokens, logits) = pair[0], generated
+    cache = ours.new_cache(2, prompt.shape[1] + tokens.shape[1])
+    got = [ours(prompt, cache)[:, -1:]] + [ours(tokens[:, i : i + 1], cache) for i in range(tokens.shape[1] - 1)]
+    assert (torch.cat(got, dim=1) - logits).abs().max().item() <= TOL
+
+
+def test_greedy_32_equals_generate(pair, generated):
+    prompt, tokens, _ = generated
+    assert pair[0].generate_greedy(prompt, 32).tolist() == tokens.tolist()
+
+
+def test_tiny_model_cli_writes_what_transformers_reads(tmp_path, one_thread):
+    """`ktlite tiny-model --arch glm5_next` writes the hub's layout of the language model (hc_attn_fn, q_conv1d, ...):
+    transformers loads it with no unexpected or mismatched tensor and nothing missing but the vision tower (not
+    written; left at transformers' initialisation), and its logits equal ktlite's."""
+    from click.testing import CliRunner
+
+    from ktlite.cli import main
+
+    result = CliRunner().invoke(main, ["tiny-model", str(tmp_path / "m"), "--arch", "glm5_next"])
+    assert result.exit_code == 0, result.output
+    ref, info = VL.from_pretrained(tmp_path / "m", dtype=torch.float32, output_loading_info=True)
+    assert all(name.startswith("model.visual.") for name in info.pop("missing_keys")) and not any(info.values()), info
+    ours = models.load(tmp_path / "m")
+    ids = random_ids(2, 21, ours.config.vocab_size, seed=5)
+    with torch.no_grad():
+        # 3e-4: tiny-model's wider weight spread makes its last KDA layer amplify fp32 rounding ~10x (measured: the
+        # layer alone on transformers' own input agrees to 2e-6; the inputs differ by 2e-5 from the layers before)
+        assert (ours(ids) - ref.eval()(ids).logits).abs().max().item() <= 3e-4
+
+
+# ---- the Engine -------------------------------------------------------------------------------------------------
+
+GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+EXACT = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 2048, "chunked_prefill_size": 256,
+         "gpu_memory": "1GiB", "max_running_requests": 4}
+
+
+@pytest.fixture(scope="module")
+def engine_expected(pair):
+    """Prompts of 5..30 tokens and transformers' greedy tokens and last-token logits for each, one at a time."""
+    g = torch.Generator().manual_seed(7)
+    batch = [torch.randint(4, pair[0].config.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    logits, tokens = hf_last_logits_and_greedy(pair[1], batch, GREEDY["max_tokens"])
+    return batch, tokens, logits
+
+
+def test_engine_cpu_experts_equal_transformers_and_the_caches_are_planned_exactly(tiny_glm5_next, engine_expected):
+    """Every routed expert on the CPU (the clamp in its kernel); the KV pool (latents, index keys + pool gates) and the
+    state pool (KDA conv + recurrent state per running request and per prefix-cache snapshot) are allocated as
+    planned, and the plan's arithmetic is the config's."""
+    batch, tokens, logits = engine_expected
+    with Engine(str(tiny_glm5_next), **EXACT) as eng:
+        assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == tokens
+        assert (logits_of(eng, batch) - logits).abs().max().item() <= TOL
+        plan, states = eng.runtime.plan, eng.runtime.runner.state_pool
+        allocated = {**allocated_by_component(eng.runtime.runner.model), **plan.allocated()}
+        rows = EXACT["max_running_requests"] + len(states.snapshot_rows)
+    assert plan.mismatches(allocated) == {} and allocated["kv_pool"] > 0 and allocated["state_pool"] > 0
+    # per token, fp32: the latent (32) on both indexed layers, the index key + pool-gate logits (2 x 32) on layer 1
+    assert plan.kv_bytes_per_token == (2 * 32 + 2 * 32) * 4
+    # per state row, fp32, on 2 KDA layers: conv (q, k, v: 3 x 2 heads x 16) x (width 4 - 1), recurrent 2 x 16 x 16
+    assert plan.bytes("state_pool") == rows * 2 * (3 * 32 * 3 + 2 * 16 * 16) * 4
+
+
+def test_half_gpu_experts_chunk_5_and_preemption(tiny_glm5_next, engine_expected):
+    """Chunks of 5 tokens (mixed with other requests' decode tokens) continue the KDA state and close pools across
+    chunks; 48 KV slots force preemption (a preempted request recomputes from fresh state); decode runs half the
+    experts on the device (the clamp in the fused MoE), prefill chunks all of them there (layerwise)."""
+    batch, tokens, _ = engine_expected
+    flags = {**EXACT, "kt_num_gpu_experts": 4, "chunked_prefill_size": 5, "max_total_tokens": 48,
+             "enable_mixed_chunk": True, "kt_gpu_prefill_token_threshold": 4}
+    with Engine(str(tiny_glm5_next), **flags) as eng:
+        assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == tokens
+        assert eng.scheduler.preemptions > 0
+        assert eng.runtime.runner.kv_pool.used_tokens == 0
+
+
+def test_engine_tp2_equals_transformers(tiny_glm5_next, engine_expected):
+    """Two ranks: MLA heads split, the latents, indexer, KDA layers (and their states) and mHC replicated; every
+    rank's plan equals what it allocated."""
+    batch, tokens, _ = engine_expected
+    with Engine(str(tiny_glm5_next), **EXACT, kt_num_gpu_experts=3, tensor_parallel_size=2) as eng:
+        got = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+        plan, allocated = eng.runtime.plan, eng.runtime.allocated_per_rank
+    assert got == tokens
+    assert len(allocated) == 2 and all(plan.mismatches(used, rank) == {} for rank, used in allocated.items())
+
+
+def test_speculative_decoding_rewinds_the_kda_state(tiny_glm5_next, engine_expected):
+    """NGRAM verifies with drafts that are partly rejected (an oracle of the plain output with every third draft
+    corrupted): each rejection rewinds the KDA layers' states to the accepted tokens; the greedy tokens still equal
+    transformers'."""
+    from test_speculative import run
+
+    batch, tokens, _ = engine_expected
+    got = run(tiny_glm5_next, batch, GREEDY, oracle=True)
+    assert [r.token_ids for r in got.results] == tokens
+    assert 0 < got.scheduler.accepted_tokens < got.scheduler.drafted_tokens  # accepted and rejected drafts
+
+
+def test_next_turn_starts_from_the_last_reply_snapshot(tiny_glm5_next, pair):
+    """The prefix cache of a recurrent model: the second turn resumes from the KDA state where the first reply
+    ended (the indexed layers' per-token caches are the prefix's), and both turns equal transformers'."""
+    from test_hybrid_prefix_cache import FLAGS, NEW, _prompts, _turns
+
+    vocab = pair[0].config.vocab_size
+    first, added = _prompts(vocab, 1, 23, seed=5)[0], _prompts(vocab, 1, 9, seed=6)[0]
+    with Engine(str(tiny_glm5_next), **FLAGS) as eng:
+        (p1, r1), (p2, r2) = _turns(eng, [first], [(0, []), (0, added)])
+    assert r2.cached_tokens == len(p1) + NEW - 1
+    assert [r1.token_ids, r2.token_ids] == hf_greedy_each(pair[1], [p1, p2], NEW)
+
+
+def test_bf16_cpu_device_is_as_close_as_transformers_own_bf16_run(tiny_glm5_next, pair, engine_expected):
+    """bf16 activations on a CPU device (dense layers kept bf16): A_log, dt_bias, the KDA convs, the mHC weights and
+    the routers stay fp32 as transformers keeps them, allocated as planned; the last-token logits are about as far
+    from transformers' fp32 ones as transformers' own bf16 run (measured 10.8 % and 8.7 %: this random model's KDA
+    layers amplify rounding; a wrong layout is ~100 %)."""
+    batch, _, logits = engine_expected
+    import copy
+
+    ref = copy.deepcopy(pair[1]).to(torch.bfloat16)
+    with torch.no_grad():
+        ref_bf16 = torch.cat([ref(torch.tensor([ids])).logits[0, -1:].float() for ids in batch])
+    flags = {**EXACT, "dtype": "bfloat16", "cpu_dense_method": "none"}
+    with Engine(str(tiny_glm5_next), **flags, kt_num_gpu_experts=3) as eng:
+        model, plan = eng.runtime.runner.model, eng.runtime.plan
+        kda, mla = model.model.layers[0], model.model.layers[1]
+        assert {kda.self_attn.A_log.dtype, kda.self_attn.dt_bias.dtype, kda.self_attn.q_conv1d.weight.dtype,
+                kda.attn_hc.fn.dtype, mla.mlp.gate.weight.dtype} == {torch.float32}
+        assert mla.self_attn.q_b_proj.weight.dtype == torch.bfloat16
+        got = logits_of(eng, batch)
+        allocated = {**allocated_by_component(model), **plan.allocated()}
+    rel = lambda x: (torch.linalg.norm(x - logits) / torch.linalg.norm(logits)).item()  # noqa: E731
+    assert 0 < rel(got) < 2 * rel(ref_bf16), (rel(got), rel(ref_bf16))
+    assert plan.mismatches(allocated) == {}
+
+
+# ---- the published shape's plan -----------------------------------------------------------------------------------
+
+FLASH = Path(__file__).parent / "data" / "glm-5.3-flash"
+FLASH_KV = 11 * (512 + 2 * 128) * 2  # bf16: 11 indexed layers x (latent + index key + pool gates)
+FLASH_STATE = 34 * (3 * 64 * 128 * 3 + 64 * 128 * 128) * 4  # fp32 per state row: 34 KDA layers x (conv + recurrent)
+
+
+def test_plan_of_the_published_shape_on_one_24gib_gpu():
+    """transformers' default GLM-5.3-Flash shape (tests/data/glm-5.3-flash/README.md): 34 KDA and 11 indexed MLA
+    layers; `ktlite plan` on one 24 GiB GPU with 8 running requests."""
+    from click.testing import CliRunner
+
+    from ktlite.cli import main
+    from ktlite.runtime.memory import make_plan
+    from ktlite.runtime.plan_inputs import PlanInputs
+
+    cfg = models.load_config(FLASH)
+    assert (len(cfg.linear_layers), cfg.attention_layers[:3], len(cfg.moe_layers)) == (34, (3, 7, 11), 42)
+    plan = make_plan(cfg, PlanInputs(gpu_memory="24GiB", max_running_requests=8, state_snapshots=0))
+    assert plan.kv_bytes_per_token == FLASH_KV == 16_896
+    assert plan.bytes("kv_pool") == plan.kv_pool_tokens * FLASH_KV
+    assert plan.bytes("state_pool") == 8 * FLASH_STATE and FLASH_STATE == 152_633_344
+    result = CliRunner().invoke(main, ["plan", "--model", str(FLASH), "--gpu-memory", "24GiB",
+                                       "--max-running-requests", "8"])
+    assert result.exit_code == 0, result.output
+    assert "verdict: fits" in result.stdout and f"x {FLASH_KV:,} B" in result.stdout
+    # the default 64 running requests' state (+ snapshots) does not fit: the plan says so and what would, and
+    # proposes no FP8 KV pool, which this family refuses
+    over = CliRunner().invoke(main, ["plan", "--model", str(FLASH), "--gpu-memory", "24GiB"])
+    assert over.exit_code == 1 and "does not fit" in over.output and "state_pool" in over.output, over.output
+    assert "fp8_e4m3" not in over.output
+
+
+def test_fp8_kv_cache_is_refused_before_allocating():
+    from ktlite.errors import ConfigError
+    from ktlite.runtime.memory import make_plan
+    from ktlite.runtime.plan_inputs import PlanInputs
+
+    with pytest.raises(ConfigError, match="FP8 KV cache is not supported yet"):
+        make_plan(models.load_config(FLASH), PlanInputs(gpu_memory="24GiB", kv_cache_dtype="fp8_e4m3"))
