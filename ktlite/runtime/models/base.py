@@ -28,6 +28,9 @@ from ktlite.runtime.models.rope import RotaryEmbedding
 from ktlite.runtime.state_cache import StatePool
 
 
+MTP_PREFIX = "mtp."  # our name of the MTP layer's tensors (`CausalLM.mtp`)
+
+
 class ForwardContext(Protocol):
     kv_pool: KVPool
     state_pool: StatePool  # per-request state of recurrent layers (empty for attention-only families)
@@ -151,6 +154,13 @@ class CausalLM(nn.Module):
 
     def checkpoint_name(self, name: str) -> str:
         """The checkpoint's name of one of this model's tensors (families with other names override)."""
+        return name
+
+    def mtp_as_last_layer(self, name: str) -> str:
+        """checkpoint_name of families whose checkpoints store the MTP layer as layer num_hidden_layers (the
+        DeepSeek-V3 convention: DeepSeek-V3/V3.2, GLM-4.5, GLM-5), its parts under our names."""
+        if name.startswith(MTP_PREFIX):
+            return f"model.layers.{self.config.num_hidden_layers}.{name.removeprefix(MTP_PREFIX)}"
         return name
 
     def layer(self, layer_idx: int) -> DecoderLayer:

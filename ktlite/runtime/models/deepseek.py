@@ -307,6 +307,12 @@ class MLAttention(nn.Module):
         return mla_block.residual_block(norm.weight.detach().numpy(), norm.eps, block, latents.numpy(),
                                         self.rotary.inv_freq.numpy(), self.rotary.cfg.cos_sin_scale)
 
+    def causal(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Whole sequences x [B, T, hidden] at positions [B, T], causal, no cache: the plain decompressed form
+        (differentiable; tests train an MTP layer through it). Sparse MLA runs it dense, which it equals while a
+        sequence has at most index_topk tokens."""
+        return self(x, positions, None, 0, absorbed=False)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -346,9 +352,6 @@ class MLAttention(nn.Module):
         return self.o_proj(attn.flatten(-2))
 
 
-MTP_PREFIX = "mtp."
-
-
 def _layer(cfg: DeepseekConfig, i: int, rotary: RotaryEmbedding, routed_experts: bool, attention: type) -> DecoderLayer:
     if cfg.is_moe_layer(i):
         mlp = MoE(cfg.router, cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size, routed_experts)
@@ -368,13 +371,9 @@ class DeepseekForCausalLM(CausalLM):
         layers = [_layer(cfg, i, rotary, routed_experts, self.attention_class) for i in range(cfg.num_hidden_layers)]
         super().__init__(cfg, Backbone(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, rotary, layers))
         if cfg.mtp_layer:  # its routed experts, as every MoE layer's, are the runtime's (CPU store, GPU experts)
-            layer = _layer(cfg, cfg.num_hidden_layers, rotary, routed_experts, self.attention_class)
-            self.mtp = MTPLayer(layer.layer_idx, cfg.hidden_size, cfg.rms_norm_eps, layer.self_attn, layer.mlp)
+            self.mtp = MTPLayer.around(_layer(cfg, cfg.num_hidden_layers, rotary, routed_experts, self.attention_class))
 
-    def checkpoint_name(self, name: str) -> str:
-        if name.startswith(MTP_PREFIX):  # the MTP layer is the checkpoint's layer num_hidden_layers
-            return f"model.layers.{self.config.num_hidden_layers}.{name.removeprefix(MTP_PREFIX)}"
-        return super().checkpoint_name(name)
+    checkpoint_name = CausalLM.mtp_as_last_layer
 
     @torch.inference_mode()
     def forward(

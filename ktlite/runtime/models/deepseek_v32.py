@@ -48,16 +48,12 @@ class DeepseekV32Config(DeepseekConfig):
 
     @property
     def indexed_layers(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.num_hidden_layers) if i not in self.shared_index_layers)
+        """Layers running their own indexer (a served MTP layer's included: it has one, as SGLang builds it)."""
+        return tuple(i for i in self.decoder_and_mtp_layers if i not in self.shared_index_layers)
 
     @property
     def is_v3(self) -> bool:  # V3's routing and defaults
         return True
-
-    def with_mtp(self) -> "DeepseekV32Config":
-        raise ConfigError(f"--speculative-algorithm NEXTN/EAGLE: the multi-token-prediction layer of sparse-attention "
-                          f"checkpoints ({self.architecture}) is not built (its attention would need the indexer too); "
-                          "it is built for DeepSeek-V3/R1-family checkpoints; --speculative-algorithm NGRAM works here")
 
     def fp8_rows(self, name: str) -> Fp8Rows:
         """In an FP8 pool an index key is its fp8 values with one fp32 scale (132 bytes at dim 128)."""
