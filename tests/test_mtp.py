@@ -71,27 +71,32 @@ HUB_MTP = {
 
 
 def with_random_mtp_layer(src: Path, dst: Path, family: str, seed: int) -> Path:
-    """A copy of checkpoint src (transformers' tiny `family`, which has no MTP layer) with one under the hub's names:
-    its decoder layer a like layer's tensors with their values shuffled, its glue random."""
+    """A copy of checkpoint src (transformers' tiny `family`, which has no MTP layer; a text model or one in its
+    vision-language wrapper) with one under the hub's names: its decoder layer a like layer's tensors with their
+    values shuffled, its glue random."""
     hub, gen = HUB_MTP[family], torch.Generator().manual_seed(seed)
     shutil.copytree(src, dst)
     tensors = load_file(dst / "model.safetensors")
     config = json.loads((src / "config.json").read_text())
-    layer, like = hub.layer.format(n=config["num_hidden_layers"]), f"model.layers.{hub.like}."
+    text_config = config.get("text_config", config)  # the VL wrapper nests the language model's
+    text = "model.language_model." if "model.language_model.embed_tokens.weight" in tensors else "model."
+    n = text_config["num_hidden_layers"]
+    layer, like = hub.layer.format(n=n), f"{text}layers.{hub.like}."
 
     def shuffled(t: torch.Tensor) -> torch.Tensor:
         return t.flatten()[torch.randperm(t.numel(), generator=gen)].view_as(t).clone()
 
     mtp = {layer + k.removeprefix(like): shuffled(v) for k, v in tensors.items() if k.startswith(like)}
-    hidden, spread = config["hidden_size"], tensors[like + "self_attn.o_proj.weight"].float().std()
-    eh_proj, *norms = (name.format(n=config["num_hidden_layers"]) for name in hub.glue)
+    hidden, spread = text_config["hidden_size"], tensors[like + "self_attn.o_proj.weight"].float().std()
+    eh_proj, *norms = (name.format(n=n) for name in hub.glue)
     mtp[eh_proj] = (torch.randn(hidden, 2 * hidden, generator=gen) * spread).bfloat16()
-    mtp.update({name: shuffled(tensors["model.norm.weight"]) for name in norms})
+    mtp.update({name: shuffled(tensors[f"{text}norm.weight"]) for name in norms})
     if hub.copies:
-        mtp[layer + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        mtp[layer + "embed_tokens.weight"] = tensors[f"{text}embed_tokens.weight"].clone()
         mtp[layer + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     save_file({**tensors, **mtp}, dst / "model.safetensors", metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps({**config, hub.config_field: 1}))
+    text_config[hub.config_field] = 1
+    (dst / "config.json").write_text(json.dumps(config))
     return dst
 
 
@@ -161,15 +166,16 @@ def mtp_checkpoints(tmp_path_factory) -> dict[str, Path]:
     return write_mtp_checkpoints(tmp_path_factory.mktemp("mtp"), "deepseek_v3")
 
 
-def write_mtp_checkpoints(root: Path, family: str, **overrides) -> dict[str, Path]:
-    """{"random": `family`'s tiny checkpoint with a random MTP layer, "trained": it trained on the model's own greedy
-    continuations of the prompts the tests serve}; overrides: of the family's transformers config."""
-    base = write_hf_checkpoint(root / "base", family, seed=5, **overrides)
+def write_mtp_checkpoints(root: Path, family: str, steps: int = TRAIN_STEPS) -> dict[str, Path]:
+    """{"random": `family`'s tiny checkpoint with a random MTP layer, "trained": it trained (`steps` steps) on the
+    model's own greedy continuations of the prompts the tests serve}."""
+    base = write_hf_checkpoint(root / "base", family, seed=5)
     random = with_random_mtp_layer(base, root / "random", family, seed=6)
     model = load(random, mtp=True)  # bf16-rounded as stored
     batch = torch.tensor(prompts(model.config.vocab_size))
-    seqs = torch.cat([batch, model.generate_greedy(batch, NEW + 8)], dim=1)
-    loss = train_mtp(model, seqs, TRAIN_STEPS)
+    with one_thread():
+        seqs = torch.cat([batch, model.generate_greedy(batch, NEW + 8)], dim=1)
+    loss = train_mtp(model, seqs, steps)
     assert loss < 0.5, loss  # it learned the continuations
     return {"random": random, "trained": with_mtp_tensors(random, root / "trained", mtp_tensors(model))}
 
