@@ -315,9 +315,13 @@ def test_sampling_with_nextn_drafts_is_reproducible(mtp_checkpoints):
 def test_nextn_drafts_compile_nothing_after_start_up(mtp_checkpoints):
     """The MTP layer's extends and chain steps are among the paths warmed at start-up (the demo's flags: quantized
     CPU dense layers, so its attention takes the compiled decode block)."""
+    assert_drafts_compile_nothing_after_start_up(mtp_checkpoints["trained"])
+
+
+def assert_drafts_compile_nothing_after_start_up(path: Path) -> None:
     from test_warm_start import FLAGS, specialisations
 
-    with Engine(str(mtp_checkpoints["trained"]), **FLAGS, **NEXTN) as eng:
+    with Engine(str(path), **FLAGS, **NEXTN) as eng:
         before = specialisations()
         eng.generate(input_ids=prompts(1024)[:3] + [[9]], sampling_params={**GREEDY, "max_tokens": 8})
         after = specialisations()

@@ -15,8 +15,8 @@ import pytest
 import torch
 from hf_checkpoints import UNIT_OFFSET_NORMS, write_hf_vl_checkpoint
 from safetensors.torch import load_file
-from test_mtp import (EXACT, GREEDY, HUB_MTP, NEXTN, generate, prompts, tokens, with_random_mtp_layer,
-                      write_mtp_checkpoints)
+from test_mtp import (EXACT, GREEDY, HUB_MTP, NEXTN, assert_drafts_compile_nothing_after_start_up, generate, prompts,
+                      tokens, with_random_mtp_layer, write_mtp_checkpoints)
 
 from ktlite import Engine
 
@@ -90,6 +90,11 @@ def test_the_mtp_layer_reads_the_hub_tensors_as_sglang_does(family, checkpoints)
         torch.testing.assert_close(model.mtp.project(embedded, hidden),
                                    torch.cat((norm(embedded, enorm), norm(hidden, hnorm)), dim=-1) @ eh_proj.T)
         torch.testing.assert_close(model.mtp.shared_head.norm(hidden), norm(hidden, final))
+
+
+def test_nextn_drafts_compile_nothing_after_start_up(checkpoints):
+    """The demo's flags (quantized CPU dense layers): the MTP layer's paths are warmed at start-up."""
+    assert_drafts_compile_nothing_after_start_up(checkpoints["trained"])
 
 
 def test_the_plan_counts_the_mtp_layer(checkpoints):
