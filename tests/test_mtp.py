@@ -269,7 +269,10 @@ def reference_drafts(model, seq: list[int], length: int, drafts: list[int]) -> l
 def test_drafts_are_the_plain_torch_mtp_layers_predictions(mtp_checkpoints):
     """Every chain of drafts the engine proposes (chunked prefill of 5, so the layer's KV is built over chunks) is
     the argmax of the plain torch layer run over whole sequences (within float error of its max)."""
-    path = mtp_checkpoints["random"]
+    assert_drafts_are_the_plain_torch_predictions(mtp_checkpoints["random"])
+
+
+def assert_drafts_are_the_plain_torch_predictions(path: Path) -> None:
     batch = prompts(1024)[:2]
     proposed: list[tuple[int, int, list[int]]] = []  # (request, sequence length, drafts)
     with Engine(str(path), **{**EXACT, "chunked_prefill_size": 5}, **NEXTN) as eng:

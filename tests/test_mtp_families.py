@@ -15,8 +15,9 @@ import pytest
 import torch
 from hf_checkpoints import UNIT_OFFSET_NORMS, write_hf_vl_checkpoint
 from safetensors.torch import load_file
-from test_mtp import (EXACT, GREEDY, HUB_MTP, NEXTN, assert_drafts_compile_nothing_after_start_up, generate, prompts,
-                      tokens, with_random_mtp_layer, write_mtp_checkpoints)
+from test_mtp import (EXACT, GREEDY, HUB_MTP, NEXTN, assert_drafts_are_the_plain_torch_predictions,
+                      assert_drafts_compile_nothing_after_start_up, generate, prompts, tokens, with_random_mtp_layer,
+                      write_mtp_checkpoints)
 
 from ktlite import Engine
 
@@ -90,6 +91,14 @@ def test_the_mtp_layer_reads_the_hub_tensors_as_sglang_does(family, checkpoints)
         torch.testing.assert_close(model.mtp.project(embedded, hidden),
                                    torch.cat((norm(embedded, enorm), norm(hidden, hnorm)), dim=-1) @ eh_proj.T)
         torch.testing.assert_close(model.mtp.shared_head.norm(hidden), norm(hidden, final))
+
+
+def test_drafts_are_the_plain_torch_mtp_layers_predictions(family, checkpoints):
+    """Every chain of drafts (chunked prefill of 5; on the hybrids, verifies rewinding the Gated DeltaNet state) is the
+    argmax of the plain torch layer over whole sequences (GQAttention.causal: dense attention)."""
+    if family == "glm_moe_dsa":
+        pytest.skip("its plain torch layer attends to every token, its served one to the indexer's top 6")
+    assert_drafts_are_the_plain_torch_predictions(checkpoints["random"])
 
 
 def test_nextn_drafts_compile_nothing_after_start_up(checkpoints):
