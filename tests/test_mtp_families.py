@@ -20,11 +20,13 @@ from test_mtp import (EXACT, GREEDY, HUB_MTP, NEXTN, assert_drafts_are_the_plain
                       write_mtp_checkpoints)
 
 from ktlite import Engine
+from ktlite.errors import ConfigError
 
 from ktlite.runtime.memory import make_plan
 from ktlite.runtime.models import load, load_config
 from ktlite.runtime.plan_components import allocated_by_component
 from ktlite.runtime.plan_inputs import PlanInputs
+from ktlite.runtime.tiny_model import write_tiny_model
 
 FAMILIES = ("glm4_moe", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe")
 TRAIN_STEPS = 40  # the loss is ~0.01 by 40 on these (a random layer's ~ln(vocab) = 6.9 or more)
@@ -167,3 +169,9 @@ def test_a_qwen35_vl_checkpoint_drafts_with_its_top_level_mtp_layer(tmp_path):
     want = tokens(generate(path, batch, GREEDY)[0])
     got, eng = generate(path, batch, GREEDY, speculative_algorithm="NEXTN", speculative_num_steps=2)
     assert tokens(got) == want and eng.scheduler.drafted_tokens > 0
+
+
+def test_a_qwen3_next_checkpoint_without_an_mtp_layer_is_refused(tmp_path):
+    path = write_tiny_model(tmp_path / "qwen3_next", "qwen3_next", seed=1)  # its config.json has no mtp_num_hidden_layers
+    with pytest.raises(ConfigError, match="--speculative-algorithm NEXTN.*mtp_num_hidden_layers is 0 or absent"):
+        Engine(str(path), **EXACT, speculative_algorithm="NEXTN")
