@@ -63,15 +63,15 @@ def test_nextn_greedy_output_equals_plain_decoding(checkpoints, plain):
 
 
 def test_a_trained_mtp_layer_is_accepted_and_a_random_one_is_not(checkpoints, plain):
-    """One draft a step; greedy output as plain decoding's either way (measured: trained 0.8-1.0, GLM-5's lowest: the
-    layer was trained with dense attention, serves sparse; random 0.0)."""
+    """One draft a step; greedy output as plain decoding's either way (measured: trained 1.0, random 0.0; with 3
+    drafts a step, which the layer was not trained for, 0.52-0.60 and 0.0)."""
     rates = {}
     for name in ("random", "trained"):
         got, eng = generate(checkpoints[name], prompts(1024), GREEDY, speculative_algorithm="EAGLE",
                             speculative_num_steps=1, **CHUNKS)
         assert tokens(got) == plain
         rates[name] = eng.scheduler.accepted_tokens / eng.scheduler.drafted_tokens
-    assert rates["trained"] > 0.6 and rates["random"] < 0.1, rates
+    assert rates["trained"] > 0.8 and rates["random"] < 0.1, rates
 
 
 def test_the_mtp_layer_reads_the_hub_tensors_as_sglang_does(family, checkpoints):
@@ -96,10 +96,9 @@ def test_the_mtp_layer_reads_the_hub_tensors_as_sglang_does(family, checkpoints)
 
 
 def test_drafts_are_the_plain_torch_mtp_layers_predictions(family, checkpoints):
-    """Every chain of drafts (chunked prefill of 5; on the hybrids, verifies rewinding the Gated DeltaNet state) is the
-    argmax of the plain torch layer over whole sequences (GQAttention.causal: dense attention)."""
-    if family == "glm_moe_dsa":
-        pytest.skip("its plain torch layer attends to every token, its served one to the indexer's top 6")
+    """Every chain of drafts (chunked prefill of 5; on the hybrids, verifies rewinding the Gated DeltaNet state; on
+    GLM-5, the MTP layer's indexer keeping 6 keys a query) is the argmax of the plain torch layer over whole
+    sequences (the attention's causal())."""
     assert_drafts_are_the_plain_torch_predictions(checkpoints["random"])
 
 
@@ -136,6 +135,18 @@ def test_glm45_plan_with_its_mtp_layer():
     assert mtp.bytes("mtp") == plain.bytes("attention") // 92 + expert + 2 * 5120 * 5120 * 2
     assert {c: mtp.bytes(c) for c in ("attention", "shared_experts", "embeddings", "lm_head")} == {
         c: plain.bytes(c) for c in ("attention", "shared_experts", "embeddings", "lm_head")}
+
+
+def test_deepseek_v32_plan_with_its_mtp_layer():
+    """The hub config (61 layers + 1 MTP layer with its own indexer, as GLM-5's): one more latent and index key per
+    token; its sparse attention (the indexer's weights too), shared expert and eh_proj on the device."""
+    cfg = load_config(DATA / "deepseek-v3.2")
+    inputs = PlanInputs(gpu_memory="640GiB", dtype="bfloat16", kt_num_gpu_experts=2, max_total_tokens=8192)
+    plain, mtp = make_plan(cfg, inputs), make_plan(cfg.with_mtp(), inputs)
+    assert (plain.kv_bytes_per_token, mtp.kv_bytes_per_token) == (61 * (576 + 128) * 2, 62 * (576 + 128) * 2)
+    expert = 3 * 7168 * 2048 * 2
+    assert (plain.bytes("gpu_experts"), mtp.bytes("gpu_experts")) == (58 * 2 * expert, 59 * 2 * expert)
+    assert (plain.bytes("mtp"), mtp.bytes("mtp")) == (0, plain.bytes("attention") // 61 + expert + 2 * 7168 * 7168 * 2)
 
 
 def test_qwen35_plan_with_its_mtp_layer():

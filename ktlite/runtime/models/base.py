@@ -192,7 +192,8 @@ class CausalLM(nn.Module):
         """The MTP layer over batch (its input_ids are the tokens after the positions of `hidden` [N, hidden], the
         target's final-normed hidden states or the layer's own previous output) -> (its normed output [N, hidden],
         float32 logits [R, vocab] of batch.logit_rows: the token after batch.input_ids). Embeddings and the head
-        are the target's (DeepSeek-V3's MTP copies of them are equal)."""
+        are the target's (the copies DeepSeek-V3-layout checkpoints keep beside the layer equal them; Qwen3-Next's
+        have none, as SGLang shares the target's)."""
         out = self.mtp.forward_batch(self.model.embed_tokens(batch.input_ids), hidden, batch, ctx, self.model.rotary)
         return out, self.lm_head(out[batch.logit_rows]).float()
 

@@ -309,8 +309,7 @@ class MLAttention(nn.Module):
 
     def causal(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Whole sequences x [B, T, hidden] at positions [B, T], causal, no cache: the plain decompressed form
-        (differentiable; tests train an MTP layer through it). Sparse MLA runs it dense, which it equals while a
-        sequence has at most index_topk tokens."""
+        (differentiable; tests train an MTP layer through it)."""
         return self(x, positions, None, 0, absorbed=False)
 
     def forward(
@@ -320,8 +319,10 @@ class MLAttention(nn.Module):
         cache: LatentCache | None,
         layer_idx: int,
         absorbed: bool,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [B, T, hidden] at positions [B, T] (the cache holds positions 0..cache.length-1)."""
+        """x [B, T, hidden] at positions [B, T] (the cache holds positions 0..cache.length-1); `keep` [B, T, S]: the
+        keys each query may see beyond causality (sparse attention's selection), None: all of them."""
         c = self.cfg
         cos, sin = self.rotary.cos_sin(positions)  # [B, T, rope/2]
         q_in, kv_in = self.input_projections(x)
@@ -332,6 +333,8 @@ class MLAttention(nn.Module):
         t, s = x.shape[1], latents.shape[1]
         # query i sits at position past + i and may see keys 0..past + i
         causal = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=past)
+        if keep is not None:
+            causal = (causal & keep).unsqueeze(1)  # [B, 1 (heads), T, S]
 
         if absorbed:
             q_abs = self.absorbed_query(q, cos, sin)  # [B, T, heads, D]
