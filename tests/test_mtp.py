@@ -1,7 +1,8 @@
 """NEXTN (MTP) speculative drafts on a tiny DeepSeek-V3 written by transformers, with an MTP layer the fixture adds
-(transformers' DeepseekV3 has none): the greedy output equals plain decoding's in batches, chunked prefill and
-preemption; sampling keeps working; a layer trained to predict the token after next is accepted far more often than
-a random one; the plan counts the layer's weights and KV; checkpoints and families without one are refused.
+under the hub's names (transformers' DeepseekV3 has none; HUB_MTP: each family's layout, test_mtp_families.py serves
+the others): the greedy output equals plain decoding's in batches, chunked prefill and preemption; sampling keeps
+working; a layer trained to predict the token after next is accepted far more often than a random one; the plan
+counts the layer's weights and KV; checkpoints and families without one are refused.
 """
 
 from __future__ import annotations
