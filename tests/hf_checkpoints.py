@@ -9,6 +9,7 @@ the tiny BPE tokenizer ktlite's demo model uses.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ import transformers
 
 from ktlite.runtime.models import glm5_next, minimax_m3
 from ktlite.runtime.tiny_model import BOS, CONTEXT, EOS, train_tokenizer, write_tokenizer_files
+
+# the tiny BPE tokenizer, trained once per session (~4 s a time; every checkpoint here reads it only)
+_tokenizer = functools.cache(train_tokenizer)
 
 _COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                head_dim=16, max_position_embeddings=CONTEXT, rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -146,7 +150,7 @@ def _norm_center(family: str) -> float:
 
 def write_hf_checkpoint(path: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
     """`family`'s tiny checkpoint; `overrides` replace its config's keyword arguments (e.g. rope_parameters)."""
-    tokenizer = train_tokenizer()
+    tokenizer = _tokenizer()
     config = _text_config(family, tokenizer, overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -171,7 +175,7 @@ VL_CONFIGS: dict[str, tuple[type, Callable[[dict[str, Any]], dict[str, Any]]]] =
 def write_hf_vl_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
     """`family`'s tiny text model inside its vision-language model (the hub layout: `text_config`, the language
     model's and the vision tower's weights), written by transformers' ConditionalGeneration class."""
-    tokenizer = train_tokenizer()
+    tokenizer = _tokenizer()
     text = _text_config(family, tokenizer, {}).to_dict()
     config_class, wrapper = VL_CONFIGS[family]
     config = config_class(text_config=text, tie_word_embeddings=False, **wrapper(text))
@@ -188,7 +192,7 @@ _TINY_MOONVIT = dict(patch_size=2, pos_emb_height=4, pos_emb_width=4, pos_emb_ti
 def write_hf_kimi_k25(path: Path, seed: int = 0, **wrapper: Any) -> Path:
     """Kimi-K2.5 written by transformers' own class: the deepseek_v3 family's tiny text_config and a tiny
     vision tower; `wrapper` sets the wrapper config's fields (e.g. tie_word_embeddings)."""
-    tokenizer = train_tokenizer()
+    tokenizer = _tokenizer()
     text = _text_config("deepseek_v3", tokenizer, {})
     config = transformers.Kimi_K25Config(text_config=text.to_dict(), vision_config=_TINY_MOONVIT,
                                          projection_hidden_size=_TINY_MOONVIT["hidden_size"], **wrapper)

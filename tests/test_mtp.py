@@ -1,7 +1,8 @@
 """NEXTN (MTP) speculative drafts on a tiny DeepSeek-V3 written by transformers, with an MTP layer the fixture adds
-(transformers' DeepseekV3 has none): the greedy output equals plain decoding's in batches, chunked prefill and
-preemption; sampling keeps working; a layer trained to predict the token after next is accepted far more often than
-a random one; the plan counts the layer's weights and KV; checkpoints and families without one are refused.
+under the hub's names (transformers' DeepseekV3 has none; HUB_MTP: each family's layout, test_mtp_families.py serves
+the others): the greedy output equals plain decoding's in batches, chunked prefill and preemption; sampling keeps
+working; a layer trained to predict the token after next is accepted far more often than a random one; the plan
+counts the layer's weights and KV; checkpoints and families without one are refused.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import contextlib
 import json
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_checkpoints import _spread, write_hf_checkpoint
+from hf_checkpoints import write_hf_checkpoint
 from safetensors.torch import load_file, save_file
 
 from ktlite import Engine
@@ -42,18 +44,71 @@ def prompts(vocab: int, n: int = 6, length: int = 8, seed: int = 3) -> list[list
     return torch.randint(4, vocab, (n, length), generator=g).tolist()
 
 
-def with_mtp_tensors(src: Path, dst: Path, mtp: dict[str, torch.Tensor]) -> Path:
-    """A copy of checkpoint src with the MTP layer's tensors (checkpoint names) added, as DeepSeek-V3 stores them:
-    its own copies of the embeddings and the head beside them."""
+@dataclass(frozen=True)
+class HubMTP:
+    """How a family's hub checkpoints store the MTP layer (the names SGLang's loaders read: deepseek_nextn.py,
+    glm4_moe_nextn.py, qwen3_next_mtp.py / qwen3_5_mtp.py), written here from the hub's convention, not ktlite's."""
+
+    config_field: str  # config.json's count of MTP layers
+    layer: str  # the prefix of its decoder layer's tensors; {n}: num_hidden_layers
+    glue: tuple[str, str, str, str]  # eh_proj [hidden, 2 hidden], enorm, hnorm and its final norm; {n} as in layer
+    copies: bool  # its own copies of the embeddings and the head beside it (the DeepSeek-V3 layout)
+    like: int  # a decoder layer of the kind it is (MoE, full attention): its tensors' names and shapes
+
+
+DEEPSEEK_LAYOUT = dict(config_field="num_nextn_predict_layers", layer="model.layers.{n}.", copies=True,
+                       glue=tuple(f"model.layers.{{n}}.{name}.weight" for name in ("eh_proj", "enorm", "hnorm",
+                                                                                   "shared_head.norm")))
+QWEN_LAYOUT = dict(config_field="mtp_num_hidden_layers", layer="mtp.layers.0.", copies=False,
+                   glue=("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                         "mtp.norm.weight"))
+HUB_MTP = {
+    "deepseek_v3": HubMTP(**DEEPSEEK_LAYOUT, like=2),
+    "glm4_moe": HubMTP(**DEEPSEEK_LAYOUT, like=2),
+    "glm_moe_dsa": HubMTP(**DEEPSEEK_LAYOUT, like=1),  # layer 1 runs its own indexer (2 reuses 1's)
+    "qwen3_next": HubMTP(**QWEN_LAYOUT, like=3),  # the full-attention layer
+    "qwen3_5_moe": HubMTP(**QWEN_LAYOUT, like=2),
+}
+
+
+def with_random_mtp_layer(src: Path, dst: Path, family: str, seed: int) -> Path:
+    """A copy of checkpoint src (transformers' tiny `family`, which has no MTP layer; a text model or one in its
+    vision-language wrapper) with one under the hub's names: its decoder layer a like layer's tensors with their
+    values shuffled, its glue random."""
+    hub, gen = HUB_MTP[family], torch.Generator().manual_seed(seed)
     shutil.copytree(src, dst)
     tensors = load_file(dst / "model.safetensors")
-    layer = f"model.layers.{json.loads((src / 'config.json').read_text())['num_hidden_layers']}"
+    config = json.loads((src / "config.json").read_text())
+    text_config = config.get("text_config", config)  # the VL wrapper nests the language model's
+    text = "model.language_model." if "model.language_model.embed_tokens.weight" in tensors else "model."
+    n = text_config["num_hidden_layers"]
+    layer, like = hub.layer.format(n=n), f"{text}layers.{hub.like}."
+
+    def shuffled(t: torch.Tensor) -> torch.Tensor:
+        return t.flatten()[torch.randperm(t.numel(), generator=gen)].view_as(t).clone()
+
+    mtp = {layer + k.removeprefix(like): shuffled(v) for k, v in tensors.items() if k.startswith(like)}
+    hidden, spread = text_config["hidden_size"], tensors[like + "self_attn.o_proj.weight"].float().std()
+    eh_proj, *norms = (name.format(n=n) for name in hub.glue)
+    mtp[eh_proj] = (torch.randn(hidden, 2 * hidden, generator=gen) * spread).bfloat16()
+    mtp.update({name: shuffled(tensors[f"{text}norm.weight"]) for name in norms})
+    if hub.copies:
+        mtp[layer + "embed_tokens.weight"] = tensors[f"{text}embed_tokens.weight"].clone()
+        mtp[layer + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file({**tensors, **mtp}, dst / "model.safetensors", metadata={"format": "pt"})
+    text_config[hub.config_field] = 1
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def with_mtp_tensors(src: Path, dst: Path, mtp: dict[str, torch.Tensor]) -> Path:
+    """A copy of checkpoint src (with an MTP layer) with the MTP tensors `mtp` (checkpoint names) replaced; each
+    must be one src has (ktlite's names map to the hub's)."""
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    assert set(mtp) <= set(tensors), sorted(set(mtp) - set(tensors))
     tensors.update({k: v.to(torch.bfloat16).contiguous() for k, v in mtp.items()})
-    tensors[f"{layer}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-    tensors[f"{layer}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     return dst
 
 
@@ -109,22 +164,21 @@ def train_mtp(model, seqs: torch.Tensor, steps: int) -> float:
 
 @pytest.fixture(scope="module")
 def mtp_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    return write_mtp_checkpoints(tmp_path_factory.mktemp("mtp"))
+    return write_mtp_checkpoints(tmp_path_factory.mktemp("mtp"), "deepseek_v3")
 
 
-def write_mtp_checkpoints(root: Path) -> dict[str, Path]:
-    """{"random": the MTP layer as written, "trained": it trained on the model's own greedy continuations of the
-    prompts the tests serve}."""
-    base = write_hf_checkpoint(root / "base", "deepseek_v3", seed=5)
-    model = build(load_config(base).with_mtp())  # transformers writes num_nextn_predict_layers 1, and no layer
-    _spread(model.mtp, seed=6, norm_center=1.0)
-    random = with_mtp_tensors(base, root / "random", mtp_tensors(model))
+def write_mtp_checkpoints(root: Path, family: str, steps: int = TRAIN_STEPS) -> dict[str, Path]:
+    """{"random": `family`'s tiny checkpoint with a random MTP layer, "trained": it trained (`steps` steps) on the
+    model's own greedy continuations of the prompts the tests serve}."""
+    base = write_hf_checkpoint(root / "base", family, seed=5)
+    random = with_random_mtp_layer(base, root / "random", family, seed=6)
     model = load(random, mtp=True)  # bf16-rounded as stored
     batch = torch.tensor(prompts(model.config.vocab_size))
-    seqs = torch.cat([batch, model.generate_greedy(batch, NEW + 8)], dim=1)
-    loss = train_mtp(model, seqs, TRAIN_STEPS)
+    with one_thread():
+        seqs = torch.cat([batch, model.generate_greedy(batch, NEW + 8)], dim=1)
+    loss = train_mtp(model, seqs, steps)
     assert loss < 0.5, loss  # it learned the continuations
-    return {"random": random, "trained": with_mtp_tensors(base, root / "trained", mtp_tensors(model))}
+    return {"random": random, "trained": with_mtp_tensors(random, root / "trained", mtp_tensors(model))}
 
 
 def generate(path: Path, batch: list[list[int]], params: dict, **flags) -> tuple[list, Engine]:
@@ -216,7 +270,10 @@ def reference_drafts(model, seq: list[int], length: int, drafts: list[int]) -> l
 def test_drafts_are_the_plain_torch_mtp_layers_predictions(mtp_checkpoints):
     """Every chain of drafts the engine proposes (chunked prefill of 5, so the layer's KV is built over chunks) is
     the argmax of the plain torch layer run over whole sequences (within float error of its max)."""
-    path = mtp_checkpoints["random"]
+    assert_drafts_are_the_plain_torch_predictions(mtp_checkpoints["random"])
+
+
+def assert_drafts_are_the_plain_torch_predictions(path: Path) -> None:
     batch = prompts(1024)[:2]
     proposed: list[tuple[int, int, list[int]]] = []  # (request, sequence length, drafts)
     with Engine(str(path), **{**EXACT, "chunked_prefill_size": 5}, **NEXTN) as eng:
@@ -262,9 +319,13 @@ def test_sampling_with_nextn_drafts_is_reproducible(mtp_checkpoints):
 def test_nextn_drafts_compile_nothing_after_start_up(mtp_checkpoints):
     """The MTP layer's extends and chain steps are among the paths warmed at start-up (the demo's flags: quantized
     CPU dense layers, so its attention takes the compiled decode block)."""
+    assert_drafts_compile_nothing_after_start_up(mtp_checkpoints["trained"])
+
+
+def assert_drafts_compile_nothing_after_start_up(path: Path) -> None:
     from test_warm_start import FLAGS, specialisations
 
-    with Engine(str(mtp_checkpoints["trained"]), **FLAGS, **NEXTN) as eng:
+    with Engine(str(path), **FLAGS, **NEXTN) as eng:
         before = specialisations()
         eng.generate(input_ids=prompts(1024)[:3] + [[9]], sampling_params={**GREEDY, "max_tokens": 8})
         after = specialisations()
@@ -320,6 +381,6 @@ def test_checkpoints_and_families_without_an_mtp_layer_are_refused(mtp_checkpoin
     (none / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
     with pytest.raises(ConfigError, match="--speculative-algorithm NEXTN.*num_nextn_predict_layers is 0"):
         Engine(str(none), **EXACT, speculative_algorithm="NEXTN")
-    glm = write_tiny_model(tmp_path / "glm", "glm4_moe", seed=1)
-    with pytest.raises(ConfigError, match="built for DeepSeek-V3-family checkpoints only, not Glm4MoeForCausalLM"):
-        Engine(str(glm), **EXACT, speculative_algorithm="EAGLE")
+    qwen3 = write_tiny_model(tmp_path / "qwen3", "qwen3_moe", seed=1)
+    with pytest.raises(ConfigError, match="multi-token-prediction layers are not built for Qwen3MoeForCausalLM"):
+        Engine(str(qwen3), **EXACT, speculative_algorithm="EAGLE")

@@ -28,6 +28,9 @@ from ktlite.runtime.models.rope import RotaryEmbedding
 from ktlite.runtime.state_cache import StatePool
 
 
+MTP_PREFIX = "mtp."  # our name of the MTP layer's tensors (`CausalLM.mtp`)
+
+
 class ForwardContext(Protocol):
     kv_pool: KVPool
     state_pool: StatePool  # per-request state of recurrent layers (empty for attention-only families)
@@ -153,6 +156,13 @@ class CausalLM(nn.Module):
         """The checkpoint's name of one of this model's tensors (families with other names override)."""
         return name
 
+    def mtp_as_last_layer(self, name: str) -> str:
+        """checkpoint_name of families whose checkpoints store the MTP layer as layer num_hidden_layers (the
+        DeepSeek-V3 convention: DeepSeek-V3/V3.2, GLM-4.5, GLM-5), its parts under our names."""
+        if name.startswith(MTP_PREFIX):
+            return f"model.layers.{self.config.num_hidden_layers}.{name.removeprefix(MTP_PREFIX)}"
+        return name
+
     def layer(self, layer_idx: int) -> DecoderLayer:
         """Decoder layer layer_idx, or the MTP layer at index num_hidden_layers."""
         if self.mtp is not None and layer_idx == len(self.model.layers):
@@ -182,7 +192,8 @@ class CausalLM(nn.Module):
         """The MTP layer over batch (its input_ids are the tokens after the positions of `hidden` [N, hidden], the
         target's final-normed hidden states or the layer's own previous output) -> (its normed output [N, hidden],
         float32 logits [R, vocab] of batch.logit_rows: the token after batch.input_ids). Embeddings and the head
-        are the target's (DeepSeek-V3's MTP copies of them are equal)."""
+        are the target's (the copies DeepSeek-V3-layout checkpoints keep beside the layer equal them; Qwen3-Next's
+        have none, as SGLang shares the target's)."""
         out = self.mtp.forward_batch(self.model.embed_tokens(batch.input_ids), hidden, batch, ctx, self.model.rotary)
         return out, self.lm_head(out[batch.logit_rows]).float()
 

@@ -16,6 +16,7 @@ and a family's default applies only where the file says nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -165,6 +166,11 @@ class ModelConfig:
     # serve the checkpoint's multi-token-prediction layer too (NEXTN drafts; `with_mtp`): its weights and its KV
     # (one more attention layer) are part of the model the plan counts
     mtp_layer: bool = False
+    nextn_predict_layers: int = 0  # the multi-token-prediction layers the checkpoint carries after its last layer
+
+    # whether the family builds its checkpoint's MTP layer (models/mtp.py) when `with_mtp` asks for it
+    builds_mtp = False
+    mtp_config_field = "num_nextn_predict_layers"  # where config.json counts them (read into nextn_predict_layers)
 
     # whether a copy of a request's per-request state where a prompt or reply ends (a prefix-cache snapshot,
     # runtime/state_cache.py) lets another request resume from there; False turns such a family's prefix cache off
@@ -177,7 +183,7 @@ class ModelConfig:
     def moe_layers(self) -> list[int]:
         """MoE layers: the decoder's, and a served MTP layer (index num_hidden_layers), whose routed experts are placed
         and stored as every MoE layer's."""
-        return [i for i in range(self.num_hidden_layers + int(self.mtp_layer)) if self.is_moe_layer(i)]
+        return [i for i in self.decoder_and_mtp_layers if self.is_moe_layer(i)]
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         raise NotImplementedError
@@ -188,11 +194,27 @@ class ModelConfig:
         return bool(self.request_state_specs()) and self.snapshots_resume
 
     def with_mtp(self) -> "ModelConfig":
-        """This config serving the checkpoint's multi-token-prediction layer (--speculative-algorithm NEXTN); families
-        without one built raise ConfigError."""
-        raise ConfigError(f"--speculative-algorithm NEXTN/EAGLE: drafts from multi-token-prediction layers are built "
-                          f"for DeepSeek-V3-family checkpoints only, not {self.architecture}; "
-                          "--speculative-algorithm NGRAM works with this model")
+        """This config serving the checkpoint's multi-token-prediction layer (--speculative-algorithm NEXTN): one more
+        decoder layer at index num_hidden_layers (chained drafts reuse the first MTP layer, as SGLang's); ConfigError
+        for families that do not build one and checkpoints without one."""
+        if not self.builds_mtp:
+            raise ConfigError(f"--speculative-algorithm NEXTN/EAGLE: drafts from multi-token-prediction layers are not "
+                              f"built for {self.architecture}; --speculative-algorithm NGRAM works with this model")
+        if self.nextn_predict_layers < 1:
+            raise ConfigError("--speculative-algorithm NEXTN/EAGLE drafts with the checkpoint's multi-token-prediction "
+                              f"layer, and this one has none (config.json: {self.mtp_config_field} is 0 or absent); "
+                              "--speculative-algorithm NGRAM needs no extra layer")
+        return dataclasses.replace(self, mtp_layer=True)
+
+    def mtp_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer_idx is a served MTP layer with a MoE: in every checkpoint with routed experts (GLM-4.5,
+        Qwen3-Next, ...) it is one more MoE layer; DeepSeek's configs place it by index as their other layers."""
+        return self.mtp_layer and layer_idx == self.num_hidden_layers and self.n_routed_experts > 0
+
+    @property
+    def decoder_and_mtp_layers(self) -> range:
+        """The decoder's layer indices, and the served MTP layer's (num_hidden_layers)."""
+        return range(self.num_hidden_layers + int(self.mtp_layer))
 
     def token_cache_specs(self, tp_size: int = 1, kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
         """What one tensor-parallel rank caches per token (the KV pool's buffers) in a pool of kv_dtype

@@ -307,6 +307,11 @@ class MLAttention(nn.Module):
         return mla_block.residual_block(norm.weight.detach().numpy(), norm.eps, block, latents.numpy(),
                                         self.rotary.inv_freq.numpy(), self.rotary.cfg.cos_sin_scale)
 
+    def causal(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Whole sequences x [B, T, hidden] at positions [B, T], causal, no cache: the plain decompressed form
+        (differentiable; tests train an MTP layer through it)."""
+        return self(x, positions, None, 0, absorbed=False)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -314,8 +319,10 @@ class MLAttention(nn.Module):
         cache: LatentCache | None,
         layer_idx: int,
         absorbed: bool,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [B, T, hidden] at positions [B, T] (the cache holds positions 0..cache.length-1)."""
+        """x [B, T, hidden] at positions [B, T] (the cache holds positions 0..cache.length-1); `keep` [B, T, S]: the
+        keys each query may see beyond causality (sparse attention's selection), None: all of them."""
         c = self.cfg
         cos, sin = self.rotary.cos_sin(positions)  # [B, T, rope/2]
         q_in, kv_in = self.input_projections(x)
@@ -326,6 +333,8 @@ class MLAttention(nn.Module):
         t, s = x.shape[1], latents.shape[1]
         # query i sits at position past + i and may see keys 0..past + i
         causal = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=past)
+        if keep is not None:
+            causal = (causal & keep).unsqueeze(1)  # [B, 1 (heads), T, S]
 
         if absorbed:
             q_abs = self.absorbed_query(q, cos, sin)  # [B, T, heads, D]
@@ -344,9 +353,6 @@ class MLAttention(nn.Module):
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         attn = torch.einsum("bhts,bshv->bthv", probs, v.float()).to(x.dtype)
         return self.o_proj(attn.flatten(-2))
-
-
-MTP_PREFIX = "mtp."
 
 
 def _layer(cfg: DeepseekConfig, i: int, rotary: RotaryEmbedding, routed_experts: bool, attention: type) -> DecoderLayer:
@@ -368,13 +374,9 @@ class DeepseekForCausalLM(CausalLM):
         layers = [_layer(cfg, i, rotary, routed_experts, self.attention_class) for i in range(cfg.num_hidden_layers)]
         super().__init__(cfg, Backbone(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, rotary, layers))
         if cfg.mtp_layer:  # its routed experts, as every MoE layer's, are the runtime's (CPU store, GPU experts)
-            layer = _layer(cfg, cfg.num_hidden_layers, rotary, routed_experts, self.attention_class)
-            self.mtp = MTPLayer(layer.layer_idx, cfg.hidden_size, cfg.rms_norm_eps, layer.self_attn, layer.mlp)
+            self.mtp = MTPLayer.around(_layer(cfg, cfg.num_hidden_layers, rotary, routed_experts, self.attention_class))
 
-    def checkpoint_name(self, name: str) -> str:
-        if name.startswith(MTP_PREFIX):  # the MTP layer is the checkpoint's layer num_hidden_layers
-            return f"model.layers.{self.config.num_hidden_layers}.{name.removeprefix(MTP_PREFIX)}"
-        return super().checkpoint_name(name)
+    checkpoint_name = CausalLM.mtp_as_last_layer
 
     @torch.inference_mode()
     def forward(

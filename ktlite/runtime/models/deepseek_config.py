@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +32,6 @@ class DeepseekConfig(ModelConfig):
     n_group: int
     topk_group: int
     norm_topk_prob: bool
-    nextn_predict_layers: int = field(default=0, kw_only=True)  # the checkpoint's MTP layers (after the last layer)
 
     @property
     def qk_head_dim(self) -> int:
@@ -85,17 +83,12 @@ class DeepseekConfig(ModelConfig):
             return TokenCacheSpec(name, layers, (self.fp8_rows(name).row_bytes,), torch.uint8)
         return TokenCacheSpec(name, layers, (values,))
 
+    builds_mtp = True
+
     @property
     def attention_layers(self) -> tuple[int, ...]:
         """Layers with a latent per token: the decoder's, and the MTP layer's (index num_hidden_layers) when served."""
-        return tuple(range(self.num_hidden_layers + int(self.mtp_layer)))
-
-    def with_mtp(self) -> "DeepseekConfig":
-        if self.nextn_predict_layers < 1:
-            raise ConfigError("--speculative-algorithm NEXTN/EAGLE drafts with the checkpoint's multi-token-prediction "
-                              "layer, and this one has none (config.json: num_nextn_predict_layers is 0 or absent); "
-                              "--speculative-algorithm NGRAM needs no extra layer")
-        return dataclasses.replace(self, mtp_layer=True)  # the first MTP layer; chained drafts reuse it (SGLang's)
+        return tuple(self.decoder_and_mtp_layers)
 
     def token_cache_specs(self, tp_size: int = 1, kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
         # the latent is shared by all heads, so every tensor-parallel rank keeps all of it

@@ -48,16 +48,12 @@ class DeepseekV32Config(DeepseekConfig):
 
     @property
     def indexed_layers(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.num_hidden_layers) if i not in self.shared_index_layers)
+        """Layers running their own indexer (a served MTP layer's included: it has one, as SGLang builds it)."""
+        return tuple(i for i in self.decoder_and_mtp_layers if i not in self.shared_index_layers)
 
     @property
     def is_v3(self) -> bool:  # V3's routing and defaults
         return True
-
-    def with_mtp(self) -> "DeepseekV32Config":
-        raise ConfigError(f"--speculative-algorithm NEXTN/EAGLE: the multi-token-prediction layer of sparse-attention "
-                          f"checkpoints ({self.architecture}) is not built (its attention would need the indexer too); "
-                          "it is built for DeepSeek-V3/R1-family checkpoints; --speculative-algorithm NGRAM works here")
 
     def fp8_rows(self, name: str) -> Fp8Rows:
         """In an FP8 pool an index key is its fp8 values with one fp32 scale (132 bytes at dim 128)."""
@@ -147,6 +143,25 @@ class SparseMLAttention(MLAttention):
         # that layer as a submodule a second time
         self.reuses: tuple[SparseMLAttention, ...] = ()
         self.last_slots: torch.Tensor | None = None
+
+    def causal(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Whole sequences x [B, T, hidden] at positions [B, T], no cache (differentiable but for the selection): each
+        query attends to the top index_topk of its causal keys by its own indexer, as served (MTPLayer.forward)."""
+        if self.indexer is None:
+            raise NotImplementedError("SparseMLAttention.causal: a layer reusing another layer's selection")
+        c, (b, t, _) = self.cfg, x.shape
+        cos, sin = self.rotary.cos_sin(positions)
+        q_resid = self.q_a_layernorm(self.input_projections(x)[0])
+        q = apply_rope(self.indexer.wq_b(q_resid).view(b, t, c.index_n_heads, c.index_head_dim), cos.unsqueeze(-2),
+                       sin.unsqueeze(-2), c.index_rope_interleave)
+        w = self.indexer.weights_proj(x).float() * c.index_n_heads**-0.5  # [B, T, H]
+        keys = self.indexer.key(x, cos, sin).float()  # [B, T, index_head_dim]
+        keep = torch.zeros(b, t, t, dtype=torch.bool, device=x.device)
+        for i in range(b):
+            index = index_scores(q[i].float(), w[i], keys[i], c.index_head_dim**-0.5)
+            index.masked_fill_(~causal_mask(0, t, x.device), float("-inf"))
+            keep[i].scatter_(1, index.topk(min(c.index_topk, t), dim=-1).indices, True)  # future keys: causality's
+        return self(x, positions, None, 0, absorbed=False, keep=keep)
 
     def compiled_residual(self, *args) -> None:
         """None: MLA's compiled block attends to every token and writes no index keys (forward_batch runs)."""

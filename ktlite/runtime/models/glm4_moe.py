@@ -1,25 +1,29 @@
 """GLM-4.5 / 4.6 / 4.7 (`Glm4MoeForCausalLM`): GQA with bias on q/k/v, optional per-head q/k norm,
 partial rotary (0.5), sigmoid group-limited router with correction bias (DeepSeek-V3's noaux_tc),
 one shared expert, `first_k_dense_replace` dense layers. The multi-token-prediction layer after the
-last decoder layer (`num_nextn_predict_layers`) is not loaded."""
+last decoder layer (`num_nextn_predict_layers`, DeepSeek-V3's layout: models/mtp.py) is built and loaded for NEXTN
+drafts (`with_mtp`)."""
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 from typing import Any
 
 from ktlite.runtime.models.config import Fields, RouterSpec
 from ktlite.runtime.models.gqa import GQASpec
 from ktlite.runtime.models.gqa_moe import GQAMoEConfig, GQAMoEForCausalLM, moe_layer_ids
 
-logger = logging.getLogger(__name__)
-
 ARCHITECTURES = ("Glm4MoeForCausalLM",)
 MODEL_TYPES = ("glm4_moe",)
 Model = GQAMoEForCausalLM
 
 
-def parse_config(raw: dict[str, Any]) -> GQAMoEConfig:
+@dataclass(frozen=True)
+class Glm4MoeConfig(GQAMoEConfig):
+    builds_mtp = True  # its MTP layer is a MoE decoder layer like the others (GQAMoEForCausalLM builds it)
+
+
+def parse_config(raw: dict[str, Any]) -> Glm4MoeConfig:
     f = Fields(raw, {"max_position_embeddings": 131072, "attention_bias": True,
                      "use_qk_norm": False, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
                      "routed_scaling_factor": 1.0, "first_k_dense_replace": 1, "n_shared_experts": 1})
@@ -28,11 +32,9 @@ def parse_config(raw: dict[str, Any]) -> GQAMoEConfig:
     head_dim = int(f.get("head_dim") or common["hidden_size"] // heads)
     experts, top_k, moe_inter = common["n_routed_experts"], common["num_experts_per_tok"], common["moe_intermediate_size"]
     first_dense = int(f.values["first_k_dense_replace"])
-    if int(f.get("num_nextn_predict_layers", 0)):
-        logger.info("config.json: the %d multi-token-prediction layer(s) after layer %d are not loaded",
-                    int(f.values["num_nextn_predict_layers"]), common["num_hidden_layers"] - 1)
-    return GQAMoEConfig(
+    return Glm4MoeConfig(
         **common,
+        nextn_predict_layers=int(f.get("num_nextn_predict_layers", 0)),
         attention=GQASpec(common["hidden_size"], heads, int(f.get("num_key_value_heads", heads)), head_dim,
                           common["rms_norm_eps"], bias=bool(f.values["attention_bias"]),
                           qk_norm="per_head" if f.values["use_qk_norm"] else None),

@@ -1,7 +1,9 @@
 """GLM-5 (`GlmMoeDsaForCausalLM`): DeepSeek-V3.2's architecture (MLA + DSA indexer + noaux_tc MoE) under
 GLM's field names, with two differences: the indexer rotates adjacent pairs (interleaved rope), and
 layers marked "shared" in `indexer_types` (or `index_topk_pattern` "S") have no indexer and reuse the
-previous indexed layer's selection. Dense vs MoE layers follow `mlp_layer_types` (a dense prefix)."""
+previous indexed layer's selection. Dense vs MoE layers follow `mlp_layer_types` (a dense prefix). Its
+multi-token-prediction layer (`num_nextn_predict_layers`, stored as layer num_hidden_layers with its own indexer) is
+built for NEXTN drafts as DeepSeek-V3.2's (models/mtp.py)."""
 
 from __future__ import annotations
 

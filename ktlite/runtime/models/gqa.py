@@ -187,3 +187,21 @@ class GQAttention(nn.Module):
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
+
+    def causal(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Whole sequences h [B, T, hidden] at positions [B, T], causal, no cache -> [B, T, hidden]: plain torch
+        (differentiable; tests train an MTP layer through it). No sinks or window (no MTP layer has them)."""
+        if self.sinks is not None or self.window:
+            raise NotImplementedError("GQAttention.causal: sinks and sliding windows are not supported")
+        b, t, _ = h.shape
+        cos, sin = self.rotary.cos_sin(positions.reshape(-1))
+        q, gate, k, v = self.qkv(h.reshape(b * t, -1), cos, sin)  # [B T, heads, d]
+        q, k, v = (x.view(b, t, x.shape[1], -1).transpose(1, 2) for x in (q, k, v))  # [B, heads, T, d]
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        o = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                                             scale=self.spec.scale)
+        o = o.to(h.dtype).transpose(1, 2).reshape(b * t, -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o).view(b, t, -1)

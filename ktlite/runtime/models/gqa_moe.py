@@ -14,6 +14,7 @@ from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
 from ktlite.runtime.models.config import ModelConfig, RouterSpec
 from ktlite.runtime.models.gqa import GQASpec, GQAttention
 from ktlite.runtime.models.layers import MLP, MoE
+from ktlite.runtime.models.mtp import MTPLayer
 from ktlite.runtime.models.rope import RotaryEmbedding
 
 
@@ -27,14 +28,10 @@ class GQAMoEConfig(ModelConfig):
     moe_prefix: str = "mlp"  # the checkpoint's name of the MoE block inside a layer
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        return layer_idx in self.moe_layer_ids
-
-    @property
-    def moe_layers(self) -> list[int]:
-        return list(self.moe_layer_ids)
+        return layer_idx in self.moe_layer_ids or self.mtp_moe_layer(layer_idx)
 
     def token_cache_specs(self, tp_size: int = 1, kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
-        return self.attention.cache_specs(tuple(range(self.num_hidden_layers)), tp_size, kv_dtype)
+        return self.attention.cache_specs(tuple(self.decoder_and_mtp_layers), tp_size, kv_dtype)
 
     def request_state_specs(self, tp_size: int = 1) -> list:
         return []  # attention only: everything is cached per token
@@ -54,22 +51,26 @@ def moe_layer_ids(num_layers: int, is_moe: Callable[[int], bool]) -> tuple[int, 
     return tuple(i for i in range(num_layers) if is_moe(i))
 
 
+def _layer(cfg: GQAMoEConfig, i: int, rotary: RotaryEmbedding, routed_experts: bool) -> DecoderLayer:
+    if cfg.is_moe_layer(i):
+        mlp = MoE(cfg.router, cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size, routed_experts)
+    else:
+        mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+    return DecoderLayer(i, cfg.hidden_size, cfg.rms_norm_eps, GQAttention(cfg.attention, rotary), mlp)
+
+
 class GQAMoEForCausalLM(CausalLM):
     def __init__(self, cfg: GQAMoEConfig, routed_experts: bool = True):
         rotary = RotaryEmbedding(cfg.rope)
-        layers = []
-        for i in range(cfg.num_hidden_layers):
-            if cfg.is_moe_layer(i):
-                mlp = MoE(cfg.router, cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size,
-                          routed_experts)
-            else:
-                mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-            layers.append(DecoderLayer(i, cfg.hidden_size, cfg.rms_norm_eps, GQAttention(cfg.attention, rotary), mlp))
+        layers = [_layer(cfg, i, rotary, routed_experts) for i in range(cfg.num_hidden_layers)]
         super().__init__(cfg, Backbone(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, rotary, layers))
+        if cfg.mtp_layer:  # GLM-4.5's: one more decoder layer, its routed experts the runtime's as every MoE layer's
+            self.mtp = MTPLayer.around(_layer(cfg, cfg.num_hidden_layers, rotary, routed_experts))
 
     def checkpoint_name(self, name: str) -> str:
         cfg = self.config
-        if cfg.moe_prefix != "mlp" and ".mlp." in name and any(name.startswith(f"model.layers.{i}.") for i in cfg.moe_layer_ids):
+        name = self.mtp_as_last_layer(name)  # the families that build one store it as GLM-4.5 does
+        if cfg.moe_prefix != "mlp" and ".mlp." in name and any(name.startswith(f"model.layers.{i}.") for i in cfg.moe_layers):
             name = name.replace(".mlp.", f".{cfg.moe_prefix}.", 1)
             name = name.replace(".gate.e_score_correction_bias", ".e_score_correction_bias")
         if cfg.expert_names != ("gate_proj", "up_proj", "down_proj") and ".experts." in name:

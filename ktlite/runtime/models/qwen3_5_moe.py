@@ -3,8 +3,8 @@ hybrid (`qwen3_next.py`: Gated DeltaNet + gated attention + MoE with a gated sha
 projections split in four (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`) and a MoE in every layer.
 
 The hub checkpoints are the vision-language model: config.json nests the text model in `text_config`, the weights
-name it `model.language_model.*` beside `lm_head.*`, the vision tower (`model.visual.*`) and the multi-token
-prediction layers (`mtp.*`), which are not read (the text path only). transformers' text-only
+name it `model.language_model.*` beside `lm_head.*`, the vision tower (`model.visual.*`, not read: the text path
+only) and the multi-token-prediction layer (`mtp.*`, read for NEXTN drafts as Qwen3-Next's). transformers' text-only
 `Qwen3_5MoeForCausalLM` writes a flat config and `model.*` names. The rope is interleaved mRoPE over
 (temporal, height, width) positions; for text the three are equal, so it is the partial rotary ktlite has and
 `mrope_section` / `mrope_interleaved` change nothing.

@@ -8,6 +8,10 @@ Full-attention layers cache K and V per token in the KV pool; linear layers keep
 recurrent state in the state pool (`state_cache.py`). A token prefix cannot restore that state, so
 these models skip the prefix cache.
 
+The checkpoints' multi-token-prediction layer (`mtp.*`, `mtp_num_hidden_layers`) is a full-attention MoE decoder layer
+behind `mtp.fc` and its two (1 + w) norms (SGLang's qwen3_next_mtp.py), built for NEXTN drafts (models/mtp.py): K and
+V per token at layer index num_hidden_layers, no recurrent state.
+
 Qwen3.5-MoE (`qwen3_5_moe.py`) is this model with the Gated DeltaNet projections split and a MoE in every layer
 (`parse_hybrid`), its text model named under `model.language_model.` in the hub's VL checkpoints (`text_prefix`).
 """
@@ -23,11 +27,12 @@ from torch import nn
 
 from ktlite.errors import ConfigError
 from ktlite.runtime.kv_cache import TokenCacheSpec
-from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
+from ktlite.runtime.models.base import MTP_PREFIX, Backbone, CausalLM, DecoderLayer
 from ktlite.runtime.models.config import Fields, ModelConfig, RouterSpec
 from ktlite.runtime.models.gated_deltanet import GatedDeltaNet, LinearAttentionSpec
 from ktlite.runtime.models.gqa import GQASpec, GQAttention
 from ktlite.runtime.models.layers import MLP, MoE
+from ktlite.runtime.models.mtp import MTPLayer
 from ktlite.runtime.models.rope import RotaryEmbedding
 from ktlite.runtime.state_cache import RequestStateSpec
 
@@ -45,19 +50,23 @@ class Qwen3NextConfig(ModelConfig):
     router: RouterSpec
     text_prefix: str = "model."  # the decoder's checkpoint names ("model.language_model." in a VL checkpoint)
 
+    builds_mtp = True  # `mtp.*`: a full-attention decoder layer with the family's MoE (models/mtp.py)
+    mtp_config_field = "mtp_num_hidden_layers"
+
     def is_moe_layer(self, layer_idx: int) -> bool:
-        return layer_idx in self.moe_layer_ids
+        return layer_idx in self.moe_layer_ids or self.mtp_moe_layer(layer_idx)
 
     @property
-    def moe_layers(self) -> list[int]:
-        return list(self.moe_layer_ids)
+    def attention_layers(self) -> tuple[int, ...]:
+        """Layers with K and V per token: the full-attention ones, and a served MTP layer (num_hidden_layers)."""
+        return self.full_attention_layers + ((self.num_hidden_layers,) if self.mtp_layer else ())
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_hidden_layers) if i not in self.full_attention_layers)
 
     def token_cache_specs(self, tp_size: int = 1, kv_dtype: torch.dtype | None = None) -> list[TokenCacheSpec]:
-        return self.attention.cache_specs(self.full_attention_layers, tp_size, kv_dtype)
+        return self.attention.cache_specs(self.attention_layers, tp_size, kv_dtype)
 
     def request_state_specs(self, tp_size: int = 1) -> list[RequestStateSpec]:
         return self.linear.state_specs(self.linear_layers)  # replicated on every rank
@@ -69,7 +78,8 @@ class Qwen3NextConfig(ModelConfig):
         self.attention.check_tensor_parallel(tp_size)
 
     def expert_weight_name(self, layer: int, expert: int, proj: str) -> str:
-        return f"{self.text_prefix}layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
+        prefix = MTP_LAYER if layer == self.num_hidden_layers else f"{self.text_prefix}layers.{layer}."
+        return f"{prefix}mlp.experts.{expert}.{proj}_proj.weight"
 
 
 def _full_attention_layers(f: Fields, layers: int) -> tuple[int, ...]:
@@ -119,6 +129,7 @@ def parse_hybrid(raw: dict[str, Any], architecture: str, split_projections: bool
         router=RouterSpec(experts, top_k, "softmax", normalize=bool(f.values["norm_topk_prob"])),
         rope=f.rope(head_dim, theta=10000000.0, interleave=False, partial_rotary_factor=0.25),
         text_prefix=text_prefix,
+        nextn_predict_layers=int(f.get("mtp_num_hidden_layers", 0)),
     )
 
 
@@ -136,33 +147,53 @@ class GatedSharedExpert(nn.Module):
         return torch.sigmoid(self.gate(x)) * self.expert(x)
 
 
+def _layer(cfg: Qwen3NextConfig, i: int, rotary: RotaryEmbedding, routed_experts: bool) -> DecoderLayer:
+    if i in cfg.attention_layers:
+        mixer: nn.Module = GQAttention(cfg.attention, rotary)
+    else:
+        mixer = GatedDeltaNet(cfg.linear)
+    if cfg.is_moe_layer(i):
+        mlp: nn.Module = MoE(cfg.router, cfg.hidden_size, cfg.moe_intermediate_size, 0, routed_experts)
+        if cfg.shared_intermediate_size:
+            mlp.shared_experts = GatedSharedExpert(cfg.hidden_size, cfg.shared_intermediate_size)
+    else:
+        mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+    return DecoderLayer(i, cfg.hidden_size, cfg.rms_norm_eps, mixer, mlp, unit_offset_norms=True)
+
+
+MTP_LAYER = "mtp.layers.0."  # the checkpoint's MTP decoder layer (config.json: mtp_num_hidden_layers)
+# the MTP layer's own tensors: ours -> the checkpoint's (SGLang's qwen3_next_mtp.py / qwen3_5_mtp.py read these)
+MTP_GLUE = {"eh_proj.": "fc.", "enorm.": "pre_fc_norm_embedding.", "hnorm.": "pre_fc_norm_hidden.",
+            "shared_head.norm.": "norm."}
+
+
 class Qwen3NextForCausalLM(CausalLM):
     def __init__(self, cfg: Qwen3NextConfig, routed_experts: bool = True):
         rotary = RotaryEmbedding(cfg.rope)
-        layers = []
-        for i in range(cfg.num_hidden_layers):
-            if i in cfg.full_attention_layers:
-                mixer: nn.Module = GQAttention(cfg.attention, rotary)
-            else:
-                mixer = GatedDeltaNet(cfg.linear)
-            if cfg.is_moe_layer(i):
-                mlp: nn.Module = MoE(cfg.router, cfg.hidden_size, cfg.moe_intermediate_size, 0, routed_experts)
-                if cfg.shared_intermediate_size:
-                    mlp.shared_experts = GatedSharedExpert(cfg.hidden_size, cfg.shared_intermediate_size)
-            else:
-                mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-            layers.append(DecoderLayer(i, cfg.hidden_size, cfg.rms_norm_eps, mixer, mlp, unit_offset_norms=True))
+        layers = [_layer(cfg, i, rotary, routed_experts) for i in range(cfg.num_hidden_layers)]
         super().__init__(cfg, Backbone(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, rotary, layers,
                                        unit_offset_norms=True))
+        if cfg.mtp_layer:  # a full-attention MoE layer; its routed experts the runtime's as every MoE layer's
+            self.mtp = MTPLayer.around(_layer(cfg, cfg.num_hidden_layers, rotary, routed_experts))
         self.supports_prefix_cache = False  # per-request recurrent state: a token prefix cannot restore it
 
     def checkpoint_name(self, name: str) -> str:
+        if name.startswith(MTP_PREFIX):  # top-level `mtp.*` in the text-only and the VL checkpoints alike
+            part = name.removeprefix(MTP_PREFIX)
+            glue = next((k for k in MTP_GLUE if part.startswith(k)), None)
+            if glue is not None:
+                return MTP_PREFIX + MTP_GLUE[glue] + part.removeprefix(glue)
+            return self._shared_expert_name(MTP_LAYER + part)
         m = re.match(r"model\.layers\.(\d+)\.self_attn\.", name)
         if m and int(m.group(1)) not in self.config.full_attention_layers:
             name = name.replace(".self_attn.", ".linear_attn.", 1)
-        name = name.replace(".mlp.shared_experts.expert.", ".mlp.shared_expert.").replace(
-            ".mlp.shared_experts.gate.", ".mlp.shared_expert_gate.")
+        name = self._shared_expert_name(name)
         return self.config.text_prefix + name.removeprefix("model.") if name.startswith("model.") else name
+
+    @staticmethod
+    def _shared_expert_name(name: str) -> str:
+        return name.replace(".mlp.shared_experts.expert.", ".mlp.shared_expert.").replace(
+            ".mlp.shared_experts.gate.", ".mlp.shared_expert_gate.")
 
 
 Model = Qwen3NextForCausalLM
