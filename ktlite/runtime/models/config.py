@@ -198,8 +198,10 @@ class ModelConfig:
         decoder layer at index num_hidden_layers (chained drafts reuse the first MTP layer, as SGLang's); ConfigError
         for families that do not build one and checkpoints without one."""
         if not self.builds_mtp:
+            ngram = ("; --speculative-algorithm NGRAM works with this model"
+                     if self.state_rewinds or not self.request_state_specs() else "")
             raise ConfigError(f"--speculative-algorithm NEXTN/EAGLE: drafts from multi-token-prediction layers are not "
-                              f"built for {self.architecture}; --speculative-algorithm NGRAM works with this model")
+                              f"built for {self.architecture}{ngram}")
         if self.nextn_predict_layers < 1:
             raise ConfigError("--speculative-algorithm NEXTN/EAGLE drafts with the checkpoint's multi-token-prediction "
                               f"layer, and this one has none (config.json: {self.mtp_config_field} is 0 or absent); "

@@ -80,6 +80,7 @@ _DEFAULTS: dict[str, Any] = {
 
 @dataclass(frozen=True, kw_only=True)
 class Glm5NextConfig(DeepseekV32Config):
+    builds_mtp = False  # its MTP layer (with the mHC streams) is not built: NEXTN is refused, NGRAM drafts
     layer_kinds: tuple[str, ...]  # LINEAR or INDEXED per layer
     moe_layer_ids: tuple[int, ...]
     linear: LinearAttentionSpec
