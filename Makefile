@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e ".[test]"
 	touch $(STAMP)
 
+# Two test processes, each taking whole files (their module fixtures built once): on the 2-core CI machine numba's
+# first compiles and the tests bound by one Python thread overlap instead of queueing
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 $(DEMO_MODEL)/config.json: | $(STAMP)
 	$(VENV)/bin/ktlite tiny-model $(DEMO_MODEL)
