@@ -222,7 +222,7 @@ def engine_options(model_required: bool = True):
             return fn(*args, model_path=model_path, engine_flags=flags, **kwargs)
 
         for flag, opts, _ in reversed(_NOOP_FLAGS):
-            wrapper = click.option(flag, default=None, hidden=False, help=f"Accepted for SGLang compatibility; no effect.", **opts)(wrapper)
+            wrapper = click.option(flag, default=None, hidden=False, help="Accepted for SGLang compatibility; no effect.", **opts)(wrapper)
         for decls, field, opts in reversed(_ENGINE_FLAGS):
             wrapper = click.option(*decls, field, default=None, **opts)(wrapper) if "default" not in opts else \
                 click.option(*decls, field, **opts)(wrapper)

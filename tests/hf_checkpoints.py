@@ -255,3 +255,36 @@ def prefill_and_decode_errors(ours: torch.nn.Module, ref: torch.nn.Module, ids: 
     cache = ours.new_cache(*ids.shape)
     steps = [ours(ids[:, :prefill], cache)] + [ours(ids[:, i : i + 1], cache) for i in range(prefill, ids.shape[1])]
     return (ours(ids) - want).abs().max().item(), (torch.cat(steps, dim=1) - want).abs().max().item()
+
+
+@torch.no_grad()
+def chunked_error(ours: torch.nn.Module, ref: torch.nn.Module, ids: torch.Tensor, chunk: int,
+                  hf_config: transformers.PreTrainedConfig) -> float:
+    """Max |ours - transformers| over ids [B, T] fed in chunks of `chunk` through each side's cache (transformers'
+    own chunked forward is the reference: an indexer breaks its score ties per forward)."""
+    from transformers import DynamicCache
+
+    cache, hf_cache, errors = ours.new_cache(*ids.shape), DynamicCache(config=hf_config), []
+    for start in range(0, ids.shape[1], chunk):
+        piece = ids[:, start : start + chunk]
+        want = ref(piece, cache=hf_cache, use_cache=True).logits
+        errors.append((ours(piece, cache) - want).abs().max().item())
+    return max(errors)
+
+
+@torch.no_grad()
+def hf_greedy_with_logits(ref: torch.nn.Module, prompt: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' n greedy tokens after prompt [B, T] (no EOS stop) and the logits of each step of its cached
+    decode -> ([B, n], [B, n, vocab])."""
+    out = ref.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                       pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[:, prompt.shape[1]:], torch.stack(out.logits, dim=1)
+
+
+@torch.no_grad()
+def stepwise_logits(ours: torch.nn.Module, prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Ours: the prompt at once, then `tokens` [B, n] one at a time through its cache -> each step's logits
+    [B, n, vocab] (step i predicts tokens[:, i])."""
+    cache = ours.new_cache(prompt.shape[0], prompt.shape[1] + tokens.shape[1])
+    got = [ours(prompt, cache)[:, -1:]] + [ours(tokens[:, i : i + 1], cache) for i in range(tokens.shape[1] - 1)]
+    return torch.cat(got, dim=1)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_checkpoints import hf_model
+from hf_checkpoints import chunked_error, hf_greedy_with_logits, hf_model, stepwise_logits
 from test_gqa_families import random_ids
 
 from ktlite.runtime import models
@@ -59,37 +59,23 @@ def test_prefill_logits_match_transformers(pair, ids, expected):
 def test_chunked_prefill_matches_transformers_chunked(pair, ids):
     """Chunks of 7 through both caches: windows close mid-chunk from the ring the previous chunk left (transformers'
     own chunked forward is the reference, as its indexer ties break per forward)."""
-    from transformers import DynamicCache
-
     ours, ref = pair
-    cache, got, want = ours.new_cache(*ids.shape), [], []
-    with torch.no_grad():
-        hf_cache = DynamicCache(config=ref.config)
-        for start in range(0, LENGTH, 7):
-            chunk = ids[:, start : start + 7]
-            got.append(ours(chunk, cache))
-            want.append(ref(chunk, cache=hf_cache, use_cache=True).logits)
-    assert (torch.cat(got, dim=1) - torch.cat(want, dim=1)).abs().max().item() <= TOL
+    assert chunked_error(ours, ref, ids, 7, ref.config) <= TOL
 
 
 @pytest.fixture(scope="module")
 def generated(pair):
     """transformers' greedy 32 tokens after 7-token prompts, with the logits of each step of its cached decode."""
     prompt = random_ids(2, 7, pair[0].config.vocab_size, seed=3)
-    with torch.no_grad():
-        out = pair[1].generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
-                               pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    return prompt, out.sequences[:, prompt.shape[1]:], torch.stack(out.logits, dim=1)
+    return prompt, *hf_greedy_with_logits(pair[1], prompt, 32)
 
 
 def test_decode_step_by_step_matches_transformers(pair, generated):
     """The prompt at once (no window closed yet), then transformers' tokens one at a time: the compressors close
     their windows from the per-request ring. Compared with transformers' own cached decode, not its one-shot prefill:
     the indexer's scores tie (relu zeros) and transformers breaks those ties differently in the two."""
-    ours, (prompt, tokens, logits) = pair[0], generated
-    cache = ours.new_cache(2, prompt.shape[1] + tokens.shape[1])
-    got = [ours(prompt, cache)[:, -1:]] + [ours(tokens[:, i : i + 1], cache) for i in range(tokens.shape[1] - 1)]
-    assert (torch.cat(got, dim=1) - logits).abs().max().item() <= TOL
+    prompt, tokens, logits = generated
+    assert (stepwise_logits(pair[0], prompt, tokens) - logits).abs().max().item() <= TOL
 
 
 def test_greedy_32_equals_generate(pair, generated):
@@ -402,21 +388,25 @@ def fp4_pair(tiny_deepseek_v4, hub_twin, tmp_path_factory):
 def test_fp4_experts_equal_transformers_on_their_dequantized_weights(fp4_pair):
     """`--kt-method FP4` serves the hub's routed experts as stored (CPU rows, 3 a layer in the device's MX stacks,
     the clamp in both): logits and greedy tokens equal transformers' on the dequantized folder."""
+    packed, plain = fp4_pair
+    assert_fp4_engine_equals(packed, hf_model(plain), (5, 30), seed=3)
+
+
+def assert_fp4_engine_equals(packed: Path, ref: torch.nn.Module, lengths: tuple[int, ...], seed: int) -> None:
+    """`--kt-method FP4` on `packed` (3 GPU experts a layer, the rest CPU rows): logits and greedy tokens of prompts
+    of `lengths` equal transformers' (`ref`, on the dequantized folder)."""
     from hf_checkpoints import hf_last_logits_and_greedy
     from test_tensor_parallel import logits_of
 
     from ktlite import Engine
 
-    packed, plain = fp4_pair
-    ref = hf_model(plain)
-    g = torch.Generator().manual_seed(3)
-    batch = [torch.randint(4, ref.config.vocab_size, (n,), generator=g).tolist() for n in (5, 30)]
+    g = torch.Generator().manual_seed(seed)
+    batch = [torch.randint(4, ref.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
     with Engine(str(packed), **{**EXACT, "kt_method": "FP4", "kt_num_gpu_experts": 3}) as eng:
         got = logits_of(eng, batch)
         tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
     want, expected = hf_last_logits_and_greedy(ref, batch, GREEDY["max_tokens"])
     assert (got - want).abs().max().item() <= TOL and tokens == expected
-
 
 
 def test_tiny_model_fp4_serves_as_transformers_dequantizes_it(tmp_path):
@@ -426,13 +416,10 @@ def test_tiny_model_fp4_serves_as_transformers_dequantizes_it(tmp_path):
     import shutil
 
     from click.testing import CliRunner
-    from hf_checkpoints import hf_last_logits_and_greedy
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
     from test_mx_experts import transformers_fp8_path
-    from test_tensor_parallel import logits_of
 
-    from ktlite import Engine
     from ktlite.cli import main
 
     packed, plain = tmp_path / "fp4", tmp_path / "plain"
@@ -450,14 +437,7 @@ def test_tiny_model_fp4_serves_as_transformers_dequantizes_it(tmp_path):
     save_file({n: (transformers_fp8_path(t, tensors[n.removesuffix("weight") + "scale"])
                    if n.removesuffix("weight") + "scale" in tensors else t) for n, t in tensors.items()
                if not n.endswith(".scale")}, plain / "model.safetensors")
-    ref = hf_model(plain)
-    g = torch.Generator().manual_seed(4)
-    batch = [torch.randint(4, ref.config.vocab_size, (n,), generator=g).tolist() for n in (6, 25)]
-    with Engine(str(packed), **{**EXACT, "kt_method": "FP4", "kt_num_gpu_experts": 3}) as eng:
-        got = logits_of(eng, batch)
-        tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
-    want, expected = hf_last_logits_and_greedy(ref, batch, GREEDY["max_tokens"])
-    assert (got - want).abs().max().item() <= TOL and tokens == expected
+    assert_fp4_engine_equals(packed, hf_model(plain), (6, 25), seed=4)
 
 
 def test_tiny_model_fp4_refuses_stacked_experts(tmp_path):

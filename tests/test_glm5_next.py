@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from hf_checkpoints import hf_greedy_each, hf_last_logits_and_greedy, hf_model
+from hf_checkpoints import (chunked_error, hf_greedy_each, hf_greedy_with_logits, hf_last_logits_and_greedy, hf_model,
+                            stepwise_logits)
 from test_gqa_families import random_ids
 from test_tensor_parallel import logits_of
 
@@ -127,35 +128,21 @@ def test_prefill_logits_and_the_pooled_selection_match_transformers(pair, ids):
 
 def test_chunked_prefill_matches_transformers_chunked(pair, ids):
     """Chunks of 7 through both caches: the KDA conv and recurrent state continue, pools close across chunks."""
-    from transformers import DynamicCache
-
     ours, ref = pair
-    cache, got, want = ours.new_cache(*ids.shape), [], []
-    with torch.no_grad():
-        hf_cache = DynamicCache(config=ref.config.text_config)
-        for start in range(0, LENGTH, 7):
-            chunk = ids[:, start : start + 7]
-            got.append(ours(chunk, cache))
-            want.append(ref(chunk, cache=hf_cache, use_cache=True).logits)
-    assert (torch.cat(got, dim=1) - torch.cat(want, dim=1)).abs().max().item() <= TOL
+    assert chunked_error(ours, ref, ids, 7, ref.config.text_config) <= TOL
 
 
 @pytest.fixture(scope="module")
 def generated(pair):
     """transformers' greedy 32 tokens after 7-token prompts, with the logits of each step of its cached decode."""
     prompt = random_ids(2, 7, pair[0].config.vocab_size, seed=3)
-    with torch.no_grad():
-        out = pair[1].generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
-                               pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    return prompt, out.sequences[:, prompt.shape[1]:], torch.stack(out.logits, dim=1)
+    return prompt, *hf_greedy_with_logits(pair[1], prompt, 32)
 
 
 def test_decode_step_by_step_matches_transformers(pair, generated):
     """The prompt at once, then transformers' tokens one at a time (the recurrent form of the rule, pools closing)."""
-    ours, (prompt, tokens, logits) = pair[0], generated
-    cache = ours.new_cache(2, prompt.shape[1] + tokens.shape[1])
-    got = [ours(prompt, cache)[:, -1:]] + [ours(tokens[:, i : i + 1], cache) for i in range(tokens.shape[1] - 1)]
-    assert (torch.cat(got, dim=1) - logits).abs().max().item() <= TOL
+    prompt, tokens, logits = generated
+    assert (stepwise_logits(pair[0], prompt, tokens) - logits).abs().max().item() <= TOL
 
 
 def test_greedy_32_equals_generate(pair, generated):

@@ -213,7 +213,7 @@ def parse_config(raw: dict[str, Any]) -> DeepseekV4Config:
     # and a stated one wins
     common = f.common(ARCHITECTURES[0], intermediate_size=0,
                       moe_intermediate_size=int(f.get("intermediate_size") or f.need("moe_intermediate_size")))
-    layers, heads, hidden = common["num_hidden_layers"], common["num_attention_heads"], common["hidden_size"]
+    layers, heads = common["num_hidden_layers"], common["num_attention_heads"]
     head_dim = int(f.values["head_dim"])
     if int(f.values["num_key_value_heads"]) != 1:
         raise ConfigError("config.json: DeepSeek-V4 shares one key/value head (num_key_value_heads must be 1)")
