@@ -181,12 +181,9 @@ EXACT = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 2048, "chu
 @pytest.fixture(scope="module")
 def engine_expected(pair):
     """Prompts of 5..30 tokens and transformers' greedy tokens and last-token logits for each, one at a time."""
-    from hf_checkpoints import hf_last_logits_and_greedy
+    from hf_checkpoints import engine_expectations
 
-    g = torch.Generator().manual_seed(7)
-    batch = [torch.randint(4, pair[0].config.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
-    logits, tokens = hf_last_logits_and_greedy(pair[1], batch, GREEDY["max_tokens"])
-    return batch, tokens, logits
+    return engine_expectations(pair[1], pair[0].config.vocab_size, GREEDY["max_tokens"])
 
 
 def test_engine_cpu_experts_equal_transformers_and_the_caches_are_planned_exactly(tiny_deepseek_v4, engine_expected):
