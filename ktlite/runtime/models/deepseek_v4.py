@@ -38,8 +38,7 @@ one, or a preempted one recomputing its prompt) needs no reset. The state is not
 function of a token prefix alone (the window straddling a prefix's end pools tokens after it), so preemption
 recomputes and there is no prefix cache (`snapshots_resume`): a cache that resumed only at positions that are
 multiples of every rate (128), from a snapshot taken when a request passes one, would fit the striped layout; not
-built. Speculative decoding is refused (drafts would advance the
-rings).
+built. Speculative decoding is refused (drafts would advance the rings).
 
 Names: the hub's (`layers.N.attn.wq_a`, `layers.N.attn.kv_norm`, `layers.N.ffn.experts.E.w1`, `embed`, `head`,
 `hc_head_fn`, ...); a folder transformers re-saved keeps them under `model.` (`model.layers.N.attn.wq_a`,
