@@ -24,11 +24,11 @@ from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tenso
 
 from ktlite import Engine
 from ktlite.config import EngineConfig
-from ktlite.errors import ConfigError
+from ktlite.errors import CheckpointError, ConfigError
 from ktlite.kernels.cpu.gemm import dequant_matrix, expert_mlp_matmul, stored_matmul
 from ktlite.kernels.cpu.linear_kernels import linear_rows
 from ktlite.kernels.cpu.moe import CPUMoE
-from ktlite.kernels.cpu.mx import fill_mx_rows
+from ktlite.kernels.cpu.mx import MXFP8_MAX_SCALE_BYTE, fill_mx_rows
 from ktlite.kernels.cpu.quant import dequantize, empty_quantized, matrix_bytes, normalize_kt_method
 from ktlite.runtime.expert_sources import PROJS, MXSource, open_source
 from ktlite.runtime.knobs import cpu_expert_bytes
@@ -94,10 +94,11 @@ def test_every_e2m1_code_times_every_e8m0_scale_decodes_as_transformers():
 
 
 def test_every_e4m3_code_times_every_e8m0_scale_decodes_as_transformers():
-    """All 254 finite e4m3 codes (subnormals included) under each e8m0 scale 0..254: MXFP8's decoders equal
-    transformers' mxfp8 dequantization (uint8 scales, and float8_e8m0fnu ones) bit for bit, fp32 and bf16."""
+    """All 254 finite e4m3 codes (subnormals included) under each e8m0 scale 0..246 (MXFP8_MAX_SCALE_BYTE: the kernels
+    fold 2^8 into the scale): MXFP8's decoders equal transformers' mxfp8 dequantization (uint8 scales, and
+    float8_e8m0fnu ones) bit for bit, fp32 and bf16."""
     finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
-    n = 255
+    n = MXFP8_MAX_SCALE_BYTE + 1
     codes = torch.cat([finite, finite[:2]]).repeat(n, 1)  # [255, 256]
     k = codes.shape[1]
     scales = torch.arange(n, dtype=torch.uint8)[:, None].expand(n, k // 32).contiguous()
@@ -109,6 +110,15 @@ def test_every_e4m3_code_times_every_e8m0_scale_decodes_as_transformers():
     scratch = np.empty((THREADS, 2, qw.kp), np.float32)
     bf16 = dequant_matrix(qw.qweight, qw.scales, qw.group_shift, qw.kp, k, torch.bfloat16, scratch)
     assert torch.equal(bits(bf16), bits(want.to(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("byte", [MXFP8_MAX_SCALE_BYTE + 1, 254])
+def test_mxfp8_scales_the_kernels_cannot_hold_are_refused(byte):
+    codes = np.zeros((2, 64), np.uint8)
+    scales = np.full((2, 2), 120, np.uint8)
+    scales[1, 1] = byte
+    with pytest.raises(CheckpointError, match=f"scale byte {byte}"):
+        stored("MXFP8", codes, scales, 64)
 
 
 def fp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

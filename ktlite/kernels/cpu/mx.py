@@ -14,8 +14,8 @@ Kp is K rounded up to a multiple of 64 (the kernels read 64 weights a step); the
 with scale byte 127 (1.0). Values: e2m1 {0, 0.5, 1, 1.5, 2, 3, 4, 6} and their negatives (OCP MX v1.0,
 table of FP4 E2M1, the table transformers' mxfp4 integration uses); e8m0 byte s is 2^(s - 127) in fp32,
 0 being the subnormal 2^-127. The product of a code and its scale is one fp32 rounding (exact unless it
-overflows), bit for bit transformers' for s = 0..254; 255 (the spec's NaN, which no quantizer writes) is
-not decoded as NaN.
+overflows), bit for bit transformers' for s = 0..254 (MXFP8: 0..246, MXFP8_MAX_SCALE_BYTE); 255 (the spec's NaN,
+which no quantizer writes) is not decoded as NaN.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ E2M1X2 = np.dtype([("e2m1x2", np.uint8)])
 MX_GROUP = 32  # weights per e8m0 scale
 MX_METHODS = ("MXFP4", "MXFP8")  # storage formats of this module
 SCALE_ONE = 127  # e8m0 byte of 1.0: the padding groups' scale
+# The row kernels decode e4m3 as value * 2^-8 (an fp16) and fold the 2^8 into the group's scale, which must stay an
+# fp32: 2^(s - 127 + 8) <= 2^127. Larger MXFP8 scales (2^120 and up: weights no bf16 model has) are refused at load.
+MXFP8_MAX_SCALE_BYTE = 246
 # e2m1 code -> value (OCP MX v1.0's FP4 E2M1 table; the kernels decode it by integer ops)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -52,6 +55,10 @@ def fill_mx_rows(q: np.ndarray, s: np.ndarray, codes: np.ndarray, scales: np.nda
     if scales.shape != (n, -(-k // MX_GROUP)) or k % MX_GROUP:
         raise CheckpointError(f"{method} codes [{n}, {nbytes}] bytes need e8m0 scales [{n}, {k // MX_GROUP}] "
                               f"(one per {MX_GROUP} weights); found {tuple(scales.shape)}")
+    if method == "MXFP8" and scales.size and int(scales.max()) > MXFP8_MAX_SCALE_BYTE:
+        raise CheckpointError(f"MXFP8 e8m0 scale byte {int(scales.max())} (2^{int(scales.max()) - 127}) is above "
+                              f"{MXFP8_MAX_SCALE_BYTE} (2^{MXFP8_MAX_SCALE_BYTE - 127}): no bf16 model's weights need "
+                              "it; the file is not an MXFP8 checkpoint ktlite can keep as stored")
     if q.shape[0] != n or q.shape[-1] < nbytes or s.shape[-1] * MX_GROUP != q.shape[-1] * codes_per_byte(method):
         raise CheckpointError(f"{method} matrix [{n}, {k}] does not fit storage {q.shape}")
     raw = q.view(np.uint8)
