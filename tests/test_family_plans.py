@@ -26,8 +26,13 @@ KV_BYTES = {
     "glm-4.5": 92 * 2 * 8 * 128 * 2,
     "deepseek-v3": 61 * 576 * 2,
     "gpt-oss-120b": 36 * 2 * 8 * 64 * 2,  # sliding layers keep every token too (tests/data/gpt-oss-120b/README.md)
-    "minimax-m3": 60 * 2 * 4 * 128 * 2,  # transformers' defaults: no sparse layer (tests/data/minimax-m3/README.md)
+    # the hub file: K and V on all 60 layers, plus one index key (128 values) on the 57 sparse layers its
+    # sparse_attention_config.sparse_attention_freq marks (tests/data/minimax-m3/README.md)
+    "minimax-m3": 60 * 2 * 4 * 128 * 2 + 57 * 128 * 2,
 }
+# per rank at --tensor-parallel-size 2: half the kv heads; MiniMax-M3's index keys (one per token) are replicated
+KV_BYTES_TP2 = {**{name: kv // 2 for name, kv in KV_BYTES.items()},
+                "minimax-m3": 60 * 2 * 2 * 128 * 2 + 57 * 128 * 2}
 
 
 @pytest.mark.parametrize("name", list(KV_BYTES))
@@ -48,7 +53,7 @@ def test_kv_heads_split_over_ranks_and_replicate_below_one_per_rank():
 def test_cli_plan_answers_from_config_alone(name, tmp_path):
     result = CliRunner().invoke(main, ["plan", "--model", str(DATA / name), "--gpu-memory", "16GiB",
                                        "--tensor-parallel-size", "2"])
-    assert "kv_pool" in result.output and f"{KV_BYTES[name] // 2:,} B" in result.output, result.output
+    assert "kv_pool" in result.output and f"{KV_BYTES_TP2[name]:,} B" in result.output, result.output
 
 
 def test_glm_mtp_layer_is_not_part_of_the_model():
@@ -107,17 +112,41 @@ def test_every_family_plan_rows_name_what_they_hold(arch):
     _rows_hold_what_they_name(parse_config(tiny_config(arch, vocab_size=1024)))
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in DATA.iterdir() if (p / "config.json").is_file()))
+# published configs ktlite refuses before allocating (tests below say why)
+REFUSED = ("minimax-m3-mxfp8",)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in DATA.iterdir()
+                                        if (p / "config.json").is_file() and p.name not in REFUSED))
 def test_published_config_plan_rows_name_what_they_hold(name):
     _rows_hold_what_they_name(load_config(DATA / name))
 
 
 def test_minimax_m3_needs_two_24gib_gpus():
-    """One 24 GiB GPU: the bf16 attention (60 x 6144 x (64 + 2 x 4 + 64) x 128 x 2 B = 11.95 GiB), embeddings and
-    lm_head (2 x 2.29 GiB) and shared experts (6.33 GiB) pass even 0.95 of it; two split the heads and fit, each
-    caching its 2 of the 4 kv heads."""
+    """The hub file on one 24 GiB GPU: the bf16 attention (60 x 6144 x (64 + 2 x 4 + 64) x 128 x 2 B = 11.95 GiB, and
+    the 57 sparse layers' indexers 57 x 6144 x (4 + 1) x 128 x 2 B = 0.42 GiB), embeddings and lm_head (2 x 2.29 GiB),
+    the 3 dense MLPs (3 x 3 x 6144 x 12288 x 2 B = 1.27 GiB) and 57 shared experts (57 x 3 x 6144 x 3072 x 2 B =
+    6.01 GiB) pass even 0.95 of it; two split the heads and fit, each caching its 2 of the 4 kv heads and every
+    index key: 60 x 2 x 2 x 128 x 2 + 57 x 128 x 2 = 76,032 B a token."""
     args = ["plan", "--model", str(DATA / "minimax-m3"), "--gpu-memory", "24GiB"]
     over = CliRunner().invoke(main, args + ["--mem-fraction-static", "0.95"])
     assert over.exit_code == 1 and "--tensor-parallel-size 2" in over.output, over.output
     fits = CliRunner().invoke(main, args + ["--tensor-parallel-size", "2"])
-    assert fits.exit_code == 0 and "verdict: fits" in fits.output and "61,440 B" in fits.output, fits.output
+    assert fits.exit_code == 0 and "verdict: fits" in fits.output and "76,032 B" in fits.output, fits.output
+
+
+def test_minimax_m3_mxfp8_is_refused_naming_its_quantization():
+    """MiniMaxAI/MiniMax-M3-MXFP8's config.json (tests/data/minimax-m3-mxfp8/README.md): `quant_method` "mxfp8" makes
+    every linear but its `ignored_layers` (embeddings, lm_head, vision, routers) e4m3 codes with e8m0 scales per 32,
+    attention and dense MLPs included. ktlite holds MX codes for routed experts only (--kt-method MXFP8 keeps them at
+    8.25 bits a weight), so the file is refused before anything is planned, `ktlite plan` included; the language
+    model's shape is the BF16 hub file's."""
+    raw = json.loads((DATA / "minimax-m3-mxfp8" / "config.json").read_text())
+    assert raw["quantization_config"]["quant_method"] == "mxfp8"
+    with pytest.raises(ConfigError, match="quant_method 'mxfp8' quantizes the attention and dense linears too"):
+        parse_config(raw)
+    result = CliRunner().invoke(main, ["plan", "--model", str(DATA / "minimax-m3-mxfp8"), "--gpu-memory", "24GiB",
+                                       "--kt-method", "MXFP8"])
+    assert result.exit_code != 0 and "mxfp8" in result.output, result.output
+    del raw["quantization_config"]
+    assert parse_config(raw) == load_config(DATA / "minimax-m3")

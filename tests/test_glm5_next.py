@@ -6,10 +6,13 @@ query's incomplete pool), an indexed MLA layer reusing that selection, another K
 The reference model's logits (one prefill, chunks, one-token steps), the indexer's selection itself and greedy tokens;
 then the Engine: CPU experts with the caches planned exactly, chunks of 5 with preemption and half the experts on the
 device, tensor parallelism, speculative decoding rewinding the KDA state, a next turn from a state snapshot; the
-published shape's plan and `ktlite tiny-model --arch glm5_next`."""
+published config read as transformers reads it (and its switches that neither implements refused), its plan, and
+`ktlite tiny-model --arch glm5_next`."""
 
 from __future__ import annotations
 
+import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -284,8 +287,9 @@ FLASH_STATE = 34 * (3 * 64 * 128 * 3 + 64 * 128 * 128) * 4  # fp32 per state row
 
 
 def test_plan_of_the_published_shape_on_one_24gib_gpu():
-    """transformers' default GLM-5.3-Flash shape (tests/data/glm-5.3-flash/README.md): 34 KDA and 11 indexed MLA
-    layers; `ktlite plan` on one 24 GiB GPU with 8 running requests."""
+    """The published GLM-5.3-Flash config (tests/data/glm-5.3-flash/README.md: its text_config as published, the
+    quantization_config without its skip list): 34 KDA and 11 indexed MLA layers, pools of 4 tokens, FP8 weights in
+    128 x 128 blocks; `ktlite plan` on one 24 GiB GPU with 8 running requests."""
     from click.testing import CliRunner
 
     from ktlite.cli import main
@@ -294,6 +298,7 @@ def test_plan_of_the_published_shape_on_one_24gib_gpu():
 
     cfg = models.load_config(FLASH)
     assert (len(cfg.linear_layers), cfg.attention_layers[:3], len(cfg.moe_layers)) == (34, (3, 7, 11), 42)
+    assert (cfg.index_kpool, cfg.index_topk, cfg.fp8_block_size, cfg.shared_index_layers) == (4, 2048, (128, 128), ())
     plan = make_plan(cfg, PlanInputs(gpu_memory="24GiB", max_running_requests=8, state_snapshots=0))
     assert plan.kv_bytes_per_token == FLASH_KV == 16_896
     assert plan.bytes("kv_pool") == plan.kv_pool_tokens * FLASH_KV
@@ -307,6 +312,84 @@ def test_plan_of_the_published_shape_on_one_24gib_gpu():
     over = CliRunner().invoke(main, ["plan", "--model", str(FLASH), "--gpu-memory", "24GiB"])
     assert over.exit_code == 1 and "does not fit" in over.output and "state_pool" in over.output, over.output
     assert "fp8_e4m3" not in over.output
+
+
+def test_published_config_reads_as_transformers_reads_it(tmp_path):
+    """The published file's layout (`linear_attn_config` {num_heads, head_dim, short_conv_kernel_size,
+    gate_lower_bound, ...}, `deepseek_sparse_attention` layer names, `index_kpool` 4, `head_dim` 0 beside
+    `qk_rope_head_dim` 0) through transformers' Glm5NextConfig and through ktlite's load_config: the same per-layer
+    structure and shapes, field by field; and the file transformers re-saves from it (linear_* fields) reads the
+    same."""
+    loaded = transformers.AutoConfig.from_pretrained(FLASH)
+    theirs = loaded.text_config
+    cfg = models.load_config(FLASH)
+    assert cfg.layer_kinds == tuple(theirs.layer_types) and set(cfg.layer_kinds) == {LINEAR, INDEXED}
+    assert cfg.moe_layers == [i for i, t in enumerate(theirs.mlp_layer_types) if t == "sparse"]
+    assert cfg.shared_index_layers == tuple(i for i, t in enumerate(theirs.indexer_types)
+                                            if t == "shared" and theirs.layer_types[i] == INDEXED)
+    lin = cfg.linear
+    assert (lin.key_heads, lin.value_heads, lin.key_dim, lin.value_dim, lin.conv_width, lin.decay_lower_bound) == (
+        theirs.linear_num_heads, theirs.linear_num_heads, theirs.linear_head_dim, theirs.linear_head_dim,
+        theirs.linear_conv_kernel_dim, theirs.linear_lower_bound)
+    assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, cfg.index_kpool, cfg.index_tail) == (
+        theirs.index_n_heads, theirs.index_head_dim, theirs.index_topk, theirs.index_kpool,
+        theirs.index_kpool_always_select_tail)
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (
+        theirs.q_lora_rank, theirs.kv_lora_rank, theirs.qk_nope_head_dim, theirs.qk_rope_head_dim, theirs.v_head_dim)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.vocab_size, cfg.rms_norm_eps) == (
+        theirs.hidden_size, theirs.num_hidden_layers, theirs.num_attention_heads, theirs.vocab_size,
+        theirs.rms_norm_eps)
+    assert (cfg.max_position_embeddings, cfg.tie_word_embeddings, cfg.eos_token_ids) == (
+        theirs.max_position_embeddings, loaded.tie_word_embeddings, tuple(theirs.eos_token_id))
+    r = cfg.router
+    assert (r.num_experts, r.top_k, r.n_group, r.topk_group, r.normalize, r.scaling_factor) == (
+        theirs.n_routed_experts, theirs.num_experts_per_tok, theirs.n_group, theirs.topk_group,
+        theirs.norm_topk_prob, theirs.routed_scaling_factor)
+    assert (cfg.moe_intermediate_size, cfg.intermediate_size, cfg.n_shared_experts, cfg.activation.limit) == (
+        theirs.moe_intermediate_size, theirs.intermediate_size, theirs.n_shared_experts, theirs.swiglu_limit)
+    assert (cfg.hc_mult, cfg.hc_iters, cfg.hc_eps) == (theirs.hc_mult, theirs.hc_sinkhorn_iters, theirs.hc_eps)
+    assert cfg.fp8_block_size == tuple(loaded.quantization_config["weight_block_size"])
+    # what the file pins, in numbers: every 4th layer (3, 7, ..., 43) indexed MLA, the rest KDA; 3 dense MLPs
+    assert cfg.attention_layers == tuple(range(3, 45, 4)) and cfg.moe_layers == list(range(3, 45))
+    assert (cfg.index_kpool, lin.key_heads, lin.key_dim, lin.conv_width) == (4, 64, 128, 4)
+    loaded.save_pretrained(tmp_path)
+    resaved = json.loads((tmp_path / "config.json").read_text())["text_config"]
+    assert resaved["linear_num_heads"] == 64 and resaved["index_kpool"] == 4
+    assert models.load_config(tmp_path) == cfg
+
+
+def _published_with(**change) -> dict:
+    raw = json.loads((FLASH / "config.json").read_text())
+    raw["text_config"].update(change)
+    return raw
+
+
+@pytest.mark.parametrize("field, value", [
+    ("mla_use_nope", False), ("index_kpool_compress", False), ("mhc", False), ("topk_method", "greedy"),
+    ("scoring_func", "softmax"), ("moe_router_dtype", "bfloat16"), ("first_k_dense_replace", 1),
+])
+def test_published_switches_are_refused_when_they_name_what_is_not_implemented(field, value):
+    """Fields of the published text_config that transformers does not read (its model is the variant the file
+    states): another value would change the numerics or contradict the layer pattern, and the error names it."""
+    from ktlite.errors import ConfigError
+
+    models.parse_config(_published_with())  # as published: accepted
+    with pytest.raises(ConfigError, match=field):
+        models.parse_config(_published_with(**{field: value}))
+
+
+def test_published_linear_attn_layer_lists_must_agree_with_layer_types():
+    """`linear_attn_config.kda_layers` / `full_attn_layers` restate the pattern (0-based, as published); transformers
+    reads `layer_types`. A list that disagrees (e.g. Kimi-Linear's 1-based numbering) is refused."""
+    from ktlite.errors import ConfigError
+
+    raw = _published_with()
+    lac = raw["text_config"]["linear_attn_config"]
+    assert lac["full_attn_layers"] == list(range(3, 45, 4)) and len(lac["kda_layers"]) == 34
+    shifted = copy.deepcopy(raw)
+    shifted["text_config"]["linear_attn_config"]["full_attn_layers"] = list(range(4, 45, 4))
+    with pytest.raises(ConfigError, match="full_attn_layers"):
+        models.parse_config(shifted)
 
 
 def test_fp8_kv_cache_is_refused_before_allocating():

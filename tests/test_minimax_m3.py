@@ -4,9 +4,15 @@ layers (blocks of 4 keys, 2 kept: the sparse layers drop key blocks past 8 token
 SwiGLU (limit 1) everywhere, a sigmoid router x 2 and a shared expert. The reference model's logits and greedy tokens,
 the indexer's selection itself, then the Engine: CPU experts, chunked prefill with preemption and GPU experts, tensor
 parallelism, MXFP8 experts, an FP8 pool, the memory plan against what is allocated; the older config fields and
-`ktlite tiny-model --arch minimax_m3` against transformers' reading of them."""
+`ktlite tiny-model --arch minimax_m3` against transformers' reading of them; the published config.json
+(tests/data/minimax-m3, the hub file byte for byte) read as transformers reads it, and the switches it states that
+neither implements refused."""
 
 from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +29,7 @@ from ktlite.runtime.plan_components import allocated_by_component
 
 TOL = 1e-4
 N_EXPERTS = 8
+PUBLISHED = Path(__file__).parent / "data" / "minimax-m3"
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +233,101 @@ def test_tiny_model_cli_writes_what_transformers_reads(tmp_path, one_thread):
     with torch.no_grad():
         expected = ref(ids).logits
     assert (ours(ids) - expected).abs().max().item() <= TOL
+
+
+# ---- the published config.json (MiniMaxAI/MiniMax-M3, tests/data/minimax-m3/README.md) -----------------------------
+
+
+def published_text() -> tuple[dict, dict]:
+    raw = json.loads((PUBLISHED / "config.json").read_text())
+    return raw, raw["text_config"]
+
+
+def test_published_config_reads_as_transformers_reads_it(tmp_path):
+    """The hub file's older layout (sparse_attention_config, moe_layer_freq, top-level rope_theta /
+    partial_rotary_factor / rotary_dim, hidden_act "swigluoai") through transformers' MiniMaxM3VLConfig and through
+    ktlite's load_config: the same layer structure, index shape, rope and widths, field by field; and the file
+    transformers re-saves from it (layer_types, index_*, rope_parameters) reads the same."""
+    loaded = transformers.AutoConfig.from_pretrained(PUBLISHED)
+    theirs = loaded.text_config
+    cfg = models.load_config(PUBLISHED)
+    loaded.save_pretrained(tmp_path)
+    assert "layer_types" in json.loads((tmp_path / "config.json").read_text())["text_config"]
+    assert models.load_config(tmp_path) == cfg
+    assert [i for i, t in enumerate(theirs.layer_types) if t == "minimax_m3_sparse"] == list(cfg.sparse_layer_ids)
+    assert set(theirs.layer_types) <= {"minimax_m3_sparse", "full_attention"}
+    assert [i for i, t in enumerate(theirs.mlp_layer_types) if t == "sparse"] == cfg.moe_layers
+    assert (cfg.index.heads, cfg.index.head_dim, cfg.index.block, cfg.index.topk, cfg.index.local) == (
+        theirs.index_n_heads, theirs.index_head_dim, theirs.index_block_size, theirs.index_topk_blocks,
+        theirs.index_local_blocks)
+    rope = theirs.rope_parameters
+    assert rope.get("rope_type", "default") == "default" and cfg.rope.kind == "default"
+    assert cfg.rope.theta == rope["rope_theta"] and not cfg.rope.interleave
+    assert cfg.rope.head_dim == int(theirs.head_dim * rope.get("partial_rotary_factor", 1.0))
+    a = cfg.attention
+    assert (cfg.hidden_size, cfg.num_hidden_layers, a.heads, a.kv_heads, a.head_dim, cfg.vocab_size) == (
+        theirs.hidden_size, theirs.num_hidden_layers, theirs.num_attention_heads, theirs.num_key_value_heads,
+        theirs.head_dim, theirs.vocab_size)
+    assert (cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.tie_word_embeddings) == (
+        theirs.rms_norm_eps, theirs.max_position_embeddings, theirs.tie_word_embeddings)
+    assert (cfg.bos_token_id, cfg.eos_token_ids) == (theirs.bos_token_id, (theirs.eos_token_id,))
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.intermediate_size,
+            cfg.shared_intermediate_size, cfg.router.scaling_factor) == (
+        theirs.num_local_experts, theirs.num_experts_per_tok, theirs.intermediate_size, theirs.dense_intermediate_size,
+        theirs.shared_intermediate_size, theirs.routed_scaling_factor)
+    assert (cfg.activation.kind, cfg.activation.alpha, cfg.activation.limit) == (
+        "swiglu_oai", theirs.swiglu_alpha, theirs.swiglu_limit)
+    # what the file pins, in numbers: 3 full-attention dense layers, then 57 sparse MoE layers; 64 of 128 values rotated
+    assert cfg.sparse_layer_ids == tuple(range(3, 60)) == tuple(cfg.moe_layers)
+    assert (cfg.rope.head_dim, cfg.rope.theta, cfg.max_position_embeddings) == (64, 5e6, 1048576)
+    assert cfg.index == type(cfg.index)(heads=4, head_dim=128, block=128, topk=16, local=1) and cfg.vision_skipped
+
+
+def _set(raw: dict, path: str, value) -> dict:
+    raw = copy.deepcopy(raw)
+    *outer, last = path.split(".")
+    node = raw["text_config"]
+    for key in outer:
+        node = node[key]
+    node[last] = value
+    return raw
+
+
+@pytest.mark.parametrize("path, value", [
+    ("use_gemma_norm", False), ("use_qk_norm", False), ("qk_norm_type", "per_layer"),
+    ("attention_output_gate", True), ("scoring_func", "softmax"), ("use_routing_bias", False),
+    ("n_shared_experts", 2), ("sparse_attention_config.use_sparse_attention", False),
+    ("sparse_attention_config.sparse_score_type", "sum"), ("sparse_attention_config.sparse_init_block", 1),
+])
+def test_published_switches_are_refused_when_they_name_what_is_not_implemented(path, value):
+    """The published file's switches that transformers does not read (its model is the variant the file states):
+    another value would change the numerics, and the error names the field."""
+    from ktlite.errors import ConfigError
+
+    raw, _ = published_text()
+    models.parse_config(raw)  # as published: accepted
+    with pytest.raises(ConfigError, match=path.split(".")[-1]):
+        models.parse_config(_set(raw, path, value))
+
+
+def test_published_index_value_branch_and_rotary_dim_are_checked():
+    """`sparse_disable_index_value` is 1 on every sparse layer of the hub file (no index-value branch, none in
+    transformers either): a sparse layer with it 0 is refused, a non-sparse one may say anything. `rotary_dim` 64
+    agrees with partial_rotary_factor 0.5; without the factor transformers would rotate the whole head, so that file
+    is refused (a rotary_dim as wide as the head, or wider, as transformers' inert default 64 on a small head, is
+    not partial rotary and is ignored, as transformers ignores it)."""
+    from ktlite.errors import ConfigError
+
+    raw, text = published_text()
+    flags = text["sparse_attention_config"]["sparse_disable_index_value"]
+    assert flags == text["sparse_attention_config"]["sparse_attention_freq"]
+    models.parse_config(_set(raw, "sparse_attention_config.sparse_disable_index_value", [0] * 3 + flags[3:]))
+    with pytest.raises(ConfigError, match=r"sparse_disable_index_value is 0 on sparse layer\(s\) \[7\]"):
+        models.parse_config(_set(raw, "sparse_attention_config.sparse_disable_index_value",
+                                 flags[:7] + [0] + flags[8:]))
+    no_factor = copy.deepcopy(raw)
+    del no_factor["text_config"]["partial_rotary_factor"]
+    with pytest.raises(ConfigError, match="rotary_dim=64 but no partial_rotary_factor"):
+        models.parse_config(no_factor)
+    for width in (128, 256):
+        assert models.parse_config(_set(no_factor, "rotary_dim", width)).rope.head_dim == 128

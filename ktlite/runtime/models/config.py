@@ -326,6 +326,12 @@ def fp8_block_size(raw: dict[str, Any]) -> tuple[int, int] | None:
         return None  # INT4 routed experts (Kimi-K2-Thinking; --kt-method RAWINT4 reads them), the rest bf16
     if method == "mxfp4":
         return None  # MXFP4 routed experts (gpt-oss; --kt-method MXFP4 reads them), the rest bf16
+    if method == "mxfp8":  # MiniMax-M3-MXFP8's: every linear but `ignored_layers` (attention, dense MLPs) is MXFP8
+        raise ConfigError(
+            "config.json: quantization_config.quant_method 'mxfp8' quantizes the attention and dense linears too "
+            "(all but its ignored_layers / modules_to_not_convert); ktlite keeps MX codes for routed experts only "
+            "(--kt-method MXFP8, beside bf16 or block-FP8 dense weights) and has no MXFP8 dense linear yet"
+        )
     if method != "fp8":
         raise ConfigError(
             f"config.json: quantization_config.quant_method {method!r} is not supported "
@@ -342,6 +348,16 @@ def fp8_skip(raw: dict[str, Any]) -> tuple[str, ...]:
     if fp8_block_size(raw) is None:
         return ()
     return tuple(str(p) for p in raw["quantization_config"].get("modules_to_not_convert") or ())
+
+
+def refuse_other_values(stated: dict[str, Any], implemented: dict[str, Any], family: str, where: str = "") -> None:
+    """Switches a published config states that transformers' model does not read (it builds one variant whatever
+    the file says) and ktlite implements that same variant of: a file stating another value is refused, naming
+    the field, rather than served with numerics that differ from the checkpoint's. Unstated or null: accepted."""
+    for name, value in implemented.items():
+        if stated.get(name) is not None and stated[name] != value:
+            raise ConfigError(f"config.json: {where}{name}={stated[name]!r} is not supported: {family} is "
+                              f"implemented (as in transformers) with {name}={value!r} only")
 
 
 def eos_ids(value: Any) -> tuple[int, ...]:

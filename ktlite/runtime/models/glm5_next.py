@@ -25,6 +25,12 @@ tower (`model.visual.*`, never read), the mHC weights as `layers.N.hc_attn_fn` /
 `q_conv1d` / `k_conv1d` / `v_conv1d`, the forget gate's `f_a_proj`, `f_b_proj`, `dt_bias`, `A_log` on `self_attn`.
 The multi-token-prediction layer (`layers.45.*` on the hub) is not read.
 
+The published config.json (tests/data/glm-5.3-flash) carries the KDA shape in `linear_attn_config`, read into the
+`linear_*` fields as transformers reads it; its restatements of the layer pattern (`linear_attn_config.kda_layers` /
+`full_attn_layers`, `first_k_dense_replace`) must agree with `layer_types` / `mlp_layer_types`, and the switches
+transformers does not read (`mla_use_nope`, `index_kpool_compress`, `mhc`, `topk_method`, `scoring_func`,
+`moe_router_dtype`) must state the variant implemented; anything else is refused by name.
+
 The per-channel decay goes through `attention.gated_delta_rule` like Gated DeltaNet's, in its recurrent form on both
 devices (token by token, prompts too: no chunked kernel for a per-channel decay yet): Triton's recurrent kernel on a
 GPU, numba's `kda_rows` on a CPU; the torch twin (chunked) is the spec. Not built: an FP8 KV pool (refused before
@@ -47,7 +53,7 @@ from ktlite.kernels.triton.reference import request_spans
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.kv_cache import TokenCacheSpec
 from ktlite.runtime.models.base import Backbone, CausalLM
-from ktlite.runtime.models.config import Fields, RopeConfig
+from ktlite.runtime.models.config import Fields, RopeConfig, refuse_other_values
 from ktlite.runtime.models.deepseek_v32 import DeepseekV32Config, SparseMLAttention, index_scores
 from ktlite.runtime.models.deepseek_v4 import HyperConnection
 from ktlite.runtime.models.gated_deltanet import KimiDeltaAttention, LinearAttentionSpec
@@ -65,7 +71,7 @@ _INDEXED_ALIASES = ("full_attention", "deepseek_sparse_attention")
 DENSE, SPARSE = "dense", "sparse"
 # (stored prefix, our prefix): the hub's (and save_pretrained's) names of the language model
 WEIGHT_RENAMES = (("model.language_model.", "model."),)
-# transformers' Glm5NextTextConfig defaults (the published GLM-5.3-Flash shape)
+# transformers' Glm5NextTextConfig defaults (the published GLM-5.3-Flash shape but index_kpool: the file states 4)
 _DEFAULTS: dict[str, Any] = {
     "vocab_size": 154880, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 2048,
     "num_hidden_layers": 45, "num_attention_heads": 64, "n_shared_experts": 1, "n_routed_experts": 288,
@@ -131,6 +137,31 @@ class Glm5NextConfig(DeepseekV32Config):
         return max(mla, s.workspace() + s.value_heads * s.key_dim)
 
 
+# Switches of the published config.json that transformers' model does not read: it builds MLA without rope, pooled
+# (compressed) index keys, mHC streams and DeepSeek-V3's noaux_tc sigmoid router in float32, and so does ktlite;
+# another stated value is refused (config.refuse_other_values). `indexer_rope_interleave` is moot without rope, and
+# `index_share_for_mtp_iteration` / `num_nextn_predict_layers` concern the MTP layer, which is not built.
+_IMPLEMENTED = {"mla_use_nope": True, "index_kpool_compress": True, "mhc": True, "topk_method": "noaux_tc",
+                "scoring_func": "sigmoid", "moe_router_dtype": "float32"}
+
+
+def _check_restated_layers(text: dict[str, Any], kinds: list[str], mlp_kinds: list[str]) -> None:
+    """The published file restates its layer pattern in fields transformers does not read
+    (`linear_attn_config.kda_layers` / `full_attn_layers`, `first_k_dense_replace`); transformers follows
+    `layer_types` / `mlp_layer_types` (or its defaults), and so does ktlite. A restatement that disagrees with them
+    is refused: the checkpoint's weights would follow one and transformers the other."""
+    lac = text.get("linear_attn_config") or {}
+    for name, kind in (("kda_layers", LINEAR), ("full_attn_layers", INDEXED)):
+        want = [i for i, k in enumerate(kinds) if k == kind]
+        if lac.get(name) is not None and sorted(lac[name]) != want:
+            raise ConfigError(f"config.json: linear_attn_config.{name} {lac[name]} disagrees with layer_types "
+                              f"({kind} layers {want}, what transformers reads)")
+    first = text.get("first_k_dense_replace")
+    if first is not None and mlp_kinds != [DENSE] * int(first) + [SPARSE] * (len(mlp_kinds) - int(first)):
+        raise ConfigError(f"config.json: first_k_dense_replace={first} disagrees with mlp_layer_types (what "
+                          "transformers reads)")
+
+
 def _per_layer(values: list | None, name: str, kinds: tuple[str, ...], layers: int) -> list[str]:
     if values is None or len(values) != layers or not set(values) <= set(kinds):
         raise ConfigError(f"config.json: {name} must name {layers} layers, each one of {kinds}")
@@ -154,6 +185,7 @@ def _linear_fields(text: dict[str, Any]) -> dict[str, Any]:
 def parse_config(raw: dict[str, Any]) -> Glm5NextConfig:
     """The VL checkpoint's config.json (the text model in `text_config`), or a flat text model's."""
     text = {**text_config(raw), **_linear_fields(text_config(raw))}
+    refuse_other_values(text, _IMPLEMENTED, "GLM-5.3-Flash")
     f = Fields(text, _DEFAULTS, keep_none=("linear_lower_bound",))
     tied = raw.get("tie_word_embeddings", f.values["tie_word_embeddings"])
     common = f.common(ARCHITECTURES[0], tie_word_embeddings=bool(tied))
@@ -168,6 +200,7 @@ def parse_config(raw: dict[str, Any]) -> Glm5NextConfig:
     kinds = _per_layer([INDEXED if k in _INDEXED_ALIASES else k for k in kinds], "layer_types", (LINEAR, INDEXED), layers)
     mlp_kinds = _per_layer(f.get("mlp_layer_types") or [DENSE] * min(3, layers) + [SPARSE] * max(layers - 3, 0),
                            "mlp_layer_types", (DENSE, SPARSE), layers)
+    _check_restated_layers(text, kinds, mlp_kinds)
     index_kinds = indexer_types(text, layers)
     shared = tuple(i for i, kind in enumerate(index_kinds) if kind == "shared" and kinds[i] == INDEXED)
     for i in shared:  # transformers hands a shared layer the selection of the layer right before it

@@ -1,7 +1,7 @@
 """MiniMax-M3 (`MiniMaxM3SparseForConditionalGeneration`, model_type `minimax_m3_vl`, text model `minimax_m3_vl_text`).
 
 Attention: GQA with a (1 + w) RMSNorm per head on q and k, then rope over the first `head_dim * partial_rotary_factor`
-values (transformers reads the rotated width from rope_parameters only: the config's `rotary_dim` is not read). Layers
+values (transformers reads the rotated width from `partial_rotary_factor` only, never `rotary_dim`). Layers
 whose `layer_types` entry is `minimax_m3_sparse` add a lightning indexer (`index_q_proj`, `index_k_proj` and their
 (1 + w) norms, the same rope): each query keeps the key blocks `block_sparse.select_blocks` picks, one selection per kv
 head (`index_n_heads` must equal `num_key_value_heads`). Its one index key per token (`index_head_dim` values) is
@@ -14,6 +14,14 @@ MLP: `mlp_layer_types` picks a dense MLP (`dense_intermediate_size`) or a MoE: a
 of `intermediate_size` and one shared expert of `shared_intermediate_size`. Every MLP (dense, shared, routed) uses the
 clamped SwiGLU "swiglu_oai" (`swiglu_limit` 7, `swiglu_alpha` 1.702, up + 1), gate and up not interleaved. Every
 RMSNorm stores w of its (1 + w) scale.
+
+Config: the published config.json (MiniMaxAI/MiniMax-M3, tests/data/minimax-m3) is the older layout: no
+`layer_types` / `mlp_layer_types` / `index_*` / `rope_parameters`, but `sparse_attention_config` (its
+`sparse_attention_freq` places the 57 sparse layers), `moe_layer_freq` (3 dense layers, then 57 MoE), top-level
+`rope_theta` / `partial_rotary_factor` 0.5 / `rotary_dim` 64, hidden_act "swigluoai". Both layouts are read as
+transformers' MiniMaxM3VLTextConfig reads them; the switches it does not read (`use_gemma_norm`, `qk_norm_type`,
+`sparse_score_type`, `sparse_init_block`, `sparse_disable_index_value`, ...) are checked against what is implemented
+and another value is refused, naming the field.
 
 Weights: the hub checkpoints are the vision-language model; ktlite reads the language model only (the vision tower,
 projector and `mtp.*` are never read). Stored as `language_model.model.*` / `language_model.lm_head.weight` (what
@@ -37,7 +45,7 @@ from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.kv_cache import TokenCacheSpec
 from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
 from ktlite.runtime.models.block_sparse import block_mask, select_blocks
-from ktlite.runtime.models.config import Fields, RouterSpec
+from ktlite.runtime.models.config import Fields, RouterSpec, refuse_other_values, rope_fields
 from ktlite.runtime.models.gqa import GQASpec, GQAttention
 from ktlite.runtime.models.gqa_moe import GQAMoEConfig, GQAMoEForCausalLM, moe_layer_ids
 from ktlite.runtime.models.layers import MLP, MoE, RMSNorm
@@ -94,11 +102,29 @@ class MiniMaxM3Config(GQAMoEConfig):
         return super().attention_workspace(tp_size) + (self.index.heads + 1) * self.index.head_dim
 
 
+# Switches of the published config.json that transformers' model does not read: it builds this variant (Gemma
+# (1 + w) norms, per-head q/k norm, no output gate, a sigmoid router with its correction bias, one shared expert) and
+# so does ktlite; another stated value is refused (config.refuse_other_values).
+_IMPLEMENTED = {"use_gemma_norm": True, "use_qk_norm": True, "qk_norm_type": "per_head",
+                "attention_output_gate": False, "scoring_func": "sigmoid", "use_routing_bias": True,
+                "n_shared_experts": 1}
+# sparse_attention_config's: max-pooled block scores, no always-kept initial blocks (transformers has none; the local
+# blocks are `sparse_local_block`)
+_IMPLEMENTED_SPARSE = {"sparse_score_type": "max", "sparse_init_block": 0}
+
+
 def _text_fields(raw: dict[str, Any]) -> dict[str, Any]:
     """The text model's config with transformers' reading of the older fields (sparse_attention_config,
-    moe_layer_freq) and the activation read from swiglu_* alone (the hub states hidden_act "swigluoai")."""
+    moe_layer_freq) and the activation read from swiglu_* alone (the hub states hidden_act "swigluoai"). What the
+    published file states beyond transformers' fields is checked against what ktlite implements (see
+    `_IMPLEMENTED`, `_IMPLEMENTED_SPARSE`, `_check_index_value`)."""
     text = dict(raw)
+    refuse_other_values(text, _IMPLEMENTED, "MiniMax-M3")
     sparse = text.pop("sparse_attention_config", None) or {}
+    refuse_other_values(sparse, _IMPLEMENTED_SPARSE, "MiniMax-M3", "sparse_attention_config.")
+    if sparse.get("use_sparse_attention") is False and any(sparse.get("sparse_attention_freq") or ()):
+        raise ConfigError("config.json: sparse_attention_config.use_sparse_attention is false but "
+                          "sparse_attention_freq marks sparse layers (transformers builds them; which is meant?)")
     for flat, legacy in _LEGACY_INDEX_FIELDS.items():
         if legacy in sparse:
             text[flat] = sparse[legacy]
@@ -111,6 +137,30 @@ def _text_fields(raw: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
+def _check_index_value(disabled: list | None, sparse_layers: tuple[int, ...]) -> None:
+    """`sparse_attention_config.sparse_disable_index_value`: MiniMax's index-value branch (the indexer adding an
+    output of its own) is off on every sparse layer of the published checkpoint; transformers' indexer and ktlite's
+    only select blocks, so a sparse layer with the branch on is refused."""
+    on = [i for i in sparse_layers if disabled is not None and i < len(disabled) and not disabled[i]]
+    if on:
+        raise ConfigError(f"config.json: sparse_attention_config.sparse_disable_index_value is 0 on sparse layer(s) "
+                          f"{on}: the indexer's value branch is not implemented (nor is it in transformers)")
+
+
+def _check_rotary_dim(f: Fields, head_dim: int, rotated: int) -> None:
+    """transformers rotates `head_dim * partial_rotary_factor` values and never reads `rotary_dim` (a file it saved
+    carries its inert default 64 whatever the head). A file that states no `partial_rotary_factor` (top level or in
+    its rope dict) but a `rotary_dim` narrower than the head means partial rotary that transformers would not honour
+    (it rotates the whole head; MiniMax-M2's config, which transformers reads, rotates `rotary_dim`): refused. The
+    published file states both, and they agree (64 = 128 x 0.5)."""
+    stated = f.raw.get("rotary_dim")
+    if stated is None or "partial_rotary_factor" in rope_fields(f.raw) or not 0 < int(stated) < head_dim:
+        return
+    raise ConfigError(f"config.json: rotary_dim={stated} but no partial_rotary_factor: transformers rotates "
+                      f"{rotated} of the {head_dim} head values and never reads rotary_dim; state "
+                      f"partial_rotary_factor {int(stated) / head_dim}")
+
+
 def _per_layer(f: Fields, name: str, kinds: tuple[str, ...], default: str, layers: int) -> list[str]:
     values = f.get(name) or [default] * layers
     if len(values) != layers or not set(values) <= set(kinds):
@@ -120,11 +170,13 @@ def _per_layer(f: Fields, name: str, kinds: tuple[str, ...], default: str, layer
 
 def parse_config(raw: dict[str, Any]) -> MiniMaxM3Config:
     """The VL model's file (the text model in `text_config`) or the text model's own."""
-    f = Fields(_text_fields(text_config(raw)), {
+    text = text_config(raw)
+    f = Fields(_text_fields(text), {
         "max_position_embeddings": 524288, "rms_norm_eps": 1e-6, "head_dim": 128, "num_key_value_heads": 4,
         "dense_intermediate_size": 12288, "shared_intermediate_size": 3072, "routed_scaling_factor": 2.0,
         "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "index_n_heads": 4, "index_head_dim": 128,
-        "index_block_size": 128, "index_topk_blocks": 16, "index_local_blocks": 1})
+        "index_block_size": 128, "index_topk_blocks": 16, "index_local_blocks": 1,
+        "bos_token_id": 200034, "eos_token_id": 200020})  # transformers' defaults (the hub's text_config has neither)
     common = f.common(ARCHITECTURES[0], intermediate_size=int(f.values["dense_intermediate_size"]),
                       moe_intermediate_size=int(f.need("intermediate_size")),  # MiniMax names the expert width so
                       n_routed_experts=int(f.need("num_local_experts")))
@@ -134,6 +186,9 @@ def parse_config(raw: dict[str, Any]) -> MiniMaxM3Config:
     mlp = _per_layer(f, "mlp_layer_types", MLP_LAYER_TYPES, MLP_LAYER_TYPES[1], layers)
     index = IndexSpec(*(int(f.values[k]) for k in _LEGACY_INDEX_FIELDS))
     rope = f.rope(head_dim, theta=5000000.0, interleave=False)
+    _check_rotary_dim(f, head_dim, rope.head_dim)
+    sparse_layers = tuple(i for i in range(layers) if attention[i] == LAYER_TYPES[1])
+    _check_index_value((text.get("sparse_attention_config") or {}).get("sparse_disable_index_value"), sparse_layers)
     if LAYER_TYPES[1] in attention:
         if index.heads != kv_heads:  # transformers gives query head h the selection of index head h // group
             raise ConfigError(f"config.json: index_n_heads={index.heads} must equal num_key_value_heads={kv_heads} "
@@ -154,7 +209,7 @@ def parse_config(raw: dict[str, Any]) -> MiniMaxM3Config:
         moe_prefix="block_sparse_moe",
         weight_renames=WEIGHT_RENAMES,
         vision_skipped="vision_config" in raw,
-        sparse_layer_ids=tuple(i for i in range(layers) if attention[i] == LAYER_TYPES[1]),
+        sparse_layer_ids=sparse_layers,
         index=index,
         activation=ExpertActivation("swiglu_oai", limit=float(f.values["swiglu_limit"]),
                                     alpha=float(f.values["swiglu_alpha"])),
