@@ -3,6 +3,7 @@ a config that ktlite cannot serve gets before anything is allocated."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -112,12 +113,7 @@ def test_every_family_plan_rows_name_what_they_hold(arch):
     _rows_hold_what_they_name(parse_config(tiny_config(arch, vocab_size=1024)))
 
 
-# published configs ktlite refuses before allocating (tests below say why)
-REFUSED = ("minimax-m3-mxfp8",)
-
-
-@pytest.mark.parametrize("name", sorted(p.name for p in DATA.iterdir()
-                                        if (p / "config.json").is_file() and p.name not in REFUSED))
+@pytest.mark.parametrize("name", sorted(p.name for p in DATA.iterdir() if (p / "config.json").is_file()))
 def test_published_config_plan_rows_name_what_they_hold(name):
     _rows_hold_what_they_name(load_config(DATA / name))
 
@@ -135,18 +131,21 @@ def test_minimax_m3_needs_two_24gib_gpus():
     assert fits.exit_code == 0 and "verdict: fits" in fits.output and "76,032 B" in fits.output, fits.output
 
 
-def test_minimax_m3_mxfp8_is_refused_naming_its_quantization():
-    """MiniMaxAI/MiniMax-M3-MXFP8's config.json (tests/data/minimax-m3-mxfp8/README.md): `quant_method` "mxfp8" makes
-    every linear but its `ignored_layers` (embeddings, lm_head, vision, routers) e4m3 codes with e8m0 scales per 32,
-    attention and dense MLPs included. ktlite holds MX codes for routed experts only (--kt-method MXFP8 keeps them at
-    8.25 bits a weight), so the file is refused before anything is planned, `ktlite plan` included; the language
-    model's shape is the BF16 hub file's."""
+def test_minimax_m3_mxfp8_plans_its_experts_as_stored_and_the_other_linears_in_bf16():
+    """MiniMaxAI/MiniMax-M3-MXFP8's config.json (tests/data/minimax-m3-mxfp8/README.md): `quant_method` "mxfp8" stores
+    every linear but its `ignored_layers` (embeddings, lm_head, vision, routers) as e4m3 codes with e8m0 scales per
+    [1, 32]. The routed experts stay MXFP8 on the CPU (--kt-method MXFP8): 57 layers x 128 experts x 3 x 6144 x 3072
+    x 8.25 / 8 B = 396.77 GiB; the other linears are dequantized at load into bf16 (exactly), so the GPU side is the
+    BF16 file's plan: two 24 GiB GPUs, 76,032 B of KV a token each. Another MX block than [1, 32] is refused."""
     raw = json.loads((DATA / "minimax-m3-mxfp8" / "config.json").read_text())
-    assert raw["quantization_config"]["quant_method"] == "mxfp8"
-    with pytest.raises(ConfigError, match="quant_method 'mxfp8' quantizes the attention and dense linears too"):
-        parse_config(raw)
+    cfg = parse_config(raw)
+    assert cfg.fp8_block_size is None and cfg.stored_fp8_block == (1, 32)
+    assert dataclasses.replace(cfg, stored_fp8_block=None) == load_config(DATA / "minimax-m3")
     result = CliRunner().invoke(main, ["plan", "--model", str(DATA / "minimax-m3-mxfp8"), "--gpu-memory", "24GiB",
-                                       "--kt-method", "MXFP8"])
-    assert result.exit_code != 0 and "mxfp8" in result.output, result.output
-    del raw["quantization_config"]
-    assert parse_config(raw) == load_config(DATA / "minimax-m3")
+                                       "--kt-method", "MXFP8", "--tensor-parallel-size", "2"])
+    assert result.exit_code == 0, result.output
+    assert "396.77 GiB in MXFP8" in result.output and "GPU weights bfloat16" in result.output
+    assert "verdict: fits" in result.output and "76,032 B" in result.output
+    raw["quantization_config"]["weight_block_size"] = [128, 128]
+    with pytest.raises(ConfigError, match=r"mxfp8 weight_block_size \[128, 128\]"):
+        parse_config(raw)

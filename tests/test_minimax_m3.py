@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,63 @@ def test_mxfp8_experts_equal_transformers_on_their_dequantized_twin(tiny_minimax
     g = torch.Generator().manual_seed(3)
     batch = [torch.randint(4, ref.config.text_config.vocab_size, (n,), generator=g).tolist() for n in (5, 26)]
     with Engine(str(packed), **{**EXACT, "kt_method": "MXFP8"}, kt_num_gpu_experts=3) as eng:
+        layer = next(iter(eng.runtime.cpu_moe.layers.values()))
+        assert (layer.gate_up.method, layer.down.method) == ("MXFP8", "MXFP8")
+        got = logits_of(eng, batch)
+        tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+    want, expected = hf_last_logits_and_greedy(ref, batch, GREEDY["max_tokens"])
+    assert (got - want).abs().max().item() <= TOL
+    assert tokens == expected
+
+
+def hub_mxfp8_pair(checkpoint: Path, root: Path) -> tuple[Path, Path]:
+    """MiniMax-M3-MXFP8's layout of a tiny checkpoint, and its dequantized twin for transformers: every language-model
+    linear but the routers (the hub file's `ignored_layers`), the embedding and lm_head stored by transformers'
+    mxfp8 quantizer (e4m3 `weight` + e8m0 `weight_scale_inv` per [1, 32]) under the hub file's quantization_config
+    (its ignored_layers naming this model's routers); the twin holds transformers' dequantization of each."""
+    from safetensors.torch import load_file, save_file
+    from test_mx_experts import mxfp8_quantize, transformers_fp8_path
+
+    cfg = models.load_config(checkpoint)
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    routers = [f"language_model.model.layers.{layer}.block_sparse_moe.gate" for layer in cfg.moe_layers]
+    quant = json.loads((PUBLISHED.parent / "minimax-m3-mxfp8" / "config.json").read_text())["quantization_config"]
+    quant = {**quant, "ignored_layers": [*quant["ignored_layers"][:5], *routers]}
+    packed, plain = {}, {}
+    for name, t in tensors.items():
+        if (name.startswith("language_model.model.layers.") and t.ndim == 2
+                and name.removesuffix(".weight") not in routers):
+            codes = mxfp8_quantize(name, t)
+            packed.update(codes)
+            plain[name] = transformers_fp8_path(codes[name], codes[name + "_scale_inv"])
+        else:
+            packed[name] = plain[name] = t
+    config = json.loads((checkpoint / "config.json").read_text())
+    for folder, weights, more in ((root / "mxfp8", packed, {"quantization_config": quant}), (root / "plain", plain, {})):
+        folder.mkdir()
+        save_file(weights, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps({**config, **more}))
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(checkpoint / f, folder / f)
+    return root / "mxfp8", root / "plain"
+
+
+def test_hub_mxfp8_checkpoint_serves_with_its_other_linears_dequantized(tiny_minimax_m3, tmp_path):
+    """MiniMax-M3-MXFP8 quantizes attention, indexer, dense and shared-expert linears too: the routed experts stay
+    MXFP8 (--kt-method MXFP8), the rest is dequantized at load into the model's dtype (exact: an e4m3 code times a
+    power of two), and the logits and greedy tokens equal transformers' on the dequantized weights."""
+    from safetensors import safe_open
+
+    packed, plain = hub_mxfp8_pair(tiny_minimax_m3, tmp_path)
+    cfg = models.load_config(packed)
+    assert cfg.fp8_block_size is None and cfg.stored_fp8_block == (1, 32)
+    with safe_open(str(packed / "model.safetensors"), "pt") as stored:
+        for linear in ("self_attn.q_proj", "self_attn.index_k_proj", "mlp.down_proj"):
+            assert stored.get_slice(f"language_model.model.layers.0.{linear}.weight").get_dtype() == "F8_E4M3"
+    ref = hf_model(plain, transformers.AutoModelForImageTextToText)
+    g = torch.Generator().manual_seed(5)
+    batch = [torch.randint(4, ref.config.text_config.vocab_size, (n,), generator=g).tolist() for n in (7, 19)]
+    with Engine(str(packed), **{**EXACT, "kt_method": "MXFP8"}, kt_num_gpu_experts=2) as eng:
         layer = next(iter(eng.runtime.cpu_moe.layers.values()))
         assert (layer.gate_up.method, layer.down.method) == ("MXFP8", "MXFP8")
         got = logits_of(eng, batch)

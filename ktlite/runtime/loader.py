@@ -44,7 +44,7 @@ class CheckpointReader:
         config_path = self.model_dir / "config.json"
         self.config: dict = json.loads(config_path.read_text()) if config_path.is_file() else {}
         cfg = parse_config(self.config) if self.config else None
-        self.fp8_block = cfg.fp8_block_size if cfg else None
+        self.fp8_block = cfg.stored_fp8_block if cfg else None
         # a wrapper's checkpoint (Kimi-K2.5) keeps the language model under other names: every tensor is
         # known by the model's name, and read under its stored one
         renames = cfg.weight_renames if cfg else ()

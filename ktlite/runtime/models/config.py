@@ -159,6 +159,7 @@ class ModelConfig:
     torch_dtype: str
     fp8_block_size: tuple[int, int] | None  # block-FP8 checkpoints: (128, 128) as DeepSeek-V3's
     fp8_skip: tuple[str, ...]  # quantization_config.modules_to_not_convert: what an FP8 checkpoint keeps high precision
+    stored_fp8_block: tuple[int, int] | None  # the scale block of float8 tensors as stored (stored_fp8_block())
     # (stored prefix, our prefix) pairs: where a wrapper checkpoint keeps the language model's tensors (see
     # wrapper.py); none: the checkpoint names them as the model does
     weight_renames: tuple[tuple[str, str], ...] = ()
@@ -326,12 +327,8 @@ def fp8_block_size(raw: dict[str, Any]) -> tuple[int, int] | None:
         return None  # INT4 routed experts (Kimi-K2-Thinking; --kt-method RAWINT4 reads them), the rest bf16
     if method == "mxfp4":
         return None  # MXFP4 routed experts (gpt-oss; --kt-method MXFP4 reads them), the rest bf16
-    if method == "mxfp8":  # MiniMax-M3-MXFP8's: every linear but `ignored_layers` (attention, dense MLPs) is MXFP8
-        raise ConfigError(
-            "config.json: quantization_config.quant_method 'mxfp8' quantizes the attention and dense linears too "
-            "(all but its ignored_layers / modules_to_not_convert); ktlite keeps MX codes for routed experts only "
-            "(--kt-method MXFP8, beside bf16 or block-FP8 dense weights) and has no MXFP8 dense linear yet"
-        )
+    if method == "mxfp8":
+        return None  # MXFP8 linears (MiniMax-M3-MXFP8): experts kept by --kt-method MXFP8, the rest dequantized at load
     if method != "fp8":
         raise ConfigError(
             f"config.json: quantization_config.quant_method {method!r} is not supported "
@@ -339,6 +336,21 @@ def fp8_block_size(raw: dict[str, Any]) -> tuple[int, int] | None:
         )
     block = quant.get("weight_block_size") or [128, 128]
     return int(block[0]), int(block[1])
+
+
+def stored_fp8_block(raw: dict[str, Any]) -> tuple[int, int] | None:
+    """The scale block of the checkpoint's float8 weights, which the reader dequantizes by: block FP8's, or
+    MXFP8's [1, 32] with e8m0 scales. MXFP8 checkpoints store every linear but their `ignored_layers` (routers,
+    embeddings, lm_head) in e4m3 (transformers reads quant_method 'mxfp8' as FineGrainedFP8 with [1, 32] blocks):
+    ktlite keeps the routed experts as stored (--kt-method MXFP8) and dequantizes the other linears at load into
+    the model's dtype, exactly in bf16 (an e4m3 code times a power of two has 4 significant bits), planned so."""
+    quant = raw.get("quantization_config") or {}
+    if quant.get("quant_method") == "mxfp8":
+        block = quant.get("weight_block_size") or [1, 32]
+        if list(block) != [1, 32]:
+            raise ConfigError(f"config.json: mxfp8 weight_block_size {block} is not supported (MX blocks are [1, 32])")
+        return 1, 32
+    return fp8_block_size(raw)
 
 
 def fp8_skip(raw: dict[str, Any]) -> tuple[str, ...]:
@@ -402,6 +414,7 @@ class Fields:
             torch_dtype=str(self.get("dtype") or self.get("torch_dtype", "bfloat16")),
             fp8_block_size=fp8_block_size(self.values),
             fp8_skip=fp8_skip(self.values),
+            stored_fp8_block=stored_fp8_block(self.values),
         )
         for name in ("max_position_embeddings", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
                      "num_experts_per_tok"):
