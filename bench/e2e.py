@@ -5,6 +5,13 @@
 figure of shared/MEASURED.md; --layers 27 is the full 16B model, ~29 GB of bf16 on disk).
 `--arch qwen3-30b-a3b`: Qwen3-30B-A3B's shapes (hidden 2048, GQA 32 heads / 4 kv heads, 128 routed
 experts of 768, top-8, no shared expert), cut to --layers layers (1.2 GB of bf16 experts per layer).
+`--arch deepseek-v4-flash`: DeepSeek-V4-Flash's shapes (hidden 4096, 256 routed experts of 2048, top-6, one shared
+expert, 64 heads sharing one 512-wide KV head, mHC over 4 streams), cut to --layers layers (use 3): its first layer
+(sliding window only, hash-MoE) and then the published pattern from its third layer on (CSA, HCA, ...), routed
+MoE from the second layer; the routed experts written as the hub stores them, FP4 (random e2m1 codes, e8m0 scales
+per 32: 3.4 GB a layer; in bf16 they would be 12.9 GB) and served as stored (--kt-method FP4), the dense weights
+bf16. No transformers row (its bf16 experts would need 39 GB at 3 layers) and no llama.cpp row: gguf, llama.cpp's
+format library, has no DeepSeek-V4 architecture, so no GGUF of it can be written.
 Weights are random.
 Routed experts run on the CPU as INT4 (Numba); the "GPU side" runs on the CPU when no GPU is
 present, its linear layers quantized per --cpu-dense-method (INT8 by default, `none` = torch in --dtype).
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import subprocess
 import sys
 import time
@@ -51,14 +59,44 @@ from ktlite.runtime.models.config import parse_config
 from ktlite.runtime.tiny_model import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-ARCHS = {"deepseek-v2-lite": "DeepSeek-V2-Lite", "qwen3-30b-a3b": "Qwen3-30B-A3B"}
+ARCHS = {"deepseek-v2-lite": "DeepSeek-V2-Lite", "qwen3-30b-a3b": "Qwen3-30B-A3B", "deepseek-v4-flash": "DeepSeek-V4-Flash"}
+FP4_EXPERTS = ("deepseek-v4-flash",)  # routed experts written as the hub's FP4 (too large in bf16), served as stored
 # the same depth, experts and routing at tiny widths: a decode step's cost without the matmuls
 TINY_WIDTHS = {
     "deepseek-v2-lite": {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "kv_lora_rank": 32,
                          "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "vocab_size": 1024},
     "qwen3-30b-a3b": {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "head_dim": 16,
                       "vocab_size": 1024},
+    "deepseek-v4-flash": {"hidden_size": 64, "moe_intermediate_size": 32, "q_lora_rank": 32, "o_lora_rank": 32,
+                          "head_dim": 32, "qk_rope_head_dim": 8, "index_head_dim": 16, "vocab_size": 1024},
 }
+
+
+def cut_layers(raw: dict, arch: str, layers: int) -> None:
+    """The published config cut to `layers` layers: the first ones, but DeepSeek-V4-Flash keeps one sliding-only
+    hash-MoE layer and then its pattern from the third layer (CSA, HCA, ...), so three layers hold every kind."""
+    raw["num_hidden_layers"] = layers
+    raw.pop("mlp_only_layers", None)
+    if arch == "deepseek-v4-flash":
+        ratios = raw["compress_ratios"]
+        raw.update(compress_ratios=ratios[:1] + ratios[2:layers + 1], num_hash_layers=1)
+        raw.pop("quantization_config")  # dense weights bf16; the routed experts FP4 (fp4_experts)
+
+
+def fp4_experts(cfg, layer: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random FP4 routed experts of one layer under the hub's names: e2m1 codes two a byte ([out, in / 2] int8) and an
+    e8m0 scale per 32 inputs (`<base>.scale`) making the weights' spread ~1 / sqrt(in) as the bf16 ones'."""
+    tensors = {}
+    for e in range(cfg.n_routed_experts):
+        for proj in ("gate", "up", "down"):
+            name = cfg.expert_weight_name(layer, e, proj)
+            out, k = ((cfg.hidden_size, cfg.moe_intermediate_size) if proj == "down"
+                      else (cfg.moe_intermediate_size, cfg.hidden_size))
+            tensors[name] = torch.randint(0, 256, (out, k // 2), dtype=torch.uint8, generator=gen).view(torch.int8)
+            power = round(math.log2(1.0 / (2.9 * k**0.5)))  # random e2m1 codes have a spread of ~2.9
+            scale = torch.full((out, k // 32), 127 + power, dtype=torch.uint8)
+            tensors[name.removesuffix("weight") + "scale"] = scale.view(torch.float8_e8m0fnu)
+    return tensors
 
 
 def write_checkpoint(path: Path, arch: str, layers: int, overrides: dict | None = None) -> Path:
@@ -68,11 +106,15 @@ def write_checkpoint(path: Path, arch: str, layers: int, overrides: dict | None 
         return path
     path.mkdir(parents=True, exist_ok=True)
     raw = json.loads((ROOT / "tests" / "data" / arch / "config.json").read_text())
-    raw.update(num_hidden_layers=layers, **(overrides or {}))
-    raw.pop("mlp_only_layers", None)
+    cut_layers(raw, arch, layers)
+    raw.update(overrides or {})
     cfg = parse_config(raw)
+    fp4 = arch in FP4_EXPERTS
+    routed = {cfg.expert_weight_name(layer, e, p) for layer in cfg.moe_layers for e in range(cfg.n_routed_experts)
+              for p in ("gate", "up", "down")} if fp4 else set()
     model = build(cfg, "meta", torch.bfloat16)
     shapes = {n: t.shape for n, t in model.state_dict().items()}
+    dtypes = {n: t.dtype for n, t in model.state_dict().items()}
     g = torch.Generator().manual_seed(0)
     weight_map = {}
     groups: dict[str, list[str]] = {}
@@ -80,14 +122,21 @@ def write_checkpoint(path: Path, arch: str, layers: int, overrides: dict | None 
         key = name.split(".")[2] if name.startswith("model.layers.") else "other"
         groups.setdefault(key, []).append(name)
     for key, names in tqdm(groups.items(), desc=f"writing random {ARCHS[arch]}-shaped checkpoint", unit="shard"):
-        tensors = {}
+        tensors = fp4_experts(cfg, int(key), g) if fp4 and key != "other" and int(key) in cfg.moe_layers else {}
         for n in names:
-            shape = shapes[n]
+            shape, stored = shapes[n], model.checkpoint_name(n)
+            if stored in routed:
+                continue
+            if not dtypes[n].is_floating_point:  # DeepSeek-V4's hash-MoE table: top-k distinct experts per token id
+                t = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:shape[1]] for _ in range(shape[0])])
+                tensors[stored] = t.to(dtypes[n])
+                continue
             if n.endswith("norm.weight"):
                 t = torch.ones(shape)
             else:
                 t = torch.randn(shape, generator=g) * (1.0 / shape[-1] ** 0.5)
-            tensors[model.checkpoint_name(n)] = t.float() if n.endswith("mlp.gate.weight") else t.to(torch.bfloat16)
+            fp32 = n.endswith("mlp.gate.weight") or dtypes[n] == torch.float32  # routers, mHC, sinks
+            tensors[stored] = t.float() if fp32 else t.to(torch.bfloat16)
         fname = f"model-{key}.safetensors"
         save_file(tensors, str(path / fname))
         weight_map.update({n: fname for n in tensors})
@@ -241,7 +290,8 @@ def main() -> None:
     ap.add_argument("--prefill-len", default="512", help="prompt lengths of the prefill rows, comma-separated "
                     "(e.g. 512,4096,16384)")
     ap.add_argument("--gen", type=int, default=24)
-    ap.add_argument("--kt-method", default="INT4")
+    ap.add_argument("--kt-method", default=None, help="CPU expert format (default INT4; FP4, as stored, for "
+                    "deepseek-v4-flash)")
     ap.add_argument("--cpu-dense-method", default="auto", help="the device side's linear layers on a CPU device")
     ap.add_argument("--cpu-activations", default="auto", help="int8, fp32 or auto: what INT4/INT8 CPU rows dot")
     ap.add_argument("--dir", default="/tmp/ktlite-bench")
@@ -251,6 +301,8 @@ def main() -> None:
                     help="GGUF(s) of this checkpoint for llama.cpp rows (repeatable or comma-separated)")
     ap.add_argument("--llamacpp-python", default=sys.executable, help="a python with llama-cpp-python")
     args = ap.parse_args()
+    args.kt_method = args.kt_method or ("FP4" if args.arch in FP4_EXPERTS else "INT4")
+    args.skip_transformers |= args.arch in FP4_EXPERTS  # bf16 experts beyond this machine's RAM (docstring)
 
     path = write_checkpoint(Path(args.dir) / f"{args.arch}-{args.layers}layers", args.arch, args.layers)
     threads = torch.get_num_threads()

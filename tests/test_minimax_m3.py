@@ -181,10 +181,16 @@ def test_mxfp8_experts_equal_transformers_on_their_dequantized_twin(tiny_minimax
     from test_mx_experts import write_mx_twins
 
     packed, plain = write_mx_twins(tiny_minimax_m3, tmp_path, ("MXFP8",))["MXFP8"]
+    assert_mxfp8_served_as_transformers(packed, plain, (5, 26), gpu_experts=3)
+
+
+def assert_mxfp8_served_as_transformers(packed: Path, plain: Path, lengths: tuple[int, ...], gpu_experts: int) -> None:
+    """The MXFP8 checkpoint served with its experts as stored (`gpu_experts` a layer in the device's MX stacks): last
+    logits within TOL and greedy tokens equal to transformers' on its dequantized twin."""
     ref = hf_model(plain, transformers.AutoModelForImageTextToText)
-    g = torch.Generator().manual_seed(3)
-    batch = [torch.randint(4, ref.config.text_config.vocab_size, (n,), generator=g).tolist() for n in (5, 26)]
-    with Engine(str(packed), **{**EXACT, "kt_method": "MXFP8"}, kt_num_gpu_experts=3) as eng:
+    g = torch.Generator().manual_seed(len(lengths) + sum(lengths))
+    batch = [torch.randint(4, ref.config.text_config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    with Engine(str(packed), **{**EXACT, "kt_method": "MXFP8"}, kt_num_gpu_experts=gpu_experts) as eng:
         layer = next(iter(eng.runtime.cpu_moe.layers.values()))
         assert (layer.gate_up.method, layer.down.method) == ("MXFP8", "MXFP8")
         got = logits_of(eng, batch)
@@ -238,17 +244,7 @@ def test_hub_mxfp8_checkpoint_serves_with_its_other_linears_dequantized(tiny_min
     with safe_open(str(packed / "model.safetensors"), "pt") as stored:
         for linear in ("self_attn.q_proj", "self_attn.index_k_proj", "mlp.down_proj"):
             assert stored.get_slice(f"language_model.model.layers.0.{linear}.weight").get_dtype() == "F8_E4M3"
-    ref = hf_model(plain, transformers.AutoModelForImageTextToText)
-    g = torch.Generator().manual_seed(5)
-    batch = [torch.randint(4, ref.config.text_config.vocab_size, (n,), generator=g).tolist() for n in (7, 19)]
-    with Engine(str(packed), **{**EXACT, "kt_method": "MXFP8"}, kt_num_gpu_experts=2) as eng:
-        layer = next(iter(eng.runtime.cpu_moe.layers.values()))
-        assert (layer.gate_up.method, layer.down.method) == ("MXFP8", "MXFP8")
-        got = logits_of(eng, batch)
-        tokens = [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)]
-    want, expected = hf_last_logits_and_greedy(ref, batch, GREEDY["max_tokens"])
-    assert (got - want).abs().max().item() <= TOL
-    assert tokens == expected
+    assert_mxfp8_served_as_transformers(packed, plain, (7, 19), gpu_experts=2)
 
 
 def test_legacy_fields_read_as_transformers_reads_them():
