@@ -146,6 +146,9 @@ def test_minimax_m3_mxfp8_plans_its_experts_as_stored_and_the_other_linears_in_b
     assert result.exit_code == 0, result.output
     assert "396.77 GiB in MXFP8" in result.output and "GPU weights bfloat16" in result.output
     assert "verdict: fits" in result.output and "76,032 B" in result.output
+    auto = CliRunner().invoke(main, ["plan", "--model", str(DATA / "minimax-m3-mxfp8"), "--gpu-memory", "24GiB",
+                                     "--tensor-parallel-size", "2"])  # no --kt-method: the stored format
+    assert "MXFP8  chosen: the checkpoint's routed experts are MXFP8 codes" in auto.output, auto.output
     raw["quantization_config"]["weight_block_size"] = [128, 128]
     with pytest.raises(ConfigError, match=r"mxfp8 weight_block_size \[128, 128\]"):
         parse_config(raw)

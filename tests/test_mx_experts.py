@@ -334,6 +334,17 @@ def test_formats_that_do_not_fit_the_checkpoint_are_refused(mx_checkpoints, tiny
         cpu_expert_bytes(load_config(fp4), "FP4", 64)
 
 
+@pytest.mark.parametrize("layout,method", [("FP4", "MXFP4"), ("MXFP8", "MXFP8")])
+def test_without_kt_method_the_stored_mx_format_is_served(mx_checkpoints, tiny_v3, layout, method):
+    """No --kt-method: the auto knobs read the experts' format from the tensors' headers and serve MX codes as stored
+    (the default INT4 has no path from them: it would be refused); bf16 experts keep the default INT4."""
+    with Engine(str(mx_checkpoints[layout][0]), **EXACT) as eng:
+        layer = next(iter(eng.runtime.cpu_moe.layers.values()))
+        assert (layer.gate_up.method, layer.down.method) == (method, method)
+    with Engine(str(tiny_v3), **EXACT) as eng:
+        assert next(iter(eng.runtime.cpu_moe.layers.values())).gate_up.method == "INT4"
+
+
 @pytest.mark.parametrize("layout", ["MXFP4", "MXFP8"])
 def test_cpu_moe_paths_equal_a_torch_moe_over_transformers_weights(mx_checkpoints, layout):
     """CPUMoE.forward on the stored MX experts, every expert through the fused row kernels and then through

@@ -309,6 +309,24 @@ def stored_mx(cfg: ModelConfig, tensors: _Safetensors) -> str | None:
     return next((m for m, dtypes in _MX_CODES.items() if tensors.dtype(found[1].codes) in dtypes), None)
 
 
+# quantization_config.quant_method -> the MX format of the routed experts, for a folder without tensors
+_MX_QUANT_METHODS = {"mxfp4": "MXFP4", "mxfp8": "MXFP8"}
+
+
+def stored_mx_method(folder: Path, cfg: ModelConfig) -> str | None:
+    """MXFP4 or MXFP8 where a checkpoint stores its routed experts as MX codes, which only that --kt-method serves
+    (nothing re-quantizes them): from the tensors' headers, or from quantization_config where the folder holds no
+    tensors (`ktlite plan` of a config.json alone: DeepSeek-V4's FP4 experts cannot be told from its config, whose
+    quantization_config describes the FP8 dense weights). None: experts the default INT4 quantizes."""
+    try:
+        tensors = _Safetensors(folder, cfg.weight_renames)
+    except (CheckpointError, OSError):
+        raw = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+        quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
+        return _MX_QUANT_METHODS.get(quant.get("quant_method"))
+    return stored_mx(cfg, tensors)
+
+
 class MXSource(Source):
     """MXFP4 / FP4 (e2m1) and MXFP8 (e4m3) experts with their e8m0 scales per 32, kept as stored
     (kernels/cpu/mx.py), found by the first mx_layouts.LAYOUTS entry the checkpoint matches."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -39,6 +40,7 @@ from ktlite.config import AUTO_KNOBS, EngineConfig
 from ktlite.machine import available_ram, numa_nodes, physical_cores, usable_cpus
 from ktlite.errors import ConfigError, PlanError
 from ktlite.kernels.cpu.quant import QUANTIZED_METHODS, RAWINT4_GROUP, check_group_size, matrix_bytes, normalize_kt_method
+from ktlite.runtime.expert_sources import stored_mx_method
 from ktlite.runtime.memory import MemoryPlan, make_plan, plan_on
 from ktlite.runtime.models.config import ModelConfig
 from ktlite.runtime.plan_inputs import PlanInputs, gib, parse_size, plan_inputs, splits
@@ -287,6 +289,12 @@ def resolve(config: EngineConfig, cfg: ModelConfig, hardware: Hardware) -> KnobC
     chosen values cannot fit (the error names the knobs and the values that fit)."""
     config = _clamp_to_machine(config, cfg, hardware)
     given = config.user_set if config.user_set is not None else frozenset(AUTO_KNOBS)
+    why: dict[str, str] = {}
+    if config.user_set is not None and "kt_method" not in given and config.kt_weight_path is None:
+        stored = stored_mx_method(Path(config.model_path), cfg)
+        if stored is not None:  # MX codes are served as stored or not at all: the default INT4 would be refused
+            config = dataclasses.replace(config, kt_method=stored)
+            why["kt_method"] = f"chosen: the checkpoint's routed experts are {stored} codes, kept as stored"
     ratio_set = config.kt_gpu_experts_ratio is not None  # the ratio wins over the count
     chosen = {k for k in AUTO_KNOBS if k not in given} - ({"kt_num_gpu_experts"} if ratio_set else set())
     gpu = hardware.gpus > 0
@@ -302,7 +310,6 @@ def resolve(config: EngineConfig, cfg: ModelConfig, hardware: Hardware) -> KnobC
     s = _Search(cfg, base, budget, user_total, target,
                 f"a KV pool for {requests} requests x {min(context, TARGET_CONTEXT):,} tokens ({target:,})")
 
-    why: dict[str, str] = {}
     tp, chunk, experts = config.tensor_parallel_size, base.chunked_prefill_size, None  # None: the user's count/ratio
     default_chunk = min(DEFAULT_CHUNK, context, user_total or context)
     if "chunked_prefill_size" in chosen:
