@@ -108,6 +108,17 @@ def _delta_chunk(qc, kc, vc, cum, bc, m, s, u, o, decay):  # pragma: no cover - 
             _axpy_row(kc[i, j] * decay[m - 1, i], u, i, s, j)
 
 
+@njit(nogil=True, cache=True, fastmath=True)
+def _work_item(item, heads, per_key, states, rows, lens, reset):  # pragma: no cover - compiled
+    """(sequence, value head, key head, its state slice) of a (sequence, head) work item, the state zeroed where the
+    sequence starts one and has tokens (the one slice of the shared states array the item writes)."""
+    b, h = item // heads, item % heads
+    s = states[rows[b], h]
+    if reset[b] and lens[b] > 0:
+        s[:] = 0.0
+    return b, h, h // per_key, s
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def gated_delta_rows(q, k, v, g, beta, states, rows, starts, lens, reset, chunk, out):  # pragma: no cover - compiled
     """The gated delta rule over a packed batch: q, k [N, Hk, dk], v [N, H, dv], g, beta [N, H] fp32; sequence b
@@ -117,14 +128,10 @@ def gated_delta_rows(q, k, v, g, beta, states, rows, starts, lens, reset, chunk,
     per_key = heads // q.shape[1]
     scale = np.float32(dk ** -0.5)
     for item in prange(lens.shape[0] * heads):
-        b, h = item // heads, item % heads
+        b, h, kh, s = _work_item(item, heads, per_key, states, rows, lens, reset)
         n = lens[b]
         if n == 0:
             continue
-        kh = h // per_key
-        s = states[rows[b], h]  # the one slice of a shared array per work item
-        if reset[b]:
-            s[:] = 0.0
         width = min(chunk, n)
         qc = np.empty((width, dk), np.float32)
         kc = np.empty((width, dk), np.float32)
@@ -161,14 +168,10 @@ def kda_rows(q, k, v, g, beta, states, rows, starts, lens, reset, out):  # pragm
     per_key = heads // q.shape[1]
     scale = np.float32(dk ** -0.5)
     for item in prange(lens.shape[0] * heads):
-        b, h = item // heads, item % heads
+        b, h, kh, s = _work_item(item, heads, per_key, states, rows, lens, reset)
         n = lens[b]
         if n == 0:
             continue
-        kh = h // per_key
-        s = states[rows[b], h]
-        if reset[b]:
-            s[:] = 0.0
         qt = np.empty((1, dk), np.float32)
         kt = np.empty((1, dk), np.float32)
         u = np.empty(dv, np.float32)
