@@ -113,8 +113,8 @@ def write_checkpoint(path: Path, arch: str, layers: int, overrides: dict | None 
     routed = {cfg.expert_weight_name(layer, e, p) for layer in cfg.moe_layers for e in range(cfg.n_routed_experts)
               for p in ("gate", "up", "down")} if fp4 else set()
     model = build(cfg, "meta", torch.bfloat16)
-    shapes = {n: t.shape for n, t in model.state_dict().items()}
-    dtypes = {n: t.dtype for n, t in model.state_dict().items()}
+    state = model.state_dict()  # meta tensors: shapes and dtypes only
+    shapes, dtypes = {n: t.shape for n, t in state.items()}, {n: t.dtype for n, t in state.items()}
     g = torch.Generator().manual_seed(0)
     weight_map = {}
     groups: dict[str, list[str]] = {}

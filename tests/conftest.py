@@ -17,6 +17,15 @@ HANG_GUARD_S = 120.0
 STARTUP_GUARD_S = 900.0
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a test module's tiny models (hf_checkpoints.one_torch_thread)."""
+    from hf_checkpoints import one_torch_thread
+
+    with one_torch_thread():
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_v3(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "v3", "deepseek_v3", seed=1)

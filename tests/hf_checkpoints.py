@@ -8,9 +8,10 @@ the tiny BPE tokenizer ktlite's demo model uses.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +240,25 @@ def engine_expectations(ref: torch.nn.Module, vocab: int, n: int, lengths: tuple
     return batch, tokens, logits
 
 
+def served_as_transformers(checkpoint: Path, flags: dict[str, Any], expected: tuple, sampling: dict[str, Any],
+                           tol: float) -> tuple[Any, Any, dict[str, int]]:
+    """Serve `expected`'s prompts (engine_expectations) through the Engine with `flags`: its greedy tokens equal
+    transformers' and its last-token logits are within `tol`. Returns (plan, state pool, bytes allocated per plan
+    component) for the families' plan checks."""
+    from test_tensor_parallel import logits_of
+
+    from ktlite import Engine
+    from ktlite.runtime.plan_components import allocated_by_component
+
+    batch, tokens, logits = expected
+    with Engine(str(checkpoint), **flags) as eng:
+        assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=sampling)] == tokens
+        assert (logits_of(eng, batch) - logits).abs().max().item() <= tol
+        plan = eng.runtime.plan
+        return plan, eng.runtime.runner.state_pool, {**allocated_by_component(eng.runtime.runner.model),
+                                                      **plan.allocated()}
+
+
 def hf_last_logits_and_greedy(ref: torch.nn.Module, batch: list[list[int]], n: int) -> tuple[torch.Tensor, list[list[int]]]:
     """transformers' reference for prompts one at a time: last-token logits [B, vocab] and n greedy tokens each
     (no EOS stop)."""
@@ -288,3 +308,15 @@ def stepwise_logits(ours: torch.nn.Module, prompt: torch.Tensor, tokens: torch.T
     cache = ours.new_cache(prompt.shape[0], prompt.shape[1] + tokens.shape[1])
     got = [ours(prompt, cache)[:, -1:]] + [ours(tokens[:, i : i + 1], cache) for i in range(tokens.shape[1] - 1)]
     return torch.cat(got, dim=1)
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Tiny matmuls on one torch thread: OpenMP's wake-ups cost milliseconds a call on a loaded 2-core machine (one
+    thread ran tiny models ~10-50x faster than two there)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -190,19 +190,11 @@ def test_engine_cpu_experts_equal_transformers_and_the_caches_are_planned_exactl
     """Every routed expert on the CPU (the clamp in its kernel); the KV pool (compressed entries, index keys) and the
     state pool (the window rows' and the compressors' rings, per running request: no prefix-cache snapshots) are
     allocated as planned, and the plan's arithmetic is the config's."""
-    from test_tensor_parallel import logits_of
+    from hf_checkpoints import served_as_transformers
 
-    from ktlite import Engine
-    from ktlite.runtime.plan_components import allocated_by_component
-
-    batch, tokens, logits = engine_expected
-    with Engine(str(tiny_deepseek_v4), **EXACT) as eng:
-        assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == tokens
-        assert (logits_of(eng, batch) - logits).abs().max().item() <= TOL
-        plan, states = eng.runtime.plan, eng.runtime.runner.state_pool
-        allocated = {**allocated_by_component(eng.runtime.runner.model), **plan.allocated()}
-        requests = EXACT["max_running_requests"]
-        assert not states.snapshot_rows
+    plan, states, allocated = served_as_transformers(tiny_deepseek_v4, EXACT, engine_expected, GREEDY, TOL)
+    requests = EXACT["max_running_requests"]
+    assert not states.snapshot_rows
     assert plan.mismatches(allocated) == {} and allocated["kv_pool"] > 0 and allocated["state_pool"] > 0
     # per token, fp32: its stripe of the entries and index keys (32 / 4 and 16 / 4 on the 2 CSA layers, 32 / 8 on the
     # HCA one)

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from hf_checkpoints import chunked_error, hf_greedy_each, hf_greedy_with_logits, hf_model, stepwise_logits
+from hf_checkpoints import (chunked_error, hf_greedy_each, hf_greedy_with_logits, hf_model, served_as_transformers,
+                            stepwise_logits)
+from test_deepseek_v4 import EXACT, GREEDY, engine_expected  # noqa: F401 (a fixture)
 from test_gqa_families import random_ids
 from test_tensor_parallel import logits_of
 
@@ -30,15 +32,6 @@ from ktlite.runtime.plan_components import allocated_by_component
 TOL = 1e-4
 LENGTH = 30
 VL = transformers.AutoModelForImageTextToText
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny matmuls on one thread: OpenMP's wake-ups cost milliseconds a call on a loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -174,30 +167,15 @@ def test_tiny_model_cli_writes_what_transformers_reads(tmp_path, one_thread):
 
 # ---- the Engine -------------------------------------------------------------------------------------------------
 
-GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
-EXACT = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 2048, "chunked_prefill_size": 256,
-         "gpu_memory": "1GiB", "max_running_requests": 4}
-
-
-@pytest.fixture(scope="module")
-def engine_expected(pair):
-    """Prompts of 5..30 tokens and transformers' greedy tokens and last-token logits for each, one at a time."""
-    from hf_checkpoints import engine_expectations
-
-    return engine_expectations(pair[1], pair[0].config.vocab_size, GREEDY["max_tokens"])
+# the Engine tests below take DeepSeek-V4's flags and its `engine_expected` fixture (run on this module's `pair`)
 
 
 def test_engine_cpu_experts_equal_transformers_and_the_caches_are_planned_exactly(tiny_glm5_next, engine_expected):
     """Every routed expert on the CPU (the clamp in its kernel); the KV pool (latents, index keys + pool gates) and the
     state pool (KDA conv + recurrent state per running request and per prefix-cache snapshot) are allocated as
     planned, and the plan's arithmetic is the config's."""
-    batch, tokens, logits = engine_expected
-    with Engine(str(tiny_glm5_next), **EXACT) as eng:
-        assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == tokens
-        assert (logits_of(eng, batch) - logits).abs().max().item() <= TOL
-        plan, states = eng.runtime.plan, eng.runtime.runner.state_pool
-        allocated = {**allocated_by_component(eng.runtime.runner.model), **plan.allocated()}
-        rows = EXACT["max_running_requests"] + len(states.snapshot_rows)
+    plan, states, allocated = served_as_transformers(tiny_glm5_next, EXACT, engine_expected, GREEDY, TOL)
+    rows = EXACT["max_running_requests"] + len(states.snapshot_rows)
     assert plan.mismatches(allocated) == {} and allocated["kv_pool"] > 0 and allocated["state_pool"] > 0
     # per token, fp32: the latent (32) on both indexed layers, the index key + pool-gate logits (2 x 32) on layer 1
     assert plan.kv_bytes_per_token == (2 * 32 + 2 * 32) * 4

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_checkpoints import engine_expectations, hf_last_logits_and_greedy, hf_model
+from hf_checkpoints import engine_expectations, hf_last_logits_and_greedy, hf_model, served_as_transformers
 from test_gqa_families import random_ids
 
 from ktlite.runtime import models
@@ -70,14 +70,7 @@ def expected(tiny_gpt_oss, pair):
 
 
 def test_engine_cpu_experts_equal_transformers(tiny_gpt_oss, expected):
-    from test_tensor_parallel import logits_of
-
-    from ktlite import Engine
-
-    batch, tokens, logits = expected
-    with Engine(str(tiny_gpt_oss), **EXACT) as eng:
-        assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == tokens
-        assert (logits_of(eng, batch) - logits).abs().max().item() <= TOL
+    served_as_transformers(tiny_gpt_oss, EXACT, expected, GREEDY, TOL)
 
 
 def test_half_gpu_experts_chunk_5_preemption_layerwise_prefill_and_dynamic_placement(tiny_gpt_oss, expected):

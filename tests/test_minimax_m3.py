@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from hf_checkpoints import engine_expectations, hf_last_logits_and_greedy, hf_model, hf_step_logits
+from hf_checkpoints import (engine_expectations, hf_last_logits_and_greedy, hf_model, hf_step_logits,
+                            served_as_transformers)
 from test_gqa_engine import EXACT, GREEDY
 from test_gqa_families import random_ids
 from test_tensor_parallel import logits_of
@@ -26,21 +27,10 @@ from test_tensor_parallel import logits_of
 from ktlite import Engine
 from ktlite.runtime import models
 from ktlite.runtime.models.minimax_m3 import BlockSparseAttention
-from ktlite.runtime.plan_components import allocated_by_component
 
 TOL = 1e-4
 N_EXPERTS = 8
 PUBLISHED = Path(__file__).parent / "data" / "minimax-m3"
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny matmuls on one thread: OpenMP's wake-ups cost milliseconds a call on a loaded machine (10x this file's
-    runtime)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -124,14 +114,8 @@ def expected(pair):
 
 
 def test_engine_cpu_experts_equal_transformers_and_plan_counts_index_keys(tiny_minimax_m3, expected):
-    batch, tokens, logits = expected
-    with Engine(str(tiny_minimax_m3), **EXACT) as eng:
-        assert [r.token_ids for r in eng.generate(input_ids=batch, sampling_params=GREEDY)] == tokens
-        assert (logits_of(eng, batch) - logits).abs().max().item() <= TOL
-        plan = eng.runtime.plan
-        allocated = allocated_by_component(eng.runtime.runner.model)
-        allocated.update(plan.allocated())
-        assert plan.mismatches(allocated) == {}
+    plan, _, allocated = served_as_transformers(tiny_minimax_m3, EXACT, expected, GREEDY, TOL)
+    assert plan.mismatches(allocated) == {}
     # 3 layers x K + V x 2 kv heads x 16, plus the 2 sparse layers' index key of 16, fp32
     assert plan.kv_bytes_per_token == (3 * 2 * 2 * 16 + 2 * 16) * 4
 

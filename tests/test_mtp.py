@@ -8,17 +8,15 @@ counts the layer's weights and KV; checkpoints and families without one are refu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_checkpoints import write_hf_checkpoint
+from hf_checkpoints import one_torch_thread, write_hf_checkpoint
 from safetensors.torch import load_file, save_file
 
 from ktlite import Engine
@@ -127,17 +125,6 @@ def target_hidden(model, ids: torch.Tensor) -> torch.Tensor:
     return hidden.clone().view(*ids.shape, -1)  # out of inference mode: usable as a constant in autograd
 
 
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Tiny matrices: one torch thread is ~50x faster than two on a loaded 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def train_mtp(model, seqs: torch.Tensor, steps: int) -> float:
     """Train model.mtp (enorm, hnorm, eh_proj and its decoder layer) on sequences [B, T] to predict token t + 2 from
     the target's state at t and token t + 1; -> the last loss."""
@@ -152,7 +139,7 @@ def train_mtp(model, seqs: torch.Tensor, steps: int) -> float:
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.Adam(params, lr=1e-2)
-    with one_thread():
+    with one_torch_thread():
         for _ in range(steps):
             logits = model.lm_head(model.mtp(embedded, hidden, positions)[:, :-1])  # the last row has no token t + 2
             loss = F.cross_entropy(logits.flatten(0, 1), seqs[:, 2:].flatten())
@@ -174,7 +161,7 @@ def write_mtp_checkpoints(root: Path, family: str, steps: int = TRAIN_STEPS) -> 
     random = with_random_mtp_layer(base, root / "random", family, seed=6)
     model = load(random, mtp=True)  # bf16-rounded as stored
     batch = torch.tensor(prompts(model.config.vocab_size))
-    with one_thread():
+    with one_torch_thread():
         seqs = torch.cat([batch, model.generate_greedy(batch, NEW + 8)], dim=1)
     loss = train_mtp(model, seqs, steps)
     assert loss < 0.5, loss  # it learned the continuations
@@ -297,7 +284,7 @@ def assert_drafts_are_the_plain_torch_predictions(path: Path) -> None:
         results = eng.generate(input_ids=batch, sampling_params=GREEDY)
     assert len(proposed) > 10 and max(len(d) for _, _, d in proposed) == NEXTN["speculative_num_steps"]
     model = load(path, mtp=True)
-    with one_thread():
+    with one_torch_thread():
         for i, length, drafts in proposed[::4]:
             seq = batch[i] + results[i].token_ids
             for d, logits in zip(drafts, reference_drafts(model, seq, length, drafts)):
