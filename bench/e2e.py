@@ -29,7 +29,8 @@ Printed next to each figure, measured in the same run:
   with ktlite's thread count, and the bits per weight each side reads per decode token.
 
     python bench/e2e.py [--arch deepseek-v2-lite|qwen3-30b-a3b] [--layers 8] [--batches 1,4,16] [--prefill-len 512,4096]
-                        [--cpu-dense-method auto|INT8|INT4|none] [--cpu-activations auto|int8|fp32] [--write]
+                        [--cpu-dense-method auto|INT8|INT4|none] [--cpu-activations auto|int8|fp32]
+                        [--kv-cache-dtype auto|bfloat16|fp8_e4m3] [--write]
                         [--llamacpp-gguf X.Q4_0.gguf,X.Q8_0.gguf --llamacpp-python SIDE_VENV/bin/python]
 """
 
@@ -294,6 +295,8 @@ def main() -> None:
                     "deepseek-v4-flash)")
     ap.add_argument("--cpu-dense-method", default="auto", help="the device side's linear layers on a CPU device")
     ap.add_argument("--cpu-activations", default="auto", help="int8, fp32 or auto: what INT4/INT8 CPU rows dot")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the KV pool's dtype (auto: the activations'; bfloat16 "
+                    "or fp8_e4m3 put a CPU with AMX-BF16 on its tiles for prefill attention)")
     ap.add_argument("--dir", default="/tmp/ktlite-bench")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--write", action="store_true", help="replace this bench's section of bench/RESULTS.md")
@@ -313,7 +316,8 @@ def main() -> None:
     longest = max(prefill_lens)
     flags = {"kt_method": args.kt_method, "dtype": "auto", "max_total_tokens": max(16384, longest + 1024),
              "chunked_prefill_size": 512, "context_length": max(4096, longest + 64),
-             "cpu_dense_method": args.cpu_dense_method, "cpu_activations": args.cpu_activations}
+             "cpu_dense_method": args.cpu_dense_method, "cpu_activations": args.cpu_activations,
+             "kv_cache_dtype": args.kv_cache_dtype}
     config = EngineConfig.from_kwargs(str(path), **flags)
     dense = config.cpu_dense_quantization or f"in {str(config.torch_dtype).removeprefix('torch.')} torch"
     with Engine(str(path), **flags) as engine:
@@ -365,7 +369,8 @@ def main() -> None:
                 f"device side on {config.torch_device} in {str(config.torch_dtype).removeprefix('torch.')} "
                 f"(GPU experts as the plan places them; the bound below is the CPU's, which does not apply), ") +
             f"{'int8' if config.cpu_int8_activations else 'fp32'} activations for INT4/INT8 "
-            f"rows (--cpu-activations {args.cpu_activations}) "
+            f"rows (--cpu-activations {args.cpu_activations}), KV pool "
+            f"{str(config.torch_kv_dtype).removeprefix('torch.')} (--kv-cache-dtype {args.kv_cache_dtype}) "
             f"(torch threads {threads}).\n"
             f"Measured in the same run: memory bandwidth {bw:.1f} GB/s (numpy read, {threads} threads); one decode token reads "
             f"{per_token / 1e6:.0f} MB, so the bandwidth bound for batch-1 decode is {bw * 1e9 / per_token:.1f} tok/s.\n")

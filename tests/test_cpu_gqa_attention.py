@@ -17,6 +17,7 @@ from pool_tables import scattered_table
 
 from ktlite.kernels import attention
 from ktlite.kernels.cpu import gqa_attention as cpu_gqa
+from ktlite.kernels.cpu.amx_tiles import AMX_BF16
 from ktlite.kernels.triton.kv_fp8 import head_rows
 from ktlite.kernels.triton.reference import gqa_decode_torch, gqa_extend_torch
 
@@ -45,10 +46,41 @@ def queries(n: int, heads: int, dim: int, dtype: torch.dtype = torch.float32) ->
     return q[..., :dim]  # a non-contiguous view, as q split from a gate
 
 
-def assert_bound(out: torch.Tensor, twin: torch.Tensor) -> None:
+def assert_bound(out: torch.Tensor, twin: torch.Tensor, atol: float = 2e-5) -> None:
     assert out.dtype == twin.dtype and out.shape == twin.shape
     ulp = 2.0**-7 if out.dtype == torch.bfloat16 else 0.0
-    torch.testing.assert_close(out.float(), twin.float(), atol=2e-5, rtol=2e-5 + ulp)
+    torch.testing.assert_close(out.float(), twin.float(), atol=atol, rtol=2e-5 + ulp)
+
+
+def as_read(buffer: torch.Tensor) -> torch.Tensor:
+    """The pool's values as the kernel reads them, fp32 [slots, heads, width] (packed FP8 rows decoded)."""
+    return head_rows(buffer.shape[-1] - 4).unpack(buffer) if buffer.dtype == FP8 else buffer.float()
+
+
+def assert_tiles_bound(out: torch.Tensor, q: torch.Tensor, args: tuple, lens: tuple, **extra) -> None:
+    """The AMX-BF16 tiles' bound (gqa_attention.attend_bf16_tiles' docstring): the twin over q, K and V rounded to
+    bf16 as the tiles read them, within 2^-8 max |V| (the probabilities' rounding to bf16 moves each output by at
+    most 2^-9 of the largest value it averages; twice that leaves room for fp32 sums in another order)."""
+    k, v, *rest = args
+    rounded = (x.bfloat16().float() for x in (q, as_read(k), as_read(v)))
+    twin = gqa_extend_torch(*rounded, *rest, *lens, SCALE, **extra).to(q.dtype)
+    assert_bound(out, twin, atol=2e-5 + 2.0**-8 * float(as_read(v).abs().max()))
+
+
+# the two ways an extend's tiles multiply (test ids say which; the AMX-BF16 tiles run where the CPU has them)
+TILES = [pytest.param(False, id="fp32_products"),
+         pytest.param(True, id="amx_bf16_tiles", marks=pytest.mark.skipif(
+             not AMX_BF16, reason="amx_bf16_tiles: this CPU (or its OS) gives no AMX-BF16 tiles"))]
+
+
+def extend_path(q: torch.Tensor, args: tuple, lens: tuple, tiles: bool, **extra) -> None:
+    """cpu_gqa.gqa_extend on one path against the twin: fp32 products within assert_bound, tiles within
+    assert_tiles_bound."""
+    out = cpu_gqa.gqa_extend(q, *args, *lens, SCALE, **extra, tiles=tiles)
+    if tiles:
+        assert_tiles_bound(out, q, args, lens, **extra)
+    else:
+        assert_bound(out, gqa_extend_torch(q, *args, *lens, SCALE, **extra))
 
 
 # (kv heads, query heads per kv head, head dim, V head dim)
@@ -56,15 +88,29 @@ SHAPES = [(2, 1, 64, 64), (1, 2, 128, 128), (2, 4, 64, 32), (1, 8, 16, 16)]
 POOLS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8rows": FP8}
 
 
+@pytest.mark.parametrize("tiles", TILES)
 @pytest.mark.parametrize("pool_dtype", POOLS.values(), ids=POOLS.keys())
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "kv{}x{}_d{}_dv{}".format(*s))
-def test_extend_matches_twin(shape: tuple, pool_dtype: torch.dtype) -> None:
+def test_extend_matches_twin(shape: tuple, pool_dtype: torch.dtype, tiles: bool) -> None:
     kv_heads, group, dim, dv = shape
     args = pool([p + e for p, e in zip(PREFIX, EXTEND)], kv_heads, dim, dv, pool_dtype)
     q = queries(sum(EXTEND), kv_heads * group, dim)
     lens = torch.tensor(PREFIX), torch.tensor(EXTEND)
     assert attention.select("gqa_extend", q, *args, *lens, SCALE) == "cpu"
-    assert_bound(attention.gqa_extend(q, *args, *lens, SCALE), gqa_extend_torch(q, *args, *lens, SCALE))
+    extend_path(q, args, lens, tiles)
+
+
+@pytest.mark.parametrize("pool_dtype", POOLS.values(), ids=POOLS.keys())
+def test_registry_picks_tiles_for_bf16_values_where_the_cpu_has_them(pool_dtype: torch.dtype) -> None:
+    """The registry's call takes AMX-BF16 tiles for bf16 and FP8 pools where the CPU has them, fp32 products
+    elsewhere and for fp32 pools (the exact reference setting): its result is that path's, bit for bit."""
+    args = pool([p + e for p, e in zip(PREFIX, EXTEND)], 2, 64, 64, pool_dtype)
+    q = queries(sum(EXTEND), 4, 64)
+    lens = torch.tensor(PREFIX), torch.tensor(EXTEND)
+    tiles = AMX_BF16 and pool_dtype != torch.float32
+    assert cpu_gqa.bf16_tiles(args[0]) == tiles
+    torch.testing.assert_close(attention.gqa_extend(q, *args, *lens, SCALE),
+                               cpu_gqa.gqa_extend(q, *args, *lens, SCALE, tiles=tiles), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("runs", [1, 3])  # one run per item; key runs merged (flash-decoding)
@@ -90,26 +136,34 @@ def test_short_extends_read_rows_in_place(pool_dtype: torch.dtype) -> None:
     assert_bound(cpu_gqa.gqa_extend(q, *args, *lens, SCALE), gqa_extend_torch(q, *args, *lens, SCALE))
 
 
-def test_extend_key_runs_and_chunk_boundaries() -> None:
+@pytest.mark.parametrize("tiles", TILES)
+def test_extend_key_runs_and_chunk_boundaries(tiles: bool) -> None:
     """A prompt prefilled in two chunks (the second with the first as its prefix, as the radix cache or chunked
-    prefill gives) equals it prefilled at once, and both equal the twin, with key runs split or not."""
+    prefill gives) equals it prefilled at once, and both equal the twin, with key runs split or not; 8 query heads
+    per kv head give several query blocks per request on both paths."""
     n, cut = 290, 200
-    args = pool([n], 2, 64, 64, torch.float32)
-    q = queries(n, 4, 64)
-    whole = gqa_extend_torch(q, *args, torch.tensor([0]), torch.tensor([n]), SCALE)
+    args = pool([n], 2, 64, 64, torch.bfloat16 if tiles else torch.float32)
+    q = queries(n, 16, 64)
     for runs in (1, 4):
-        first = cpu_gqa.gqa_extend(q[:cut], *args, torch.tensor([0]), torch.tensor([cut]), SCALE, runs=runs)
-        second = cpu_gqa.gqa_extend(q[cut:], *args, torch.tensor([cut]), torch.tensor([n - cut]), SCALE, runs=runs)
-        assert_bound(torch.cat([first, second]), whole)
+        first = cpu_gqa.gqa_extend(q[:cut], *args, torch.tensor([0]), torch.tensor([cut]), SCALE, runs=runs,
+                                   tiles=tiles)
+        second = cpu_gqa.gqa_extend(q[cut:], *args, torch.tensor([cut]), torch.tensor([n - cut]), SCALE, runs=runs,
+                                    tiles=tiles)
+        if tiles:
+            assert_tiles_bound(torch.cat([first, second]), q, args, (torch.tensor([0]), torch.tensor([n])))
+        else:
+            assert_bound(torch.cat([first, second]),
+                         gqa_extend_torch(q, *args, torch.tensor([0]), torch.tensor([n]), SCALE))
 
 
 WINDOWS = [0, 6, 128]  # none; shorter than most prompts; longer than some (gpt-oss's 128)
 
 
+@pytest.mark.parametrize("tiles", TILES)
 @pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"window{w}")
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["no_sinks", "sinks"])
 @pytest.mark.parametrize("dim", [16, 64], ids=["d16_tiles", "d64"])
-def test_sinks_and_window_match_twin(dim: int, with_sinks: bool, window: int) -> None:
+def test_sinks_and_window_match_twin(dim: int, with_sinks: bool, window: int, tiles: bool) -> None:
     """Sinks (a per-head logit in the softmax's denominator, gpt-oss / DeepSeek-V4) and a sliding window, on the
     ragged extend batch (tiles), on decode with key runs merged or not, and on short extends (rows in place at d64)."""
     sinks = torch.randn(4, generator=torch.Generator().manual_seed(2)) * 2 if with_sinks else None
@@ -118,7 +172,9 @@ def test_sinks_and_window_match_twin(dim: int, with_sinks: bool, window: int) ->
     q = queries(sum(EXTEND), 4, dim)
     lens = torch.tensor(PREFIX), torch.tensor(EXTEND)
     assert attention.select("gqa_extend", q, *args, *lens, SCALE, **extra) == "cpu"
-    assert_bound(attention.gqa_extend(q, *args, *lens, SCALE, **extra), gqa_extend_torch(q, *args, *lens, SCALE, **extra))
+    extend_path(q, args, lens, tiles, **extra)
+    if tiles:
+        return  # decode and short extends read rows in place: no tiles
     seq_lens = torch.tensor([1, 37, 300, 513])
     args = pool(seq_lens.tolist(), 2, dim, dim, torch.float32, seed=3)
     q = queries(4, 4, dim)
@@ -132,11 +188,11 @@ def test_sinks_and_window_match_twin(dim: int, with_sinks: bool, window: int) ->
                  gqa_extend_torch(q, *args, prefix, extend, SCALE, **extra))
 
 
-def test_bf16_queries_return_bf16() -> None:
+@pytest.mark.parametrize("tiles", TILES)
+def test_bf16_queries_return_bf16(tiles: bool) -> None:
     args = pool([p + e for p, e in zip(PREFIX, EXTEND)], 2, 64, 64, torch.bfloat16)
     q = queries(sum(EXTEND), 4, 64, torch.bfloat16)
-    lens = torch.tensor(PREFIX), torch.tensor(EXTEND)
-    assert_bound(attention.gqa_extend(q, *args, *lens, SCALE), gqa_extend_torch(q, *args, *lens, SCALE))
+    extend_path(q, args, (torch.tensor(PREFIX), torch.tensor(EXTEND)), tiles)
 
 
 def test_unsupported_pool_goes_to_the_twin() -> None:

@@ -116,10 +116,14 @@ def test_tiny_v3_engine_same_as_twins(tiny_v3, kv_dtype: str, monkeypatch: pytes
     one engine: the same greedy tokens through chunked prefill (chunks of 16 after a prefix) and decode, and
     prefill logits within 1e-4 over an fp32 pool. Over a bf16 or FP8 pool a 1e-6 difference in a layer's
     output can move a later layer's stored latent across a rounding boundary (one bf16 ulp is 2^-8 of it:
-    measured 3e-3 in the logits): 1e-2 there."""
+    measured 3e-3 in the logits): 1e-2 there. The prompts' prefill runs decompressed (gqa_extend) with fp32
+    products here: the AMX-BF16 tiles' bf16 products are test_decompressed_extend_over_bf16_values' case."""
     from test_tensor_parallel import logits_of
 
     from ktlite import Engine
+    from ktlite.kernels.cpu import gqa_attention
+
+    monkeypatch.setattr(gqa_attention, "bf16_tiles", lambda k_buffer: False)
 
     flags = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 256, "chunked_prefill_size": 16,
              "gpu_memory": "1GiB", "max_running_requests": 4, "disable_radix_cache": True,
@@ -165,3 +169,33 @@ def test_decompressed_extend_equals_absorbed(tiny_v3, dense, monkeypatch: pytest
         monkeypatch.setattr(deepseek, "DECOMPRESS_BYTES", 0)
         want = logits_of(eng, ids)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_decompressed_extend_over_bf16_values(tiny_v3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over a bf16 latent pool the decompressed form's K and V are bf16 (deepseek.decompressed_dtype; on a CPU
+    with AMX-BF16 gqa_extend then runs on its tiles, and kv_b_proj's GEMM in bf16 where that is faster). Its
+    prefill logits against the absorbed form's over the same pool: within 0.1 (measured 0.06 with fp32 products,
+    0.07 on the tiles, of logits up to 4.9: each K / V value rounded to bf16, 2^-9 of it, through this random
+    model's layers; a wiring error, a head or a position off, moves them by their own size). An FP8 pool is
+    not compared so: there each layer's latents are stored as e4m3 (steps of 1/8), and the forms' 0.4 %
+    attention difference moves later layers' stored values by whole steps."""
+    from test_tensor_parallel import logits_of
+
+    from ktlite import Engine
+    from ktlite.kernels.cpu import gqa_attention
+    from ktlite.runtime.models import deepseek
+
+    flags = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 512, "gpu_memory": "1GiB",
+             "max_running_requests": 4, "disable_radix_cache": True, "kv_cache_dtype": "bfloat16"}
+    calls = []
+    decompressed = deepseek.MLAttention.decompressed_extend
+    monkeypatch.setattr(deepseek.MLAttention, "decompressed_extend", lambda *a: calls.append(1) or decompressed(*a))
+    kv_dtypes, extend = [], deepseek.gqa_extend
+    monkeypatch.setattr(deepseek, "gqa_extend", lambda q, k, *a: kv_dtypes.append(k.dtype) or extend(q, k, *a))
+    ids = [torch.randint(4, 100, (n,), generator=torch.Generator().manual_seed(7)).tolist() for n in (90, 61)]
+    with Engine(str(tiny_v3), **flags) as eng:
+        got = logits_of(eng, ids)
+        assert calls and set(kv_dtypes) == {torch.bfloat16}
+        monkeypatch.setattr(deepseek, "DECOMPRESS_BYTES", 0)
+        want = logits_of(eng, ids)
+    torch.testing.assert_close(got, want, atol=0.1, rtol=0)

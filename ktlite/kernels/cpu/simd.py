@@ -197,6 +197,24 @@ def round_bf16(builder, v):
     return builder.trunc(builder.lshr(rounded, cvec(V32, 16)), V16)
 
 
+@intrinsic
+def to_bf16_bits(typingctx, src, dst, n):
+    """dst[:n] = the bf16 bits of src[:n] rounded to nearest even (round_bf16), 16 lanes at a time: n a multiple of
+    16, src fp32 and dst uint16, both 1-D C-contiguous."""
+    if not (f32_vector(src) and is_vec(dst, types.uint16)):
+        return None
+    sig = types.void(src, dst, types.int64)
+
+    def codegen(context, builder, sig, args):
+        sp, dp = (context.make_array(t)(context, builder, v).data for t, v in zip(sig.args[:2], args[:2]))
+        with cgutils.for_range(builder, builder.lshr(args[2], c64(4))) as loop:
+            k = builder.shl(loop.index, c64(4))
+            vstore(builder, round_bf16(builder, vload(builder, sp, k, VF)), dp, k)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 def f32_vector(ty) -> bool:
     return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and ty.dtype == types.float32
 
@@ -260,7 +278,7 @@ def vm_acc(typingctx, a, m, acc, n, width):
     return sig, codegen
 
 
-def _fmax(builder, a, b):
+def vmax(builder, a, b):
     suffix = f"v{a.type.count}f32" if isinstance(a.type, ir.VectorType) else "f32"
     return llvm_call(builder, f"llvm.maxnum.{suffix}", a.type, [a, b])
 
@@ -280,17 +298,11 @@ def row_max(typingctx, x, lo, hi, init):
         acc = cgutils.alloca_once_value(builder, splat(builder, init))
         with cgutils.for_range(builder, chunks) as loop:
             off = builder.add(lo, builder.mul(loop.index, c64(LANES)))
-            builder.store(_fmax(builder, builder.load(acc), vload(builder, xp, off, VF)), acc)
-        v, n = builder.load(acc), LANES
-        while n > 1:  # halving tree, as hsum
-            n //= 2
-            low = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n))))
-            high = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n, 2 * n))))
-            v = _fmax(builder, low, high)
-        top = cgutils.alloca_once_value(builder, builder.extract_element(v, ir.Constant(I32, 0)))
+            builder.store(vmax(builder, builder.load(acc), vload(builder, xp, off, VF)), acc)
+        top = cgutils.alloca_once_value(builder, vmax_lanes(builder, builder.load(acc)))
         tail = builder.add(lo, builder.mul(chunks, c64(LANES)))
         with cgutils.for_range(builder, builder.sub(hi, tail)) as loop:
-            builder.store(_fmax(builder, builder.load(top), load_at(builder, xp, builder.add(tail, loop.index))), top)
+            builder.store(vmax(builder, builder.load(top), load_at(builder, xp, builder.add(tail, loop.index))), top)
         return builder.load(top)
 
     return sig, codegen
@@ -312,18 +324,51 @@ def exp2_sum(typingctx, x, lo, hi, top):
         total = cgutils.alloca_once_value(builder, cvec(VF, 0.0))
         with cgutils.for_range(builder, builder.sdiv(builder.sub(hi, lo), c64(LANES))) as loop:
             off = builder.add(lo, builder.mul(loop.index, c64(LANES)))
-            t = llvm_call(builder, "llvm.maxnum.v16f32", VF, [builder.fsub(vload(builder, xp, off, VF), top),
-                                                               cvec(VF, -127.0)])
-            n = llvm_call(builder, "llvm.rint.v16f32", VF, [t])
-            r = builder.fmul(builder.fsub(t, n), cvec(VF, math.log(2.0)))
-            poly = cvec(VF, _EXP_TAYLOR[-1])
-            for c in reversed(_EXP_TAYLOR[:-1]):
-                poly = vfma(builder, poly, r, cvec(VF, c))
-            two_n = builder.bitcast(builder.shl(builder.add(builder.fptosi(n, V32), cvec(V32, 127)),
-                                                cvec(V32, 23)), VF)
-            val = builder.fmul(poly, two_n)
+            val = exp2_vec(builder, builder.fsub(vload(builder, xp, off, VF), top))
             vstore(builder, val, xp, off)
             builder.store(builder.fadd(builder.load(total), val), total)
         return hsum(builder, builder.load(total))
 
     return sig, codegen
+
+
+def exp2_vec(builder, t):
+    """2 ** t for an fp32 vector t <= 0 (exp2_sum's method: exactly 0 from t <= -127 on)."""
+    t = llvm_call(builder, "llvm.maxnum.v16f32", VF, [t, cvec(VF, -127.0)])
+    n = llvm_call(builder, "llvm.rint.v16f32", VF, [t])
+    r = builder.fmul(builder.fsub(t, n), cvec(VF, math.log(2.0)))
+    poly = cvec(VF, _EXP_TAYLOR[-1])
+    for c in reversed(_EXP_TAYLOR[:-1]):
+        poly = vfma(builder, poly, r, cvec(VF, c))
+    two_n = builder.bitcast(builder.shl(builder.add(builder.fptosi(n, V32), cvec(V32, 127)), cvec(V32, 23)), VF)
+    return builder.fmul(poly, two_n)
+
+
+# 2^r on |r| <= 1/2, a degree-5 fit of the relative error (at most 8e-8, fp32 rounding aside)
+_EXP2_FIT = [1.0000000710296983, 0.6931469491610631, 0.24022121753561645, 0.0555074261600255, 0.00967545974551767,
+             0.0013266970386325856]
+
+
+def exp2_fast(builder, t):
+    """2 ** t for an fp32 vector t <= 0. With AVX-512, vscalefps applies 2^n (n = rint(t)) to a degree-5 fit of
+    2^(t - n): 8 vector ops against exp2_vec's 14, no clamp (it flushes to 0 itself); elsewhere exp2_vec."""
+    if not configure_numba().enabled("avx512f"):
+        return exp2_vec(builder, t)
+    n = llvm_call(builder, "llvm.rint.v16f32", VF, [t])
+    r = builder.fsub(t, n)
+    poly = cvec(VF, _EXP2_FIT[-1])
+    for c in reversed(_EXP2_FIT[:-1]):
+        poly = vfma(builder, poly, r, cvec(VF, c))
+    return llvm_call(builder, "llvm.x86.avx512.mask.scalef.ps.512", VF,
+                     [poly, n, cvec(VF, 0.0), ir.Constant(I16, -1), ir.Constant(I32, 4)])
+
+
+def vmax_lanes(builder, v):
+    """The largest lane of an fp32 vector (a halving tree, as hsum)."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        low = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n))))
+        high = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n, 2 * n))))
+        v = vmax(builder, low, high)
+    return builder.extract_element(v, ir.Constant(I32, 0))

@@ -33,7 +33,9 @@ from torch import nn
 
 from ktlite.kernels.cpu import mla_block
 from ktlite.kernels.cpu.dense_linear import QuantizedHeads
+from ktlite.kernels.cpu.target import bf16_gemm_wins
 from ktlite.kernels.attention import gqa_extend, implementations, mla_decode, mla_extend
+from ktlite.kernels.triton.kv_fp8 import is_packed
 from ktlite.kernels.triton.reference import gather_latents
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
@@ -63,7 +65,8 @@ class LatentCache:
         return self.layers[layer][:, :end]
 
 
-# the decompressed K and V (fp32) of an extend batch above which it stays absorbed: they are temporaries
+# the decompressed K and V (counted at 4 bytes a value) of an extend batch above which it stays absorbed: they are
+# temporaries
 DECOMPRESS_BYTES = 1 << 30
 
 
@@ -79,6 +82,12 @@ def decompressed_cheaper(cfg: DeepseekConfig, prefix_lens: list[int], extend_len
         absorbed += pairs * (2 * lora + rope) + n * lora * (nope + v)
         decompressed += (p + n) * lora * (nope + v) + pairs * (nope + rope + v)
     return decompressed < absorbed
+
+
+def decompressed_dtype(latents: torch.Tensor) -> torch.dtype:
+    """dtype of the decompressed K and V: bf16 where the latent pool holds bf16 or FP8 values (a bf16 model's
+    precision; on a CPU with AMX-BF16 the attention then runs on its tiles), else fp32."""
+    return torch.bfloat16 if latents.dtype == torch.bfloat16 or is_packed(latents) else torch.float32
 
 
 def compiled_gqa_extend() -> bool:
@@ -245,7 +254,11 @@ class MLAttention(nn.Module):
         c, heads = self.cfg, self.num_heads
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         q_full = torch.cat((q_nope, self.rotary(q_pe, cos, sin)), dim=-1).float()
-        w = self.kv_b_matrix()
+        kv_dtype = decompressed_dtype(latents)
+        # bf16 K and V from a bf16 GEMM where it beats fp32's (AMX: ~3x; the 16k-token prefill of V2-Lite-8L in
+        # 512-token chunks decompresses 270k positions a layer)
+        gemm_dtype = torch.bfloat16 if kv_dtype == torch.bfloat16 and bf16_gemm_wins() else torch.float32
+        w = self.kv_b_matrix().to(gemm_dtype)
         lens = (batch.prefix_lens + batch.extend_lens) * (batch.extend_lens > 0)
         rows = torch.zeros(len(lens), max(int(lens.max()), 1), dtype=torch.int32)  # request b's K / V rows
         keys, values, start = [], [], 0
@@ -254,9 +267,10 @@ class MLAttention(nn.Module):
                 continue
             latent = gather_latents(latents, req_to_token[row, :seen].long(), c.kv_lora_rank, c.kv_latent_dim)
             compressed, k_pe = latent.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-            k_nope, v = (compressed @ w.T).view(seen, heads, -1).split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-            keys.append(torch.cat((k_nope, k_pe[:, None, :].expand(-1, heads, -1)), dim=-1))
-            values.append(v)
+            k_nope, v = (compressed.to(gemm_dtype) @ w.T).view(seen, heads, -1).split(
+                [c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+            keys.append(torch.cat((k_nope, k_pe[:, None, :].expand(-1, heads, -1)), dim=-1).to(kv_dtype))
+            values.append(v.to(kv_dtype))
             rows[b, :seen] = torch.arange(start, start + seen, dtype=torch.int32)
             start += seen
         out = gqa_extend(q_full, torch.cat(keys), torch.cat(values), rows, torch.arange(len(lens)), batch.prefix_lens,
