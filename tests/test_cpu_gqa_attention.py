@@ -4,11 +4,13 @@ Pools as the runtime has them: each request's K/V rows in shuffled slots, reques
 Batches are ragged (no prefix, a 1-token chunk, a prefix spanning several key tiles, an empty request), query
 heads per kv head 1/2/4/8, head dims 16/64/128 and a V head narrower than K. Pools: fp32, bf16 (read as uint16
 bits) and packed FP8 head rows (kv_fp8.head_rows, with an outlier channel of 500 to 1,000 in V) — every layout the
-kernel reads. Its two paths, transposed tiles and rows read in place (decode and short extends at head dims >= 64),
-are both run (test ids say which); each is fp32 FMAs on every x86 CPU, so no path is skipped on this machine.
+kernel reads. Its paths, transposed tiles and rows read in place (decode and short extends at head dims >= 64),
+fp32 FMAs on every x86 CPU, are both run; extends also run on AMX-BF16 tiles where the CPU has them, skipped
+elsewhere with that reason in the test id (`amx_bf16_tiles`).
 
-Bound (the module docstring's): |kernel - twin| <= 2e-5 + 2e-5 |twin| for fp32 outputs; bf16 queries add one bf16
-ulp (rtol 2^-7), the rounding of the output to q's dtype.
+Bounds (the module docstring's): |kernel - twin| <= 2e-5 + 2e-5 |twin| for fp32 outputs; bf16 queries add one bf16
+ulp (rtol 2^-7), the rounding of the output to q's dtype. On the tiles: the twin over q, K, V rounded to bf16, within
+2^-8 max |V| (assert_tiles_bound).
 """
 
 import pytest

@@ -2,6 +2,9 @@
 configure the tiles and multiply blocks of 32 weight rows by tiles of 16 tokens' int8 activations, the vector
 helpers that turn the tiles' sums into rows (`transpose_sums`, `tile_into_rows`), and `AMX`: whether this process
 may run them (target.amx_permitted). The kernels that drive them (moe_amx, linear_amx) are amx_kernels.py.
+For attention on AMX-BF16 (gqa_attention.attend_bf16_tiles): `amx_bf16_scores` / `amx_bf16_values` (2 x 2 tiles of
+fp32 sums from bf16 operands in the same 16 x 64-byte tile shapes), `bf16_probabilities` (the online softmax between
+them, in vectors) and `interleave_rows` (two keys' values as one VNNI row); `AMX_BF16` says whether they run.
 """
 
 from __future__ import annotations

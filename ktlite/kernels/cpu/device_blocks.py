@@ -9,7 +9,8 @@ and shared experts, moe_block.py).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from ktlite.kernels.cpu.latent_attention import mla_decode_latents
 from ktlite.kernels.cpu.linear_kernels import project_rows
@@ -119,6 +120,26 @@ def rms_scaled(x, weight, eps, out):  # pragma: no cover - compiled
         out[i] = weight[i] * (x[i] * inv)
 
 
+def store_row(src, dst):  # pragma: no cover - replaced by the overload in jit code
+    """dst <- src (fp32): as fp32, or as bf16 bits (uint16) rounded to nearest even, as the pool's torch write."""
+
+
+@overload(store_row, inline="always")
+def _store_row(src, dst):
+    if dst.dtype == types.uint16:
+        def bf16(src, dst):
+            bits = src.view(np.uint32)
+            for d in range(src.shape[0]):
+                b = bits[d]
+                dst[d] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        return bf16
+
+    def fp32(src, dst):
+        for d in range(src.shape[0]):
+            dst[d] = src[d]
+    return fp32
+
+
 @njit(nogil=True, cache=True)
 def rope_rotated(x, cos, sin, interleave, out):  # pragma: no cover - compiled
     """out = x rotated by cos/sin [rot // 2] (rope.apply_rope over all of x: pairs (2i, 2i+1) or halves)."""
@@ -143,10 +164,11 @@ def mla_attention_rows(h, block, kv, cos, sin, slots, req_to_token, rows, prefix
     qk = nope + rope
     both = project_rows(h.reshape(tokens, 1, h.shape[1]), q_kv_a, threads)[:, 0]  # [T, q width + kv_lora + rope]
     q_width = both.shape[1] - kv_lora - rope
-    for t in range(tokens):  # the new latents, straight into the pool
-        entry = kv[slots[t]]
-        rms_scaled(both[t, q_width:q_width + kv_lora], kv_norm, eps, entry[:kv_lora])
-        rope_rotated(both[t, q_width + kv_lora:], cos[t], sin[t], interleave, entry[kv_lora:])
+    latent = np.empty(kv_lora + rope, np.float32)
+    for t in range(tokens):  # the new latents into the pool
+        rms_scaled(both[t, q_width:q_width + kv_lora], kv_norm, eps, latent[:kv_lora])
+        rope_rotated(both[t, q_width + kv_lora:], cos[t], sin[t], interleave, latent[kv_lora:])
+        store_row(latent, kv[slots[t]])
     if q_a_norm.shape[0]:  # a query LoRA: q = q_b_proj(q_a_layernorm(q_a))
         q_a = np.empty((tokens, 1, q_width), np.float32)
         for t in range(tokens):

@@ -305,20 +305,21 @@ class MLAttention(nn.Module):
         """forward_batch of a decode batch as one compiled call (mla_block; block: compiled_decode_block): the same
         steps from the same stored weights."""
         return torch.from_numpy(mla_block.mla_decode_block(
-            h.contiguous().numpy(), block, latents.numpy(), cos.numpy(), sin.numpy(), batch.out_cache_loc.numpy(),
+            h.contiguous().numpy(), block, mla_block.pool_array(latents), cos.numpy(), sin.numpy(),
+            batch.out_cache_loc.numpy(),
             req_to_token.numpy(), batch.req_pool_indices.numpy(), batch.prefix_lens.numpy()))
 
     def compiled_residual(self, norm: nn.Module, pool, layer_idx: int, tokens: int) -> Callable | None:
         """x + forward_batch(norm(x)) for `tokens` decode tokens as one compiled call on the residual stream x
         (mla_block.residual_block, a compiled_decode.Block) where forward_batch would take the compiled block over
-        this layer's plain fp32 latents and norm is a plain fp32 RMSNorm; else None."""
+        this layer's plain fp32 or bf16 latents and norm is a plain fp32 RMSNorm; else None."""
         latents = pool.buffer("latent", layer_idx)
-        if latents.dtype != torch.float32 or latents.device.type != "cpu" or not plain_norm(norm):
+        if latents.dtype not in (torch.float32, torch.bfloat16) or latents.device.type != "cpu" or not plain_norm(norm):
             return None
         block = self.compiled_decode_block(tokens)
         if block is None:
             return None
-        return mla_block.residual_block(norm.weight.detach().numpy(), norm.eps, block, latents.numpy(),
+        return mla_block.residual_block(norm.weight.detach().numpy(), norm.eps, block, mla_block.pool_array(latents),
                                         self.rotary.inv_freq.numpy(), self.rotary.cfg.cos_sin_scale)
 
     def causal(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
