@@ -214,6 +214,37 @@ def attend_tile(qt, kt, vtile, k0, nk, first_pos, window, group, o, m, s_sum, st
         vm_acc((st[0], st[1], st[2], st[3]), vtile, outs, n, dv)
 
 
+@njit(cache=True, fastmath=True)
+def attend_fp32(q, first, h, group, item_heads, nq, k, k_scales, v, v_scales, lut, slots, lo, hi, first_pos, window,
+                scale2, dv, key_tile, direct, m, s_sum):  # pragma: no cover - compiled
+    """An item in fp32 products: returns its unnormalised outputs o [rows, Dv] (row r = query r // item_heads,
+    query head h * group + r % item_heads), m and s_sum updated; its keys lo..hi in tiles of key_tile, transposed
+    (gather_tile, attend_tile) or, with `direct`, read in place (attend_rows)."""
+    dim, n_rows = q.shape[2], nq * item_heads
+    o = np.zeros((n_rows, dv), np.float32)
+    qt = np.empty((n_rows, dim), np.float32)
+    for r in range(n_rows):
+        for d in range(dim):
+            qt[r, d] = q[first + r // item_heads, h * group + r % item_heads, d] * scale2
+    kt = np.empty((dim, key_tile), np.float32)
+    vtile = np.empty((key_tile, dv), np.float32)
+    vtile_bits = vtile.view(np.uint32)
+    spare = np.empty((3, dv), np.float32)
+    row = np.empty(max(dim, dv), np.float32)
+    row_bits = row.view(np.uint32)
+    st = np.empty((n_rows if direct else 4, key_tile), np.float32)
+    for k0 in range(lo, hi, key_tile):
+        nk = min(key_tile, hi - k0)
+        if direct:
+            attend_rows(qt, k, k_scales, v, v_scales, lut, slots, k0, nk, first_pos + 1, window, group, o, m, s_sum,
+                        st, row, row_bits)
+            continue
+        gather_tile(k, k_scales, lut, slots, k0, nk, h, kt, row[:dim], row_bits[:dim])
+        gather_rows(v, v_scales, lut, slots, k0, nk, h, vtile, vtile_bits)
+        attend_tile(qt, kt, vtile, k0, nk, first_pos, window, group, o, m, s_sum, st, spare)
+    return o
+
+
 @njit(cache=True)
 def _tile_array(rows, cols, dtype):  # pragma: no cover - compiled
     """A zeroed [rows, cols] array starting on a cache line (AMX tile rows must not straddle two lines)."""
@@ -309,9 +340,8 @@ def gqa_attention(q, k, k_scales, v, v_scales, lut, req_to_token, rows, prefix, 
     req_to_token row rows[b]; query blocks (blk_req, blk_q0) of up to `block` queries; `runs` key runs per item,
     whose partial sums go through part_o [runs, N, Hq, Dv] and part_ml [runs, N, Hq, 2] (max, exp-sum) when > 1.
     window > 0: a query sees its last `window` positions only; sinks2 [Hq] (or empty): the sinks in log2 units.
-    An item takes one kv head and its tiles (gather_tile, attend_tile; with `tiles`, AMX-BF16 tiles:
-    attend_bf16_tiles), or with `direct` every kv head, reading each position's K/V rows of all heads (contiguous
-    in the pool) in place (attend_rows)."""
+    An item takes one kv head and its tiles (attend_fp32; with `tiles`, AMX-BF16 tiles: attend_bf16_tiles), or with
+    `direct` every kv head, reading each position's K/V rows of all heads (contiguous in the pool) in place."""
     heads, dim = q.shape[1], q.shape[2]
     kv_heads, dv = k.shape[1], out.shape[2]
     group = heads // kv_heads
@@ -336,27 +366,8 @@ def gqa_attention(q, k, k_scales, v, v_scales, lut, req_to_token, rows, prefix, 
             o = attend_bf16_tiles(q, first, h, group, nq, k, k_scales, v, v_scales, lut, slots, lo, hi, first_pos,
                                   window, scale2, dv, m, s_sum)
         else:
-            o = np.zeros((n_rows, dv), np.float32)
-            qt = np.empty((n_rows, dim), np.float32)  # row r = query r // item_heads, query head h * group + r % item_heads
-            for r in range(n_rows):
-                for d in range(dim):
-                    qt[r, d] = q[first + r // item_heads, h * group + r % item_heads, d] * scale2
-            kt = np.empty((dim, key_tile), np.float32)
-            vtile = np.empty((key_tile, dv), np.float32)
-            vtile_bits = vtile.view(np.uint32)
-            spare = np.empty((3, dv), np.float32)
-            row = np.empty(max(dim, dv), np.float32)
-            row_bits = row.view(np.uint32)
-            st = np.empty((n_rows if direct else 4, key_tile), np.float32)
-            for k0 in range(lo, hi, key_tile):
-                nk = min(key_tile, hi - k0)
-                if direct:
-                    attend_rows(qt, k, k_scales, v, v_scales, lut, slots, k0, nk, first_pos + 1, window, group, o, m,
-                                s_sum, st, row, row_bits)
-                    continue
-                gather_tile(k, k_scales, lut, slots, k0, nk, h, kt, row[:dim], row_bits[:dim])
-                gather_rows(v, v_scales, lut, slots, k0, nk, h, vtile, vtile_bits)
-                attend_tile(qt, kt, vtile, k0, nk, first_pos, window, group, o, m, s_sum, st, spare)
+            o = attend_fp32(q, first, h, group, item_heads, nq, k, k_scales, v, v_scales, lut, slots, lo, hi,
+                            first_pos, window, scale2, dv, key_tile, direct, m, s_sum)
         for r in range(n_rows):
             t, hq = first + r // item_heads, h * group + r % item_heads
             if runs == 1:  # every row saw at least its own position: s_sum > 0
