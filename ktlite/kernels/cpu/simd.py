@@ -81,15 +81,20 @@ def prefetch_ahead(builder, base, off, ahead=PREFETCH_BYTES):
     builder.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
-def hsum(builder, v):
-    """Sum of a float vector's lanes, as a halving tree (extract upper half, add)."""
+def reduce_lanes(builder, v, combine):
+    """combine(a, b) over a float vector's lanes, as a halving tree (the lower half with the upper half)."""
     n = v.type.count
     while n > 1:
         n //= 2
         lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n))))
         hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n, 2 * n))))
-        v = builder.fadd(lo, hi)
+        v = combine(lo, hi)
     return builder.extract_element(v, ir.Constant(I32, 0))
+
+
+def hsum(builder, v):
+    """Sum of a float vector's lanes."""
+    return reduce_lanes(builder, v, builder.fadd)
 
 
 def array_args(context, builder, sig, args, n):
@@ -364,11 +369,5 @@ def exp2_fast(builder, t):
 
 
 def vmax_lanes(builder, v):
-    """The largest lane of an fp32 vector (a halving tree, as hsum)."""
-    n = v.type.count
-    while n > 1:
-        n //= 2
-        low = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n))))
-        high = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n, 2 * n))))
-        v = vmax(builder, low, high)
-    return builder.extract_element(v, ir.Constant(I32, 0))
+    """The largest lane of an fp32 vector."""
+    return reduce_lanes(builder, v, lambda a, b: vmax(builder, a, b))
