@@ -176,9 +176,8 @@ def test_decompressed_extend_over_bf16_values(tiny_v3, monkeypatch: pytest.Monke
     with AMX-BF16 gqa_extend then runs on its tiles, and kv_b_proj's GEMM in bf16 where that is faster). Its
     prefill logits against the absorbed form's over the same pool: within 0.1 (measured 0.06 with fp32 products,
     0.07 on the tiles, of logits up to 4.9: each K / V value rounded to bf16, 2^-9 of it, through this random
-    model's layers; a wiring error, a head or a position off, moves them by their own size). An FP8 pool is
-    not compared so: there each layer's latents are stored as e4m3 (steps of 1/8), and the forms' 0.4 %
-    attention difference moves later layers' stored values by whole steps."""
+    model's layers; a wiring error, a head or a position off, moves them by their own size). An FP8 pool keeps
+    them fp32 (decompressed_dtype's docstring says why)."""
     from test_tensor_parallel import logits_of
 
     from ktlite import Engine

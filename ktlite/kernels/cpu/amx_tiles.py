@@ -640,7 +640,7 @@ def bf16_probabilities(typingctx, st, pb, o, r0, n, lo, hi, width, scale2, m, s_
                 if seen is not None:
                     p = builder.select(seen, p, cvec(VF, 0.0))
                 builder.store(builder.fadd(builder.load(total), p), total)
-                vstore(builder, round_bf16(builder, p), pa.data, builder.add(srow, c))
+                vstore(builder, round_bf16(builder, p, flush_denormals=True), pa.data, builder.add(srow, c))
 
             row_pass(srow, lo_i, hi_i, masked, probabilities)
             s_at = builder.gep(suma.data, [r], inbounds=True)

@@ -192,9 +192,12 @@ def _native_bf16() -> bool:
     return configure_numba().enabled("avx512bf16")
 
 
-def round_bf16(builder, v):
-    """fp32 vector -> bf16 bits, round to nearest even (as torch's .to(bfloat16) for finite values)."""
-    if _native_bf16():
+def round_bf16(builder, v, flush_denormals: bool = False):
+    """fp32 vector -> bf16 bits, round to nearest even (as torch's .to(bfloat16) for finite values). With
+    flush_denormals, CPUs with AVX512-BF16 convert in one instruction (vcvtneps2bf16), which treats denormal inputs
+    as zero: fine for attention's queries and probabilities, not for dequantized weights that must equal torch's
+    bit for bit (an MX scale of 2^-127 makes denormals)."""
+    if flush_denormals and _native_bf16():
         return builder.bitcast(builder.fptrunc(v, _VBF), V16)
     bits = builder.bitcast(v, V32)
     odd = builder.and_(builder.lshr(bits, cvec(V32, 16)), cvec(V32, 1))  # ties go to the even neighbour
@@ -204,8 +207,8 @@ def round_bf16(builder, v):
 
 @intrinsic
 def to_bf16_bits(typingctx, src, dst, n):
-    """dst[:n] = the bf16 bits of src[:n] rounded to nearest even (round_bf16), 16 lanes at a time: n a multiple of
-    16, src fp32 and dst uint16, both 1-D C-contiguous."""
+    """dst[:n] = the bf16 bits of src[:n] rounded to nearest even (round_bf16, denormals possibly flushed to zero),
+    16 lanes at a time: n a multiple of 16, src fp32 and dst uint16, both 1-D C-contiguous."""
     if not (f32_vector(src) and is_vec(dst, types.uint16)):
         return None
     sig = types.void(src, dst, types.int64)
@@ -214,7 +217,7 @@ def to_bf16_bits(typingctx, src, dst, n):
         sp, dp = (context.make_array(t)(context, builder, v).data for t, v in zip(sig.args[:2], args[:2]))
         with cgutils.for_range(builder, builder.lshr(args[2], c64(4))) as loop:
             k = builder.shl(loop.index, c64(4))
-            vstore(builder, round_bf16(builder, vload(builder, sp, k, VF)), dp, k)
+            vstore(builder, round_bf16(builder, vload(builder, sp, k, VF), flush_denormals=True), dp, k)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -35,7 +35,6 @@ from ktlite.kernels.cpu import mla_block
 from ktlite.kernels.cpu.dense_linear import QuantizedHeads
 from ktlite.kernels.cpu.target import bf16_gemm_wins
 from ktlite.kernels.attention import gqa_extend, implementations, mla_decode, mla_extend
-from ktlite.kernels.triton.kv_fp8 import is_packed
 from ktlite.kernels.triton.reference import gather_latents
 from ktlite.runtime.forward_batch import ForwardBatch
 from ktlite.runtime.models.base import Backbone, CausalLM, DecoderLayer
@@ -85,9 +84,12 @@ def decompressed_cheaper(cfg: DeepseekConfig, prefix_lens: list[int], extend_len
 
 
 def decompressed_dtype(latents: torch.Tensor) -> torch.dtype:
-    """dtype of the decompressed K and V: bf16 where the latent pool holds bf16 or FP8 values (a bf16 model's
-    precision; on a CPU with AMX-BF16 the attention then runs on its tiles), else fp32."""
-    return torch.bfloat16 if latents.dtype == torch.bfloat16 or is_packed(latents) else torch.float32
+    """dtype of the decompressed K and V: bf16 where the latent pool is bf16 (a bf16 model's precision; on a CPU
+    with AMX-BF16 the attention then runs on its tiles), else fp32. An FP8 pool keeps them fp32: its attention is
+    then exactly that of an fp32 pool holding the rounded latents, whatever the chunking (tests/test_kv_fp8.py), where
+    bf16 K / V would differ between a long chunk's decompressed form and a short one's absorbed form, and each
+    layer's e4m3 storage (steps of 1/8) magnifies such differences into different tokens."""
+    return torch.bfloat16 if latents.dtype == torch.bfloat16 else torch.float32
 
 
 def compiled_gqa_extend() -> bool:
