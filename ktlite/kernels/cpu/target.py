@@ -121,6 +121,12 @@ def bf16_gemm_wins() -> bool:
     return wins
 
 
+def amx_bf16_cpu() -> bool:
+    """Whether this CPU has AMX-BF16 tiles and Linux grants them (the CPU attention's bf16 tiles run here; the
+    kernels' own check, amx_tiles.AMX_BF16, also needs numba's compile target to have them)."""
+    return "amx_bf16" in cpu_flags() and amx_permitted()
+
+
 # Linux: the AMX tile data state is off until a process asks (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA));
 # a tile instruction before that is SIGILL, so the AMX kernels run only where this returned True
 _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
