@@ -223,7 +223,7 @@ class EngineConfig:
     def torch_kv_dtype(self) -> torch.dtype:
         if self.kv_cache_dtype == "auto":
             if self.dtype == "auto" and self.torch_device.type == "cpu" and amx_bf16_cpu():
-                return torch.bfloat16  # 1.5-2.4x the fp32 pool's prefill at 512-16k tokens (bench/RESULTS.md)
+                return torch.bfloat16  # 1.2-2.1x the fp32 pool's prefill at 512-16k tokens (bench/RESULTS.md)
             return self.torch_dtype
         # fp8_e4m3: 1 byte per value; MLA latents and index keys are packed with scales (kernels/triton/kv_fp8.py)
         return _dtype(self.kv_cache_dtype, "--kv-cache-dtype", {"fp8_e4m3": torch.float8_e4m3fn})
