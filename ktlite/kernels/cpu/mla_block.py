@@ -31,15 +31,10 @@ from ktlite.kernels.triton import forced_torch, use_triton
 
 def runs(h: torch.Tensor, kv: torch.Tensor) -> bool:
     """Whether the compiled block takes a decode batch with normalised input h and latent pool kv: fp32 input and an
-    fp32 or bf16 pool (pool_array) on a CPU device, where neither Triton's interpreter nor KTLITE_FORCE_TORCH_KERNELS
-    claims the attention (use_triton)."""
+    fp32 or bf16 pool (read and written as attention.pool_arrays gives it) on a CPU device, where neither Triton's
+    interpreter nor KTLITE_FORCE_TORCH_KERNELS claims the attention (use_triton)."""
     return (h.device.type == "cpu" and h.dtype == torch.float32 and kv.dtype in (torch.float32, torch.bfloat16)
             and not use_triton(h) and not forced_torch())
-
-
-def pool_array(kv: torch.Tensor) -> np.ndarray:
-    """The latent pool as the block reads and writes it: fp32 rows, or bf16 rows as their uint16 bits."""
-    return kv.view(torch.int16).numpy().view(np.uint16) if kv.dtype == torch.bfloat16 else kv.numpy()
 
 
 def block_weights(q_kv_a: RowWeights, q_a_norm: np.ndarray, q_b: RowWeights, uk: RowWeights, uv: RowWeights,
@@ -57,8 +52,9 @@ def mla_decode_block(h: np.ndarray, block: tuple, kv: np.ndarray, cos: np.ndarra
                      slots: np.ndarray, req_to_token: np.ndarray, rows: np.ndarray,
                      prefix_lens: np.ndarray) -> np.ndarray:
     """h [B, hidden] fp32 (one new token per request, normalised) -> the attention output [B, hidden] before
-    any tensor-parallel reduction; writes the new tokens' latents into kv [slots, kv_lora + rope] (pool_array)
-    at `slots`. block: block_weights; cos / sin [B, rope // 2]; slots, rows, prefix_lens int64 [B]."""
+    any tensor-parallel reduction; writes the new tokens' latents into kv [slots, kv_lora + rope] (fp32, or bf16 as
+    uint16 bits: attention.pool_arrays) at `slots`. block: block_weights; cos / sin [B, rope // 2]; slots, rows,
+    prefix_lens int64 [B]."""
     return device_blocks.mla_attention_rows(h, block, kv, cos, sin, slots, req_to_token, rows, prefix_lens)
 
 
@@ -75,4 +71,4 @@ def residual_block(norm: np.ndarray, eps: float, block: tuple, kv: np.ndarray, i
     return run
 
 
-__all__ = ["RowWeights", "block_weights", "mla_decode_block", "pool_array", "residual_block", "runs"]
+__all__ = ["RowWeights", "block_weights", "mla_decode_block", "residual_block", "runs"]

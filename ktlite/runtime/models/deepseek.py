@@ -28,10 +28,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from ktlite.kernels.cpu import mla_block
+from ktlite.kernels.cpu.attention import pool_arrays
 from ktlite.kernels.cpu.dense_linear import QuantizedHeads
 from ktlite.kernels.cpu.target import bf16_gemm_wins
 from ktlite.kernels.attention import gqa_extend, implementations, mla_decode, mla_extend
@@ -307,9 +309,13 @@ class MLAttention(nn.Module):
         """forward_batch of a decode batch as one compiled call (mla_block; block: compiled_decode_block): the same
         steps from the same stored weights."""
         return torch.from_numpy(mla_block.mla_decode_block(
-            h.contiguous().numpy(), block, mla_block.pool_array(latents), cos.numpy(), sin.numpy(),
-            batch.out_cache_loc.numpy(),
-            req_to_token.numpy(), batch.req_pool_indices.numpy(), batch.prefix_lens.numpy()))
+            h.contiguous().numpy(), block, self.pool_rows(latents), cos.numpy(), sin.numpy(),
+            batch.out_cache_loc.numpy(), req_to_token.numpy(), batch.req_pool_indices.numpy(),
+            batch.prefix_lens.numpy()))
+
+    def pool_rows(self, latents: torch.Tensor) -> np.ndarray | tuple:
+        """This layer's latent pool as the compiled kernels read it in place (attention.pool_arrays)."""
+        return pool_arrays(latents, self.cfg.kv_lora_rank, self.cfg.kv_latent_dim)
 
     def compiled_residual(self, norm: nn.Module, pool, layer_idx: int, tokens: int) -> Callable | None:
         """x + forward_batch(norm(x)) for `tokens` decode tokens as one compiled call on the residual stream x
@@ -321,7 +327,7 @@ class MLAttention(nn.Module):
         block = self.compiled_decode_block(tokens)
         if block is None:
             return None
-        return mla_block.residual_block(norm.weight.detach().numpy(), norm.eps, block, mla_block.pool_array(latents),
+        return mla_block.residual_block(norm.weight.detach().numpy(), norm.eps, block, self.pool_rows(latents),
                                         self.rotary.inv_freq.numpy(), self.rotary.cfg.cos_sin_scale)
 
     def causal(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
