@@ -117,13 +117,13 @@ def test_tiny_v3_engine_same_as_twins(tiny_v3, kv_dtype: str, monkeypatch: pytes
     prefill logits within 1e-4 over an fp32 pool. Over a bf16 or FP8 pool a 1e-6 difference in a layer's
     output can move a later layer's stored latent across a rounding boundary (one bf16 ulp is 2^-8 of it:
     measured 3e-3 in the logits): 1e-2 there. The prompts' prefill runs decompressed (gqa_extend) with fp32
-    products here: the AMX-BF16 tiles' bf16 products are test_decompressed_extend_over_bf16_values' case."""
+    products here: the bf16 block products are test_decompressed_extend_over_bf16_values' case."""
     from test_tensor_parallel import logits_of
 
     from ktlite import Engine
     from ktlite.kernels.cpu import gqa_attention
 
-    monkeypatch.setattr(gqa_attention, "bf16_tiles", lambda k_buffer: False)
+    monkeypatch.setattr(gqa_attention, "pool_products", lambda k_buffer: gqa_attention.FP32_PRODUCTS)
 
     flags = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 256, "chunked_prefill_size": 16,
              "gpu_memory": "1GiB", "max_running_requests": 4, "disable_radix_cache": True,
@@ -173,8 +173,8 @@ def test_decompressed_extend_equals_absorbed(tiny_v3, dense, monkeypatch: pytest
 
 def test_decompressed_extend_over_bf16_values(tiny_v3, monkeypatch: pytest.MonkeyPatch) -> None:
     """Over a bf16 latent pool the decompressed form's K and V are bf16 (deepseek.decompressed_dtype; on a CPU
-    with AMX-BF16 gqa_extend then runs on its tiles, and kv_b_proj's GEMM in bf16 where that is faster). Its
-    prefill logits against the absorbed form's over the same pool: within 0.1 (measured 0.06 with fp32 products,
+    with AMX-BF16 or AVX512-BF16 gqa_extend then runs in bf16 products, and kv_b_proj's GEMM in bf16 where that is
+    faster). Its prefill logits against the absorbed form's over the same pool: within 0.1 (measured 0.06 with fp32 products,
     0.07 on the tiles, of logits up to 4.9: each K / V value rounded to bf16, 2^-9 of it, through this random
     model's layers; a wiring error, a head or a position off, moves them by their own size). An FP8 pool keeps
     them fp32 (decompressed_dtype's docstring says why)."""

@@ -19,7 +19,7 @@ import torch
 from ktlite.config import EngineConfig
 from ktlite.machine import cpu_flags
 from ktlite.errors import ConfigError
-from ktlite.kernels.cpu import activations, amx_kernels, amx_tiles, int8_dots, linear_kernels, moe_kernels
+from ktlite.kernels.cpu import activations, amx_kernels, amx_tiles, dense_linear, int8_dots, linear_kernels, moe_kernels
 from ktlite.kernels.cpu import moe as moe_module
 from ktlite.kernels.cpu.dense_linear import QuantizedHeads, QuantizedLinear
 from ktlite.kernels.cpu.moe import AMX_MIN_TOKENS, CPUMoE
@@ -85,8 +85,14 @@ def test_tiles_dot_the_quantized_activations(tiles, method, group, tokens):
     assert relative_error(_linear_rows_q8(qw, x), want) < 1e-6
 
 
+@pytest.mark.parametrize("bf16_wins", [True, False], ids=["bf16_gemm_wins", "fp32_gemm_wins"])
 @pytest.mark.parametrize("method", ["INT4", "INT8"])
-def test_quantized_linear_int8_activations(method):
+def test_quantized_linear_int8_activations(method, bf16_wins, monkeypatch):
+    """int8 activations in the row dots; past them the matmul path multiplies fp32 inputs in bf16 where oneDNN's
+    bf16 GEMM wins (dense_linear.QuantizedHeads.matmul_dtype: x, W and the output each rounded to bf16, 2^-9 of
+    themselves at most), in fp32 elsewhere and for a layer without int8 activations (the exact choice). Both CPUs
+    are stood in for (target.bf16_gemm_wins), whichever this one is."""
+    monkeypatch.setattr(dense_linear, "bf16_gemm_wins", lambda: bf16_wins)
     layer = torch.nn.Linear(200, 64).requires_grad_(False)
     q8 = QuantizedLinear.from_linear(layer, method, 64, int8_activations=True)
     exact = QuantizedLinear.from_linear(layer, method, 64)
@@ -95,9 +101,20 @@ def test_quantized_linear_int8_activations(method):
     want = int8_activation_values(x) @ q8.dequantized().double().T + layer.bias.double()
     assert relative_error(q8(x), want) < 1e-6
     assert relative_error(q8(x), exact(x)) < 0.01
-    big = torch.randn(q8.gemm_tokens[torch.float32], 200)  # the matmul path stays fp32: int8 is for the row dots
-    assert relative_error(q8(big), exact(big)) < 1e-6
     assert q8.gemm_tokens[torch.float32] > exact.gemm_tokens[torch.float32]  # the integer dots win for longer
+    big = torch.randn(q8.gemm_tokens[torch.float32], 200)  # the matmul path
+    assert exact.matmul_dtype(big) == torch.float32
+    assert q8.matmul_dtype(big) == (torch.bfloat16 if bf16_wins else torch.float32)
+    got = q8(big)
+    assert got.dtype == torch.float32
+    if not bf16_wins:
+        assert relative_error(got, exact(big)) < 1e-6
+        return
+    w = q8.dequantized().double()
+    products = big.bfloat16().double() @ w.T  # bf16 x; each W rounded by <= 2^-9, the output by 2^-9 once more
+    bound = 2**-8 * (big.double().abs() @ w.abs().T + products.abs()) + 1e-6
+    assert bool(((got.double() - layer.bias.double() - products).abs() <= bound).all())
+    assert relative_error(got, exact(big)) > 1e-6  # it did run in bf16
 
 
 def _moe_reference(moe: CPUMoE, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,

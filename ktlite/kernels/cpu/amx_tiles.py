@@ -1,10 +1,8 @@
 """The AMX tile machinery (CPUs with AMX-INT8): `amx_block_dot` / `amx_folded_block_dot`, numba intrinsics that
 configure the tiles and multiply blocks of 32 weight rows by tiles of 16 tokens' int8 activations, the vector
 helpers that turn the tiles' sums into rows (`transpose_sums`, `tile_into_rows`), and `AMX`: whether this process
-may run them (target.amx_permitted). The kernels that drive them (moe_amx, linear_amx) are amx_kernels.py.
-For attention on AMX-BF16 (gqa_attention.attend_bf16_tiles): `amx_bf16_scores` / `amx_bf16_values` (2 x 2 tiles of
-fp32 sums from bf16 operands in the same 16 x 64-byte tile shapes), `bf16_probabilities` (the online softmax between
-them, in vectors) and `interleave_rows` (two keys' values as one VNNI row); `AMX_BF16` says whether they run.
+may run them (target.amx_permitted). The kernels that drive them (moe_amx, linear_amx) are amx_kernels.py; the
+attention's bf16 tiles (bf16_blocks.py) reuse the tile configuration and operations here.
 """
 
 from __future__ import annotations
@@ -55,7 +53,7 @@ SUMS_TILES = max(AMX_TOKEN_TILES, FOLDED_TOKEN_TILES, INT8_TOKEN_TILES)  # activ
 # (32 tiles of 7168 x 16 bytes, 3.6 MB) took 5x its time at 128 with all tiles at once.
 AMX_TILE_BYTES = 1 << 20
 # INT4 (2 x 2): tmm0-3 sums, tmm4/5 the two weight tiles, tmm6/7 the two activation tiles; INT8: tmm0 / 4 / 6
-_TMM_SUMS, _TMM_W, _TMM_X = 0, 4, 6
+TMM_SUMS, TMM_W, TMM_X = 0, 4, 6
 
 
 def amx_in_hardware() -> bool:
@@ -63,7 +61,7 @@ def amx_in_hardware() -> bool:
     return configure_numba().enabled("amx-int8") and amx_permitted()
 
 
-def _tile_op(builder, name, *args):
+def tile_op(builder, name, *args):
     llvm_call(builder, f"llvm.x86.{name}", ir.VoidType(), [ir.Constant(I8, a) if isinstance(a, int) else a for a in args])
 
 
@@ -75,7 +73,7 @@ def _tile_buffer(builder, size):
     return buf
 
 
-def _tile_config(builder):
+def tile_config(builder):
     """ldtilecfg for tmm0-7, each 16 rows x 64 bytes (int32 sums of 16 x 16, or 16 x 64 int8 operands)."""
     cfg = cgutils.alloca_once(builder, ir.ArrayType(I8, 64))
     cfg.align = 64
@@ -84,7 +82,7 @@ def _tile_config(builder):
     for t in range(8):
         builder.store(ir.Constant(I16, 64), builder.bitcast(builder.gep(ptr, [c64(16 + 2 * t)]), I16.as_pointer()))
         builder.store(ir.Constant(I8, AMX_ROWS), builder.gep(ptr, [c64(48 + t)]))
-    _tile_op(builder, "ldtilecfg", ptr)
+    tile_op(builder, "ldtilecfg", ptr)
 
 
 class _BlockArgs:
@@ -209,19 +207,19 @@ def _int4_block_dot(builder, a: _BlockArgs):
             op = builder.gep(a.outa.data, [c64(j * AMX_BLOCK_ROWS * AMX_ROWS)])
             for i in range(AMX_BLOCK_ROWS):
                 vstore(builder, cvec(VF, 0.0), op, c64(16 * i))
-    _tile_config(builder)
+    tile_config(builder)
     for j, used in enumerate(a.used):
         with builder.if_then(used):
-            _tile_op(builder, "tilezero", 2 * j)
-            _tile_op(builder, "tilezero", 2 * j + 1)
+            tile_op(builder, "tilezero", 2 * j)
+            tile_op(builder, "tilezero", 2 * j + 1)
 
     def flush(g):  # the sums of group g, scaled, into out; sums zeroed
         for j, used in enumerate(a.used):
             with builder.if_then(used):
                 for w in range(2):
-                    _tile_op(builder, "tilestored64", 2 * j + w, builder.gep(sums, [c64(1024 * (2 * j + w))]),
+                    tile_op(builder, "tilestored64", 2 * j + w, builder.gep(sums, [c64(1024 * (2 * j + w))]),
                              c64(64))
-                    _tile_op(builder, "tilezero", 2 * j + w)
+                    tile_op(builder, "tilezero", 2 * j + w)
 
         def scale(n_tiles):  # rows outer: one weight-scale broadcast live at a time (all 32 at once spilled)
             xds = [vload(builder, xdp, builder.shl(g, c64(4)), VF) for xdp in a.xd[:n_tiles]]
@@ -241,12 +239,12 @@ def _int4_block_dot(builder, a: _BlockArgs):
 
     def step(weights, k):  # weight tiles at weights[0], weights[1] (weights k..k + 63) x activation tiles
         for w, wp in enumerate(weights):
-            _tile_op(builder, "tileloadd64", _TMM_W + w, wp, c64(128))
+            tile_op(builder, "tileloadd64", TMM_W + w, wp, c64(128))
         for j, used in enumerate(a.used):
             with builder.if_then(used):
-                _tile_op(builder, "tileloadd64", _TMM_X + j, builder.gep(a.x[j], [builder.shl(k, c64(4))]), c64(64))
+                tile_op(builder, "tileloadd64", TMM_X + j, builder.gep(a.x[j], [builder.shl(k, c64(4))]), c64(64))
                 for w in range(2):
-                    _tile_op(builder, "tdpbssd", 2 * j + w, _TMM_W + w, _TMM_X + j)
+                    tile_op(builder, "tdpbssd", 2 * j + w, TMM_W + w, TMM_X + j)
         with builder.if_then(a.group_ends(builder, k)):
             flush(builder.lshr(k, a.gs))
 
@@ -261,7 +259,7 @@ def _int4_block_dot(builder, a: _BlockArgs):
         for half in range(2):
             step([builder.gep(unpacked, [c64(64 * half + 128 * AMX_ROWS * w)]) for w in range(2)],
                  builder.add(k0, c64(64 * half)))
-    _tile_op(builder, "tilerelease")
+    tile_op(builder, "tilerelease")
 
 
 def _int4_folded_dot(builder, a: _BlockArgs, multiples):
@@ -273,12 +271,12 @@ def _int4_folded_dot(builder, a: _BlockArgs, multiples):
     unpacked = builder.bitcast(_tile_buffer(builder, AMX_ROWS * 128), bp)
     tables = _times_m_tables(builder)
     n_groups = cgutils.unpack_tuple(builder, multiples.shape)[1]
-    _tile_config(builder)
+    tile_config(builder)
     for w in range(AMX_BLOCK_ROWS // AMX_ROWS):
         rows = range(AMX_ROWS * w, AMX_ROWS * (w + 1))
         for j, used in enumerate(a.used):
             with builder.if_then(used):
-                _tile_op(builder, "tilezero", j)
+                tile_op(builder, "tilezero", j)
 
         def times_m(i, half, nibbles):
             g = builder.lshr(builder.add(k0, c64(64 * half)), a.gs)
@@ -295,17 +293,17 @@ def _int4_folded_dot(builder, a: _BlockArgs, multiples):
             _unpack_int4(builder, a, rows, loop.index, unpacked, times_m)
             for half in range(2):
                 k = builder.add(k0, c64(64 * half))
-                _tile_op(builder, "tileloadd64", _TMM_W + half, builder.gep(unpacked, [c64(64 * half)]), c64(128))
+                tile_op(builder, "tileloadd64", TMM_W + half, builder.gep(unpacked, [c64(64 * half)]), c64(128))
                 for j, used in enumerate(a.used):
                     with builder.if_then(used):
-                        x = _TMM_X + (2 * half + j) % 2
-                        _tile_op(builder, "tileloadd64", x, builder.gep(a.x[j], [builder.shl(k, c64(4))]), c64(64))
-                        _tile_op(builder, "tdpbssd", j, _TMM_W + half, x)
+                        x = TMM_X + (2 * half + j) % 2
+                        tile_op(builder, "tileloadd64", x, builder.gep(a.x[j], [builder.shl(k, c64(4))]), c64(64))
+                        tile_op(builder, "tdpbssd", j, TMM_W + half, x)
         for j, used in enumerate(a.used):  # out[j, row] = sums x step of the row x the tokens' scales
             with builder.if_then(used):
-                _tile_op(builder, "tilestored64", j, sums, c64(64))
+                tile_op(builder, "tilestored64", j, sums, c64(64))
                 _scaled_into_out(builder, a, sums, rows, j, c64(0), False)
-    _tile_op(builder, "tilerelease")
+    tile_op(builder, "tilerelease")
 
 
 def _scaled_into_out(builder, a: _BlockArgs, sums, rows: range, j: int, g, add: bool) -> None:
@@ -332,30 +330,30 @@ def _int8_tiles_dot(builder, a: _BlockArgs):
         with builder.if_then(used):
             for i in range(AMX_BLOCK_ROWS):
                 vstore(builder, cvec(VF, 0.0), a.outa.data, c64(j * AMX_BLOCK_ROWS * AMX_ROWS + AMX_ROWS * i))
-    _tile_config(builder)
+    tile_config(builder)
     for w in range(AMX_BLOCK_ROWS // AMX_ROWS):
         rows = builder.gep(a.qbase, [builder.mul(a.nb, c64(AMX_ROWS * w))])
         for j, used in enumerate(a.used):
             with builder.if_then(used):
-                _tile_op(builder, "tilezero", j)
+                tile_op(builder, "tilezero", j)
 
         def step(weights, stride, k):
-            _tile_op(builder, "tileloadd64", _TMM_W, weights, stride)
+            tile_op(builder, "tileloadd64", TMM_W, weights, stride)
             for j, used in enumerate(a.used):
                 with builder.if_then(used):
-                    x = _TMM_X + j % 2
-                    _tile_op(builder, "tileloadd64", x, builder.gep(a.x[j], [builder.shl(k, c64(4))]), c64(64))
-                    _tile_op(builder, "tdpbssd", j, _TMM_W, x)
+                    x = TMM_X + j % 2
+                    tile_op(builder, "tileloadd64", x, builder.gep(a.x[j], [builder.shl(k, c64(4))]), c64(64))
+                    tile_op(builder, "tdpbssd", j, TMM_W, x)
             with builder.if_then(a.group_ends(builder, k)):
                 for j, used in enumerate(a.used):
                     with builder.if_then(used):
-                        _tile_op(builder, "tilestored64", j, sums, c64(64))
-                        _tile_op(builder, "tilezero", j)
+                        tile_op(builder, "tilestored64", j, sums, c64(64))
+                        tile_op(builder, "tilezero", j)
                         _scaled_into_out(builder, a, sums, range(AMX_ROWS * w, AMX_ROWS * (w + 1)), j,
                                          builder.lshr(k, a.gs), True)
 
         _int8_row_steps(builder, a, rows, aligned, copied, step, True)
-    _tile_op(builder, "tilerelease")
+    tile_op(builder, "tilerelease")
 
 
 def _int8_row_steps(builder, a: _BlockArgs, rows, aligned, copied, step, prefetch: bool) -> None:
@@ -386,8 +384,8 @@ def _int8_block_dot(builder, a: _BlockArgs):
     copied = builder.bitcast(_tile_buffer(builder, AMX_ROWS * 64), bp)
     aligned = builder.icmp_unsigned("==", builder.and_(builder.ptrtoint(a.qbase, I64), c64(63)), c64(0))
     accs = [cgutils.alloca_once(builder, VF) for _ in range(AMX_ROWS)]  # registers after mem2reg
-    _tile_config(builder)
-    _tile_op(builder, "tilezero", _TMM_SUMS)
+    tile_config(builder)
+    tile_op(builder, "tilezero", TMM_SUMS)
     for half in range(AMX_BLOCK_ROWS // AMX_ROWS):
         rows = builder.gep(a.qbase, [builder.mul(a.nb, c64(AMX_ROWS * half))])
         for j, used in enumerate(a.used):
@@ -396,12 +394,12 @@ def _int8_block_dot(builder, a: _BlockArgs):
                     builder.store(cvec(VF, 0.0), acc)
 
                 def step(weights, stride, k):  # weights k..k + 63 of the 16 rows x activation tile j
-                    _tile_op(builder, "tileloadd64", _TMM_W, weights, stride)
-                    _tile_op(builder, "tileloadd64", _TMM_X, builder.gep(a.x[j], [builder.shl(k, c64(4))]), c64(64))
-                    _tile_op(builder, "tdpbssd", _TMM_SUMS, _TMM_W, _TMM_X)
+                    tile_op(builder, "tileloadd64", TMM_W, weights, stride)
+                    tile_op(builder, "tileloadd64", TMM_X, builder.gep(a.x[j], [builder.shl(k, c64(4))]), c64(64))
+                    tile_op(builder, "tdpbssd", TMM_SUMS, TMM_W, TMM_X)
                     with builder.if_then(a.group_ends(builder, k)):
-                        _tile_op(builder, "tilestored64", _TMM_SUMS, sums, c64(64))
-                        _tile_op(builder, "tilezero", _TMM_SUMS)
+                        tile_op(builder, "tilestored64", TMM_SUMS, sums, c64(64))
+                        tile_op(builder, "tilezero", TMM_SUMS)
                         g = builder.lshr(k, a.gs)
                         xd = vload(builder, a.xd[j], builder.shl(g, c64(4)), VF)
                         for i, acc in enumerate(accs):
@@ -415,7 +413,7 @@ def _int8_block_dot(builder, a: _BlockArgs):
                 op = builder.gep(a.outa.data, [c64(j * AMX_BLOCK_ROWS * AMX_ROWS + AMX_ROWS * AMX_ROWS * half)])
                 for i, acc in enumerate(accs):
                     vstore(builder, builder.load(acc), op, c64(16 * i))
-    _tile_op(builder, "tilerelease")
+    tile_op(builder, "tilerelease")
 
 
 # perfect-shuffle masks: lane 2i of a row pair's interleave is row a's lane i (+ 8 for the upper half), 2i + 1 row b's
@@ -490,209 +488,5 @@ def tile_into_rows(typingctx, by_token, dst, rows, p0, n, w, col0, skip):
 
     return sig, codegen
 
-def bf16_tiles_in_hardware() -> bool:
-    """Whether AMX-BF16 tiles run here: the compile target has AMX-BF16 and the OS granted the tile state."""
-    return configure_numba().enabled("amx-bf16") and amx_permitted()
-
-
-def _bf16_tile_args(q, kt, out) -> bool:
-    return all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == d
-               for a, d in ((q, types.uint16), (kt, types.uint16), (out, types.float32)))
-
-
-def _byte_rows(context, builder, ty, val, row0, col0):
-    """(address of element [row0, col0] as bytes, row stride in bytes) of a 2-D C-contiguous array."""
-    arr = context.make_array(ty)(context, builder, val)
-    item = context.get_abi_sizeof(context.get_data_type(ty.dtype))
-    stride = builder.mul(cgutils.unpack_tuple(builder, arr.shape)[1], c64(item))
-    at = builder.add(builder.mul(row0, stride), builder.mul(col0, c64(item)))
-    return builder.gep(builder.bitcast(arr.data, I8.as_pointer()), [at], inbounds=True), stride
-
-
-def _bf16_tile_block(builder, a_rows, a_stride, b_rows, b_stride, c_rows, c_stride, steps, load_sums) -> None:
-    """C (2 x 2 tiles of 16 x 16 fp32 at c_rows: rows 16 i, columns 16 j) += A (two tiles of 16 rows x 32 bf16, the
-    step's 64 bytes of each row at a_rows + 16 i rows) x B (two VNNI tiles: 16 rows of value pairs, 16 columns, at
-    b_rows + 64 j bytes) for each 64-byte step of A, B's rows 16 a step: tmm0-3 the sums (loaded from C, or zero),
-    tmm4/5 A, tmm6/7 B, each tile loaded once a step for two multiplies."""
-    _tile_config(builder)
-    for i in range(2):
-        for j in range(2):
-            at = builder.gep(c_rows, [builder.add(builder.mul(c64(16 * i), c_stride), c64(64 * j))])
-            if load_sums:
-                _tile_op(builder, "tileloadd64", 2 * i + j, at, c_stride)
-            else:
-                _tile_op(builder, "tilezero", 2 * i + j)
-    with cgutils.for_range(builder, steps) as loop:
-        for i in range(2):
-            a_at = builder.add(builder.mul(c64(16 * i), a_stride), builder.shl(loop.index, c64(6)))
-            _tile_op(builder, "tileloadd64", _TMM_W + i, builder.gep(a_rows, [a_at]), a_stride)
-        for j in range(2):
-            b_at = builder.add(builder.mul(builder.shl(loop.index, c64(4)), b_stride), c64(64 * j))
-            _tile_op(builder, "tileloadd64", _TMM_X + j, builder.gep(b_rows, [b_at]), b_stride)
-        for i in range(2):
-            for j in range(2):
-                _tile_op(builder, "tdpbf16ps", 2 * i + j, _TMM_W + i, _TMM_X + j)
-    for i in range(2):
-        for j in range(2):
-            at = builder.gep(c_rows, [builder.add(builder.mul(c64(16 * i), c_stride), c64(64 * j))])
-            _tile_op(builder, "tilestored64", 2 * i + j, at, c_stride)
-    _tile_op(builder, "tilerelease")
-
-
-@intrinsic
-def amx_bf16_scores(typingctx, q, r0, kt, c0, steps, st):
-    """st[i, c0 + c] = q[r0 + i] . key c0 + c for i, c < 32 (two row tiles x two key tiles of 16), over 32 steps
-    dims: q [rows, 32 steps] bf16 bits, kt [dims / 2, 2 KB] the keys in AMX's VNNI layout (row d holds dims 2d, 2d + 1
-    of every key, key c at columns 2c, 2c + 1), st [32, KB] fp32. Emits nothing where the compile target has no
-    AMX-BF16 (callers check bf16_tiles_in_hardware)."""
-    if not _bf16_tile_args(q, kt, st):
-        return None
-    sig = types.void(q, types.int64, kt, types.int64, types.int64, st)
-
-    def codegen(context, builder, sig, args):
-        if configure_numba().enabled("amx-bf16"):
-            a_rows, a_stride = _byte_rows(context, builder, sig.args[0], args[0], args[1], c64(0))
-            b_rows, b_stride = _byte_rows(context, builder, sig.args[2], args[2], c64(0), builder.shl(args[3], c64(1)))
-            c_rows, c_stride = _byte_rows(context, builder, sig.args[5], args[5], c64(0), args[3])
-            _bf16_tile_block(builder, a_rows, a_stride, b_rows, b_stride, c_rows, c_stride, args[4], False)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def amx_bf16_values(typingctx, p, vv, c0, steps, o, r0):
-    """o[r0 + i, c0 + e] += sum over keys k < 32 steps of p[i, k] * value e of key k, for i, e < 32: p [32, KB] the
-    probabilities as bf16 bits, vv [KB / 2, 2 Dv] the values in VNNI layout (row k holds keys 2k, 2k + 1: dim e at
-    columns 2e, 2e + 1), o [rows, Dv] fp32, loaded into the tiles and stored back. Emits nothing where the compile
-    target has no AMX-BF16."""
-    if not _bf16_tile_args(p, vv, o):
-        return None
-    sig = types.void(p, vv, types.int64, types.int64, o, types.int64)
-
-    def codegen(context, builder, sig, args):
-        if configure_numba().enabled("amx-bf16"):
-            a_rows, a_stride = _byte_rows(context, builder, sig.args[0], args[0], c64(0), c64(0))
-            b_rows, b_stride = _byte_rows(context, builder, sig.args[1], args[1], c64(0), builder.shl(args[2], c64(1)))
-            c_rows, c_stride = _byte_rows(context, builder, sig.args[4], args[4], args[5], args[2])
-            _bf16_tile_block(builder, a_rows, a_stride, b_rows, b_stride, c_rows, c_stride, args[3], True)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def bf16_probabilities(typingctx, st, pb, o, r0, n, lo, hi, width, scale2, m, s_sum):
-    """The online-softmax step of up to 32 rows over one block of scores (amx_bf16_scores' st [32, KB]): row i < n
-    (row r0 + i of o, m, s_sum) sees the block's keys lo[i] <= c < hi[i] of the first `width` (a multiple of 16);
-    its scores times scale2 (> 0; log2 units) give its new max, the factor alpha = 2^(old max - new max) by which
-    its exp-sum and its output row o[r0 + i] are rescaled, and its probabilities 2^(scaled score - max), whose sum
-    joins s_sum and whose bf16 bits (round_bf16) go to pb[i, :width] (zeros outside lo..hi, and for rows i >= n or
-    rows that see none of the block). Per row one pass of 16-lane vectors for the max of the raw scores (scale2 > 0
-    keeps the order) and one for the exponentials (one FMA scales and shifts a score; exp2_fast); lanes are masked
-    only in rows that do not see the whole width. numba's loops around simd.row_max / exp2_sum spent ~6 cycles a
-    score on slicing and scalar exp2."""
-    arrays = ((st, types.float32, 2), (pb, types.uint16, 2), (o, types.float32, 2), (lo, types.int64, 1),
-              (hi, types.int64, 1), (m, types.float32, 1), (s_sum, types.float32, 1))
-    if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == d and a.ndim == k for a, d, k in arrays):
-        return None
-    sig = types.void(st, pb, o, types.int64, types.int64, lo, hi, types.int64, types.float32, m, s_sum)
-
-    def codegen(context, builder, sig, args):
-        sa, pa, oa, loa, hia, ma, suma = (context.make_array(sig.args[i])(context, builder, args[i])
-                                          for i in (0, 1, 2, 5, 6, 9, 10))
-        r0, n, width, scale = args[3], args[4], args[7], args[8]
-        kb = cgutils.unpack_tuple(builder, sa.shape)[1]
-        dv = cgutils.unpack_tuple(builder, oa.shape)[1]
-        chunks = builder.lshr(width, c64(4))
-        lanes_ty = ir.VectorType(I64, LANES)
-        lane_ids = ir.Constant(lanes_ty, list(range(LANES)))
-        none = cvec(VF, -1e30)
-
-        def row_pass(srow, lo_i, hi_i, masked: bool, body):  # body(chunk offset, scores, lanes seen or None)
-            with cgutils.for_range(builder, chunks) as loop:
-                c = builder.shl(loop.index, c64(4))
-                seen = None
-                if masked:
-                    idx = builder.add(lane_ids, splat(builder, c, lanes_ty))
-                    seen = builder.and_(builder.icmp_signed(">=", idx, splat(builder, lo_i, lanes_ty)),
-                                        builder.icmp_signed("<", idx, splat(builder, hi_i, lanes_ty)))
-                body(c, vload(builder, sa.data, builder.add(srow, c), VF), seen)
-
-        def softmax_row(i, srow, lo_i, hi_i, masked: bool):
-            r = builder.add(r0, i)
-            top = cgutils.alloca_once_value(builder, none)
-
-            def max_of(c, v, seen):
-                builder.store(vmax(builder, builder.load(top), v if seen is None else builder.select(seen, v, none)),
-                              top)
-
-            row_pass(srow, lo_i, hi_i, masked, max_of)
-            old = load_at(builder, ma.data, r)
-            new = vmax(builder, old, builder.fmul(vmax_lanes(builder, builder.load(top)), scale))
-            alpha = builder.extract_element(exp2_fast(builder, splat(builder, builder.fsub(old, new))),
-                                            ir.Constant(I32, 0))
-            total = cgutils.alloca_once_value(builder, cvec(VF, 0.0))
-            scale_v, shift = splat(builder, scale), splat(builder, builder.fneg(new))
-
-            def probabilities(c, v, seen):
-                p = exp2_fast(builder, vfma(builder, v, scale_v, shift))
-                if seen is not None:
-                    p = builder.select(seen, p, cvec(VF, 0.0))
-                builder.store(builder.fadd(builder.load(total), p), total)
-                vstore(builder, round_bf16(builder, p, flush_denormals=True), pa.data, builder.add(srow, c))
-
-            row_pass(srow, lo_i, hi_i, masked, probabilities)
-            s_at = builder.gep(suma.data, [r], inbounds=True)
-            builder.store(builder.fadd(builder.fmul(builder.load(s_at), alpha), hsum(builder, builder.load(total))),
-                          s_at)
-            builder.store(new, builder.gep(ma.data, [r], inbounds=True))
-            with builder.if_then(builder.fcmp_ordered("!=", alpha, ir.Constant(F32, 1.0))):
-                a_v, orow = splat(builder, alpha), builder.mul(r, dv)
-                with cgutils.for_range(builder, builder.lshr(dv, c64(4))) as loop:
-                    at = builder.add(orow, builder.shl(loop.index, c64(4)))
-                    vstore(builder, builder.fmul(vload(builder, oa.data, at, VF), a_v), oa.data, at)
-
-        with cgutils.for_range(builder, c64(32)) as rows:
-            i = rows.index
-            srow = builder.mul(i, kb)  # the row's offset in st and in pb (same shape)
-            lo_i, hi_i = load_at(builder, loa.data, i), load_at(builder, hia.data, i)
-            live = builder.and_(builder.icmp_signed("<", i, n), builder.icmp_signed("<", lo_i, hi_i))
-            whole = builder.and_(builder.icmp_signed("<=", lo_i, c64(0)), builder.icmp_signed(">=", hi_i, width))
-            with builder.if_else(live) as (sees, blank):
-                with blank:
-                    with cgutils.for_range(builder, chunks) as loop:
-                        vstore(builder, cvec(V16, 0), pa.data, builder.add(srow, builder.shl(loop.index, c64(4))))
-                with sees:
-                    with builder.if_else(whole) as (full, part):
-                        with full:
-                            softmax_row(i, srow, lo_i, hi_i, False)
-                        with part:
-                            softmax_row(i, srow, lo_i, hi_i, True)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def interleave_rows(typingctx, a, b, out, n):
-    """out[2 e] = a[e], out[2 e + 1] = b[e] for e < n (a multiple of 32; uint16, 1-D C-contiguous): two keys' value
-    rows as one row of AMX's VNNI layout for P @ V."""
-    if not (is_vec(a, types.uint16) and is_vec(b, types.uint16) and is_vec(out, types.uint16)):
-        return None
-    sig = types.void(a, b, out, types.int64)
-    pairs = ir.Constant(ir.VectorType(I32, 64), [k // 2 + 32 * (k % 2) for k in range(64)])
-
-    def codegen(context, builder, sig, args):
-        ap, bp, op = (context.make_array(t)(context, builder, v).data for t, v in zip(sig.args[:3], args[:3]))
-        with cgutils.for_range(builder, builder.lshr(args[3], c64(5))) as loop:
-            e = builder.shl(loop.index, c64(5))
-            va, vb = vload(builder, ap, e, W32), vload(builder, bp, e, W32)
-            vstore(builder, builder.shuffle_vector(va, vb, pairs), op, builder.shl(e, c64(1)))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
 
 AMX = amx_in_hardware()
-AMX_BF16 = bf16_tiles_in_hardware()

@@ -14,7 +14,8 @@ same, one matrix shared by T tokens):
   per weight group, the row dots per 32 values, and the row dots' results do not depend on how many tokens share
   the call (a prompt's tokens, one decode token), which greedy outputs across prefix-cache hits rely on;
 - more tokens (prefill): gemm.stored_matmul dequantizes tiles of at most TILE_WEIGHTS weights (into bf16
-  for bf16 x where oneDNN's bf16 GEMM beats its fp32 one, else fp32) and multiplies with torch (oneDNN),
+  where oneDNN's bf16 GEMM beats its fp32 one, for bf16 x and, with int8 activations, fp32 x; else fp32:
+  QuantizedHeads.matmul_dtype) and multiplies with torch (oneDNN),
   several times faster per token than the kernel's fp32 row dots once the dequantization is shared by
   enough tokens.
 
@@ -54,12 +55,6 @@ AMX_FP32_GEMM_TOKENS = 4096
 # one stored matrix stack as the row-dot kernel takes it (QuantizedHeads.row_weights, linear_kernels.project_rows):
 # (qweight [G, N, ·], scales [G, N, ·], group_shift, kp, q8)
 RowWeights = tuple[np.ndarray, np.ndarray, int, int, bool]
-
-
-def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
-    """What the matmul path dequantizes into: bf16 for bf16 input where oneDNN's bf16 GEMM beats its fp32 one
-    (target.bf16_gemm_wins), else fp32."""
-    return torch.bfloat16 if x.dtype == torch.bfloat16 and bf16_gemm_wins() else torch.float32
 
 
 class _Scratch:
@@ -159,10 +154,17 @@ class QuantizedHeads(nn.Module):
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, G, K] -> [T, G, N] in x's dtype, by the path that wins at T tokens."""
-        dtype = _matmul_dtype(x)
+        dtype = torch.bfloat16 if x.dtype == torch.bfloat16 and bf16_gemm_wins() else torch.float32
         if x.shape[0] < self.rows_tokens[dtype]:
             return self._rows(x)
-        return self._amx(x) if x.shape[0] < self.gemm_tokens[dtype] else self._matmul(x, dtype)
+        return self._amx(x) if x.shape[0] < self.gemm_tokens[dtype] else self._matmul(x, self.matmul_dtype(x))
+
+    def matmul_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """What the matmul path dequantizes into and multiplies in: bf16 where oneDNN's bf16 GEMM beats its fp32
+        one (target.bf16_gemm_wins) for bf16 inputs, and for fp32 ones where this layer dots int8 activations (its
+        row dots quantize x to 8 bits; bf16 rounds x and W by at most 2^-9: a CPU-only prefill's dense layers ran
+        4-5x slower in fp32 on a Zen 5, 130 against 400-670 GFLOP/s), else fp32 (the exact choice)."""
+        return torch.bfloat16 if (x.dtype == torch.bfloat16 or self._q8) and bf16_gemm_wins() else torch.float32
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """Few tokens: the row-dot kernel on x in fp32 (it pads x to the stored row length itself)."""

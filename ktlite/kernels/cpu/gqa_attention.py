@@ -21,9 +21,10 @@ Pool layouts read in place: fp32 and bf16 K/V buffers [slots, Hkv, D] (bf16 as i
 kernel), and packed FP8 head rows [slots, Hkv, D + 4] uint8 (kv_fp8.head_rows: e4m3 codes through a 256-entry
 table, times the row's fp32 scale, the same product the twin forms). Queries fp32, bf16 or fp16 (read as fp32);
 the result is in q's dtype. fp32 FMAs at the vector width numba's target gives (kernels/cpu/target.py), bf16 pools
-widened to fp32 in the gather; except that on a CPU with AMX-BF16 an extend over a bf16 or FP8 pool whose longest
-request has at least TILE_MIN_ROWS rows runs on the tiles (attend_bf16_tiles, bf16_tiles): queries, K, V and the
-probabilities in bf16, sums and softmax in fp32, as the GPU kernels in a bf16 model. Its bound
+widened to fp32 in the gather; except that on a CPU with AMX-BF16 or AVX512-BF16 an extend over a bf16 or FP8 pool
+whose longest request has at least TILE_MIN_ROWS rows runs in bf16 block products (attend_bf16_tiles, pool_products;
+bf16_blocks.py: AMX tiles, else vdpbf16ps dots): queries, K, V and the probabilities in bf16, sums and softmax in
+fp32, as the GPU kernels in a bf16 model. Its bound
 (tests/test_cpu_gqa_attention.py): the twin over q, K and V rounded to bf16, within 2^-8 max |V| (the probabilities'
 rounding moves an output by at most 2^-9 of the largest value it averages). 4k-token causal prefill at V2-Lite's
 decompressed heads (16 x 192 / 128), 2 threads of a Sapphire Rapids VM: 1.25 ns a (query head, key) pair against
@@ -47,8 +48,8 @@ from numba.extending import overload
 
 from ktlite.kernels.cpu import device_blocks
 from ktlite.kernels.cpu.amx_kernels import cache_line_bytes
-from ktlite.kernels.cpu.amx_tiles import (
-    AMX_BF16, amx_bf16_scores, amx_bf16_values, bf16_probabilities, interleave_rows,
+from ktlite.kernels.cpu.bf16_blocks import (
+    BF16_PRODUCTS, FP32_PRODUCTS, bf16_block_scores, bf16_block_values, bf16_probabilities, interleave_rows,
 )
 from ktlite.kernels.cpu.simd import exp2_sum, row_max, to_bf16_bits, vm_acc
 from ktlite.kernels.cpu.threads import ensure_threadsafe_layer
@@ -59,11 +60,11 @@ ensure_threadsafe_layer()  # before the first parallel region of the process
 ROWS_PER_ITEM = 256  # group x query block: rows sharing each decoded K/V tile
 FEW_ROWS = 16  # calls of at most this many rows per kv head and request read K/V rows in place (attend_rows) ...
 DIRECT_DIM = 64  # ... at head dims from this one (below, a dot product per key costs more than the tile's transpose)
-TILE_MIN_ROWS = 32  # rows of a request (tokens x group) from which an extend takes AMX-BF16 tiles
-# AMX-BF16 tiles: positions per gathered block (P @ V four tile multiplies deep per load and store of the sums, and
-# a row's softmax bookkeeping once per 128 scores), and rows (group x queries) per item, whose block of K / V is
-# gathered once for all of them (V2-Lite's decompressed heads at 4k tokens, one thread: 64 / 256 -> 128 / 1024
-# took the call from 0.36 to 0.24 s)
+TILE_MIN_ROWS = 32  # rows of a request (tokens x group) from which an extend takes bf16 block products
+# bf16 block products: positions per gathered block (on AMX, P @ V four tile multiplies deep per load and store of
+# the sums, and a row's softmax bookkeeping once per 128 scores), and rows (group x queries) per item, whose block of
+# K / V is gathered once for all of them (V2-Lite's decompressed heads at 4k tokens on AMX, one thread: 64 / 256 ->
+# 128 / 1024 took the call from 0.36 to 0.24 s)
 KEY_BLOCK = 128
 TILE_ROWS_PER_ITEM = 1024
 TILE_FLOATS = 8192  # key_tile x head_dim of a decoded tile (32 KiB: an L1/L2 resident K tile)
@@ -278,14 +279,13 @@ def _bf16_row(buf, scales, lut, slot, head, row, row_bits, out):
 
 @njit(cache=True, fastmath=True)
 def attend_bf16_tiles(q, first, h, group, nq, k, k_scales, v, v_scales, lut, slots, lo, hi, first_pos, window,
-                      scale2, dv, m, s_sum):  # pragma: no cover - compiled
-    """An item of one kv head on AMX-BF16 tiles: returns its unnormalised outputs o [rows rounded up to 32, Dv
+                      scale2, dv, m, s_sum, kind):  # pragma: no cover - compiled
+    """An item of one kv head in bf16 block products (bf16_blocks: AMX-BF16 tiles or AVX512-BF16 dots by `kind`): returns its unnormalised outputs o [rows rounded up to 32, Dv
     rounded up to 32] (row r = query r // group, query head h * group + r % group, as attend_tile's), m and s_sum
     updated. Queries as bf16 (exact for a bf16 model's), unscaled; each block of KEY_BLOCK positions is gathered
     once into the tiles' VNNI layouts (K: a key's dims in pairs, one 32-bit word a pair, key by key; V: two keys'
-    rows interleaved), then per 32 rows the scores (amx_bf16_scores), the online softmax in fp32 with the
-    probabilities rounded to bf16 (bf16_probabilities), and P @ V onto the rescaled outputs in the tiles
-    (amx_bf16_values)."""
+    rows interleaved), then per 32 rows the scores (bf16_block_scores), the online softmax in fp32 with the
+    probabilities rounded to bf16 (bf16_probabilities), and P @ V onto the rescaled outputs (bf16_block_values)."""
     dim, n_rows = q.shape[2], nq * group
     dp, dvp = (dim + 31) & ~31, (dv + 31) & ~31
     qb = _tile_array((n_rows + 31) & ~31, dp, np.uint16)
@@ -324,24 +324,24 @@ def attend_bf16_tiles(q, first, h, group, nq, k, k_scales, v, v_scales, lut, slo
             if width == 0:
                 continue
             for c0 in range(0, width, 32):
-                amx_bf16_scores(qb, r0, kt, c0, dp // 32, st)
+                bf16_block_scores(qb, r0, kt, c0, dp // 32, st, kind)
             bf16_probabilities(st, pb, o, r0, n, lo_rows, hi_rows, width, scale2, m, s_sum)
             for c0 in range(0, dvp, 32):
-                amx_bf16_values(pb, vv, c0, width // 32, o, r0)
+                bf16_block_values(pb, vv, c0, width // 32, o, r0, kind)
     return o
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def gqa_attention(q, k, k_scales, v, v_scales, lut, req_to_token, rows, prefix, lens, starts, blk_req, blk_q0,
-                  block, key_tile, runs, direct, tiles, sm_scale, window, sinks2, out, part_o, part_ml):
+                  block, key_tile, runs, direct, products, sm_scale, window, sinks2, out, part_o, part_ml):
     # pragma: no cover - compiled
     """out [N, Hq, Dv] fp32 <- causal GQA of q [N, Hq, D] (fp32) over the pool (layouts in the module docstring).
     Request b's queries are rows starts[b].. of q, at positions prefix[b]..prefix[b] + lens[b] - 1 of its
     req_to_token row rows[b]; query blocks (blk_req, blk_q0) of up to `block` queries; `runs` key runs per item,
     whose partial sums go through part_o [runs, N, Hq, Dv] and part_ml [runs, N, Hq, 2] (max, exp-sum) when > 1.
     window > 0: a query sees its last `window` positions only; sinks2 [Hq] (or empty): the sinks in log2 units.
-    An item takes one kv head and its tiles (attend_fp32; with `tiles`, AMX-BF16 tiles: attend_bf16_tiles), or with
-    `direct` every kv head, reading each position's K/V rows of all heads (contiguous in the pool) in place."""
+    An item takes one kv head and its tiles (attend_fp32; with bf16 `products`, attend_bf16_tiles), or with `direct`
+    every kv head, reading each position's K/V rows of all heads (contiguous in the pool) in place."""
     heads, dim = q.shape[1], q.shape[2]
     kv_heads, dv = k.shape[1], out.shape[2]
     group = heads // kv_heads
@@ -362,9 +362,9 @@ def gqa_attention(q, k, k_scales, v, v_scales, lut, req_to_token, rows, prefix, 
         span = (seen - start + runs - 1) // runs
         lo, hi = start + run * span, min(seen, start + (run + 1) * span)
         slots = req_to_token[rows[b]]
-        if tiles:
+        if products != FP32_PRODUCTS:
             o = attend_bf16_tiles(q, first, h, group, nq, k, k_scales, v, v_scales, lut, slots, lo, hi, first_pos,
-                                  window, scale2, dv, m, s_sum)
+                                  window, scale2, dv, m, s_sum, products)
         else:
             o = attend_fp32(q, first, h, group, item_heads, nq, k, k_scales, v, v_scales, lut, slots, lo, hi,
                             first_pos, window, scale2, dv, key_tile, direct, m, s_sum)
@@ -417,11 +417,12 @@ def accepts(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, *ar
             and k_buffer.dtype in _POOL_DTYPES and k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1)
 
 
-def bf16_tiles(k_buffer: torch.Tensor) -> bool:
-    """Whether an extend over this pool runs on AMX-BF16 tiles: where the CPU has them and the pool holds bf16 or
-    FP8 values (bf16 products then lose only the queries' and probabilities' rounding to bf16, as the GPU kernels do
-    in a bf16 model); fp32 pools keep fp32 products, the exact reference setting."""
-    return AMX_BF16 and (k_buffer.dtype == torch.bfloat16 or is_packed(k_buffer))
+def pool_products(k_buffer: torch.Tensor) -> int:
+    """How an extend over this pool multiplies (bf16_blocks' kinds): in bf16 block products where the CPU has
+    them (AMX-BF16 tiles, else AVX512-BF16 dots) and the pool holds bf16 or FP8 values (bf16 products then lose only
+    the queries' and probabilities' rounding to bf16, as the GPU kernels do in a bf16 model); fp32 pools keep fp32
+    products, the exact reference setting."""
+    return BF16_PRODUCTS if k_buffer.dtype == torch.bfloat16 or is_packed(k_buffer) else FP32_PRODUCTS
 
 
 def _pool(buffer: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
@@ -450,9 +451,9 @@ def query_blocks(prefix: np.ndarray, lens: np.ndarray, block: int) -> tuple[np.n
 def gqa_extend(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
                req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor, sm_scale: float,
                sinks: torch.Tensor | None = None, window: int = 0, runs: int | None = None,
-               tiles: bool | None = None) -> torch.Tensor:
+               products: int | None = None) -> torch.Tensor:
     """reference.gqa_extend_torch's signature and result ([N, Hq, Dv] in q's dtype); `runs` overrides the key
-    runs per item, `tiles` the choice of AMX-BF16 tiles (bf16_tiles) for the calls that do not read rows in place
+    runs per item, `products` the kind of products (pool_products) for the calls that do not read rows in place
     (tests)."""
     sinks2 = _NO_SINKS if sinks is None else (sinks.float() * float(LOG2E)).contiguous().numpy()
     k, k_scales, dim = _pool(k_buffer)
@@ -464,9 +465,12 @@ def gqa_extend(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, 
     group = q.shape[1] // k.shape[1]
     # decode and short extends at head dims where a dot product per key beats transposing tiles: rows in place
     direct = int(lens.max()) * group <= FEW_ROWS and dim >= DIRECT_DIM
-    # AMX-BF16 tiles where a request fills a tile's 32 rows (decode's few rows would mostly multiply padding)
-    tiles = (int(lens.max()) * group >= TILE_MIN_ROWS and bf16_tiles(k_buffer)) if tiles is None else tiles
-    block = max(1, (TILE_ROWS_PER_ITEM if tiles and not direct else ROWS_PER_ITEM) // group)
+    # bf16 blocks where a request fills a block's 32 rows (decode's few rows would mostly multiply padding)
+    if products is None:
+        products = pool_products(k_buffer) if int(lens.max()) * group >= TILE_MIN_ROWS else FP32_PRODUCTS
+    if direct:
+        products = FP32_PRODUCTS
+    block = max(1, (ROWS_PER_ITEM if products == FP32_PRODUCTS else TILE_ROWS_PER_ITEM) // group)
     blk_req, blk_q0 = query_blocks(prefix, lens, block)
     if runs is None:
         longest = int((prefix + np.minimum(lens, block)).max())
@@ -481,7 +485,7 @@ def gqa_extend(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, 
     gqa_attention(q.float().contiguous().numpy(), k, k_scales, v, v_scales, _E4M3, req_to_token.numpy(),
                   req_pool_indices.to(torch.int64).numpy(), prefix, lens, starts, blk_req, blk_q0, block,
                   max(64, min(256, TILE_FLOATS // max(dim, dv))) & ~15, runs, direct,
-                  not direct and tiles, sm_scale, window, sinks2, out, part_o, part_ml)
+                  products, sm_scale, window, sinks2, out, part_o, part_ml)
     if many:
         merge_runs(part_o, part_ml, sinks2, out)
     return torch.from_numpy(out).to(q.dtype)

@@ -182,7 +182,8 @@ class _BFloat(ir.Type):
         return "bfloat"
 
 
-_VBF = ir.VectorType(_BFloat(), LANES)
+_BF16 = _BFloat()  # one instance: llvmlite compares these types by identity
+_VBF, _VBF_PAIRS = ir.VectorType(_BF16, LANES), ir.VectorType(_BF16, 2 * LANES)
 
 
 def _native_bf16() -> bool:
@@ -203,6 +204,13 @@ def round_bf16(builder, v, flush_denormals: bool = False):
     odd = builder.and_(builder.lshr(bits, cvec(V32, 16)), cvec(V32, 1))  # ties go to the even neighbour
     rounded = builder.add(bits, builder.add(odd, cvec(V32, 0x7FFF)))
     return builder.trunc(builder.lshr(rounded, cvec(V32, 16)), V16)
+
+
+def dpbf16ps(builder, acc, a_words, b_words):
+    """acc (16 fp32) + a[2i] b[2i] + a[2i + 1] b[2i + 1] in lane i, a_words / b_words 16 x i32 holding two bf16 each
+    (vdpbf16ps: the compile target must have AVX512-BF16)."""
+    return llvm_call(builder, "llvm.x86.avx512bf16.dpbf16ps.512", VF,
+                     [acc, builder.bitcast(a_words, _VBF_PAIRS), builder.bitcast(b_words, _VBF_PAIRS)])
 
 
 @intrinsic

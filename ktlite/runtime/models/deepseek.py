@@ -87,7 +87,7 @@ def decompressed_cheaper(cfg: DeepseekConfig, prefix_lens: list[int], extend_len
 
 def decompressed_dtype(latents: torch.Tensor) -> torch.dtype:
     """dtype of the decompressed K and V: bf16 where the latent pool is bf16 (a bf16 model's precision; on a CPU
-    with AMX-BF16 the attention then runs on its tiles), else fp32. An FP8 pool keeps them fp32: its attention is
+    with AMX-BF16 or AVX512-BF16 the attention then runs in bf16 products), else fp32. An FP8 pool keeps them fp32: its attention is
     then exactly that of an fp32 pool holding the rounded latents, whatever the chunking (tests/test_kv_fp8.py), where
     bf16 K / V would differ between a long chunk's decompressed form and a short one's absorbed form, and each
     layer's e4m3 storage (steps of 1/8) magnifies such differences into different tokens."""
