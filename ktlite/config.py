@@ -14,7 +14,7 @@ import torch
 
 from ktlite.errors import ConfigError
 from ktlite.kernels.cpu.quant import int8_activations, normalize_activations
-from ktlite.kernels.cpu.target import amx_bf16_cpu
+from ktlite.kernels.cpu.target import bf16_attention_cpu
 
 # Knobs ktlite chooses from the memory plan and the hardware when the caller leaves them out
 # (ktlite/runtime/knobs.py); the defaults below are only what a config built directly keeps.
@@ -37,8 +37,8 @@ class EngineConfig:
     served_model_name: str | None = None
     device: str = "auto"  # "auto": cuda when available, else cpu
     dtype: str = "auto"  # weights/activations on the device side; "auto": bfloat16 on cuda, float32 on cpu
-    # "auto": the activation dtype; on a CPU device with AMX-BF16 and --dtype auto, bfloat16 (prefill attention on
-    # the AMX tiles; an explicit --dtype float32 keeps fp32, the exact reference setting)
+    # "auto": the activation dtype; on a CPU device with AMX-BF16 or AVX512-BF16 and --dtype auto, bfloat16 (prefill
+    # attention in bf16 products; an explicit --dtype float32 keeps fp32, the exact reference setting)
     kv_cache_dtype: str = "auto"
     # projections of a block-FP8 checkpoint: "auto" keeps them FP8 on CUDA and dequantizes them on a
     # CPU device (where every matmul would dequantize again); "fp8" keeps them FP8 anywhere
@@ -222,8 +222,9 @@ class EngineConfig:
     @property
     def torch_kv_dtype(self) -> torch.dtype:
         if self.kv_cache_dtype == "auto":
-            if self.dtype == "auto" and self.torch_device.type == "cpu" and amx_bf16_cpu():
-                return torch.bfloat16  # 1.2-2.1x the fp32 pool's prefill at 512-16k tokens (bench/RESULTS.md)
+            if self.dtype == "auto" and self.torch_device.type == "cpu" and bf16_attention_cpu():
+                # 1.2-2.1x the fp32 pool's prefill at 512-16k tokens on AMX, 1.2-1.6x at 512-4k on a Zen 5
+                return torch.bfloat16  # (bench/RESULTS.md)
             return self.torch_dtype
         # fp8_e4m3: 1 byte per value; MLA latents and index keys are packed with scales (kernels/triton/kv_fp8.py)
         return _dtype(self.kv_cache_dtype, "--kv-cache-dtype", {"fp8_e4m3": torch.float8_e4m3fn})

@@ -439,14 +439,15 @@ def test_auto_is_int8_on_a_cpu_device_unless_fp32_is_asked_for(tiny_v3):
                             ("auto", "none"): None, ("bfloat16", "none"): None, ("float32", "none"): None}
 
 
-@pytest.mark.parametrize("amx_bf16", [True, False], ids=["amx_bf16_cpu", "no_amx_bf16"])
-def test_auto_kv_pool_is_bf16_on_an_amx_cpu_unless_fp32_is_asked_for(tiny_v3, amx_bf16, monkeypatch):
-    """--kv-cache-dtype auto on a CPU device: bf16 where the CPU has AMX-BF16 tiles (prefill attention on them) and
-    --dtype is auto; an explicit --dtype keeps its own (float32: the exact reference setting); CUDA keeps the
-    activation dtype. Both CPUs are stood in for (target.amx_bf16_cpu), whichever this one is."""
+@pytest.mark.parametrize("amx_bf16", [True, False], ids=["bf16_attention_cpu", "no_bf16_products"])
+def test_auto_kv_pool_is_bf16_on_a_bf16_cpu_unless_fp32_is_asked_for(tiny_v3, amx_bf16, monkeypatch):
+    """--kv-cache-dtype auto on a CPU device: bf16 where the CPU multiplies bf16 in hardware (AMX-BF16 or
+    AVX512-BF16: prefill attention in bf16 products) and --dtype is auto; an explicit --dtype keeps its own
+    (float32: the exact reference setting); CUDA keeps the activation dtype. Both CPUs are stood in for
+    (target.bf16_attention_cpu), whichever this one is."""
     from ktlite import config
 
-    monkeypatch.setattr(config, "amx_bf16_cpu", lambda: amx_bf16)
+    monkeypatch.setattr(config, "bf16_attention_cpu", lambda: amx_bf16)
     kv = {(device, dtype): EngineConfig.from_kwargs(str(tiny_v3), device=device, dtype=dtype).torch_kv_dtype
           for device in ("cpu", "cuda") for dtype in ("auto", "float32", "bfloat16")}
     assert kv == {("cpu", "auto"): torch.bfloat16 if amx_bf16 else torch.float32, ("cpu", "float32"): torch.float32,

@@ -121,10 +121,12 @@ def bf16_gemm_wins() -> bool:
     return wins
 
 
-def amx_bf16_cpu() -> bool:
-    """Whether this CPU has AMX-BF16 tiles and Linux grants them (the CPU attention's bf16 tiles run here; the
-    kernels' own check, amx_tiles.AMX_BF16, also needs numba's compile target to have them)."""
-    return "amx_bf16" in cpu_flags() and amx_permitted()
+def bf16_attention_cpu() -> bool:
+    """Whether this CPU multiplies bf16 in hardware for the CPU attention's bf16 block products: AMX-BF16 tiles
+    that Linux grants, or AVX512-BF16 dots (the kernels' own check, bf16_blocks.products_available, also needs
+    numba's compile target to have them)."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or ("amx_bf16" in flags and amx_permitted())
 
 
 # Linux: the AMX tile data state is off until a process asks (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA));
