@@ -4,7 +4,8 @@ One request's causal prefill of T tokens over a bf16 pool (bf16 queries), as a b
 kind of products the CPU has (fp32 FMAs; bf16 blocks on AVX512-BF16 dots and on AMX-BF16 tiles, bf16_blocks.py)
 against torch's own bf16 scaled_dot_product_attention (its flash attention on oneDNN; it needs K and V of one
 width, so it has no row for MLA's decompressed 192 / 128 heads). Times are the mean of a few calls after a warm
-one; ns a pair = time / (query heads x the T (T + 1) / 2 causal (query, key) pairs). Prints a table; with --write
+one; ns a pair = time / (query heads x the T (T + 1) / 2 causal (query, key) pairs); the last column: the fastest
+kind's speed-up over fp32 products and over torch, measured in the same run. Prints a table; with --write
 it replaces its section of bench/RESULTS.md (bench/_results_page.py).
 
     .venv/bin/python bench/cpu_attention.py              # 512 and 4096 tokens, ~1-2 min on 2 cores
@@ -52,22 +53,17 @@ def row(label: str, kv_heads: int, group: int, dim: int, dv: int, tokens: int, c
     lens = torch.tensor([0]), torch.tensor([tokens])
     scale = dim ** -0.5
     pairs = heads * tokens * (tokens + 1) // 2
-    cells = []
-    for kind in KINDS:
-        if kind not in products_available():
-            cells.append("-")
-            continue
-        seconds = mean_seconds(lambda: gqa_attention.gqa_extend(q, k, v, table, torch.tensor([0]), *lens, scale,
-                                                                products=kind), calls)
-        cells.append(cell(seconds, pairs))
+    times = {kind: mean_seconds(lambda: gqa_attention.gqa_extend(q, k, v, table, torch.tensor([0]), *lens, scale,
+                                                                 products=kind), calls)
+             for kind in KINDS if kind in products_available()}
     if dim == dv:
         qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))
-        seconds = mean_seconds(lambda: torch.nn.functional.scaled_dot_product_attention(
+        times["torch"] = mean_seconds(lambda: torch.nn.functional.scaled_dot_product_attention(
             qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True), calls)
-        cells.append(cell(seconds, pairs))
-    else:
-        cells.append("-")
-    return (f"{label}: {kv_heads} x {group}, {dim} / {dv}", str(tokens), *cells)
+    cells = [cell(times[kind], pairs) if kind in times else "-" for kind in (*KINDS, "torch")]
+    fastest = min(times.get(kind, float("inf")) for kind in KINDS)
+    speedups = " / ".join(f"{times[peer] / fastest:.2f}x" if peer in times else "-" for peer in (FP32_PRODUCTS, "torch"))
+    return (f"{label}: {kv_heads} x {group}, {dim} / {dv}", str(tokens), *cells, speedups)
 
 
 def main() -> None:
@@ -78,7 +74,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     rows = [row(*shape, int(t), args.calls) for t in args.tokens.split(",") for shape in SHAPES]
-    header = ["shape (kv heads x group, D / Dv)", "tokens", *KINDS.values(), "torch SDPA bf16"]
+    header = ["shape (kv heads x group, D / Dv)", "tokens", *KINDS.values(), "torch SDPA bf16",
+              "fastest kind's speed-up over fp32 products / torch"]
     body = (f"One request's causal prefill over a bf16 pool, bf16 queries, {numba.config.NUMBA_NUM_THREADS} threads; "
             f"mean of {args.calls} calls after a warm one; in brackets ns a (query head, key) pair. `-`: a kind "
             "this CPU does not have, or torch's SDPA for K and V of different widths.\n\n"

@@ -28,7 +28,8 @@ fp32, as the GPU kernels in a bf16 model. Its bound
 (tests/test_cpu_gqa_attention.py): the twin over q, K and V rounded to bf16, within 2^-8 max |V| (the probabilities'
 rounding moves an output by at most 2^-9 of the largest value it averages). 4k-token causal prefill at V2-Lite's
 decompressed heads (16 x 192 / 128), 2 threads of a Sapphire Rapids VM: 1.25 ns a (query head, key) pair against
-4.4 on fp32 products; at 16 x 128 / 128 0.79 (torch's bf16 flash attention, oneDNN: 0.63).
+4.4 on fp32 products; at 16 x 128 / 128 0.79 (torch's bf16 flash attention, oneDNN: 0.63). On a Zen 5's AVX512-BF16
+dots: 1.33 ns against 4.37, and 1.01 at 16 x 128 / 128, where torch's takes 3.66 (bench/cpu_attention.py).
 
 Cost (2-core AVX2 EPYC, CPU time, indicative): extend ~1.5 ns per (query head, key) at head dim 16 (2.2 with one row
 at a time and scalar max/exp), ~10 ns at 128 (17); decode at batch 1 ~1 ms for 18k positions (Hkv 2, group 2, head dim 16), ~5 ms for 4k (Hkv 8, group 4, head dim 128).
@@ -280,9 +281,9 @@ def _bf16_row(buf, scales, lut, slot, head, row, row_bits, out):
 @njit(cache=True, fastmath=True)
 def attend_bf16_tiles(q, first, h, group, nq, k, k_scales, v, v_scales, lut, slots, lo, hi, first_pos, window,
                       scale2, dv, m, s_sum, kind):  # pragma: no cover - compiled
-    """An item of one kv head in bf16 block products (bf16_blocks: AMX-BF16 tiles or AVX512-BF16 dots by `kind`): returns its unnormalised outputs o [rows rounded up to 32, Dv
-    rounded up to 32] (row r = query r // group, query head h * group + r % group, as attend_tile's), m and s_sum
-    updated. Queries as bf16 (exact for a bf16 model's), unscaled; each block of KEY_BLOCK positions is gathered
+    """An item of one kv head in bf16 block products (bf16_blocks: AMX-BF16 tiles or AVX512-BF16 dots by `kind`):
+    returns its unnormalised outputs o [rows rounded up to 32, Dv rounded up to 32] (row r = query r // group, query
+    head h * group + r % group, as attend_tile's), m and s_sum updated. Queries as bf16 (exact for a bf16 model's), unscaled; each block of KEY_BLOCK positions is gathered
     once into the tiles' VNNI layouts (K: a key's dims in pairs, one 32-bit word a pair, key by key; V: two keys'
     rows interleaved), then per 32 rows the scores (bf16_block_scores), the online softmax in fp32 with the
     probabilities rounded to bf16 (bf16_probabilities), and P @ V onto the rescaled outputs (bf16_block_values)."""

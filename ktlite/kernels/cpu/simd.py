@@ -11,7 +11,7 @@ load / store / splat / FMA / horizontal sum, the software prefetch every row loo
 the bytes it reads (a thread walks two row streams, gate and up, while it decodes, and the hardware prefetcher
 alone left INT4 decode at ~60 % of memory bandwidth), bf16 <-> fp32 conversions and the vector SiLU.
 
-The kernels live in several files by concern (rowdots, int8_dots, amx_tiles, activations, linear_kernels,
+The kernels live in several files by concern (rowdots, int8_dots, amx_tiles, bf16_blocks, activations, linear_kernels,
 amx_kernels, moe_kernels, device_blocks); numba's cache is keyed on a hash of all of them (numba_cache.py), so a
 change here recompiles every cached kernel that inlines it.
 """
