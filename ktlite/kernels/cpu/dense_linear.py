@@ -153,7 +153,8 @@ class QuantizedHeads(nn.Module):
         return tokens < self.rows_tokens[torch.float32]
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, G, K] -> [T, G, N] in x's dtype, by the path that wins at T tokens."""
+        """x [T, G, K] -> [T, G, N] in x's dtype, by the path that wins at T tokens (the crossovers as measured for x's
+        dtype: fp32 inputs keep theirs, and on AMX their longer stay on the tiles, whatever matmul_dtype says)."""
         dtype = torch.bfloat16 if x.dtype == torch.bfloat16 and bf16_gemm_wins() else torch.float32
         if x.shape[0] < self.rows_tokens[dtype]:
             return self._rows(x)
