@@ -181,7 +181,6 @@ def test_decompressed_extend_over_bf16_values(tiny_v3, monkeypatch: pytest.Monke
     from test_tensor_parallel import logits_of
 
     from ktlite import Engine
-    from ktlite.kernels.cpu import gqa_attention
     from ktlite.runtime.models import deepseek
 
     flags = {"kt_method": "BF16", "dtype": "float32", "max_total_tokens": 512, "gpu_memory": "1GiB",

@@ -14,8 +14,8 @@ from numba.extending import intrinsic
 
 from ktlite.kernels.cpu.quantizer import INT4_MULTIPLES
 from ktlite.kernels.cpu.simd import (
-    B64, F32, I16, I32, I64, I8, LANES, V16, V32, VF, W32, c64, cvec, exp2_fast, hsum, is_vec, llvm_call, load_at,
-    prefetch_ahead, round_bf16, splat, vfma, vload, vmax, vmax_lanes, vstore,
+    B64, I16, I32, I64, I8, LANES, V32, VF, c64, cvec, is_vec, llvm_call, load_at, prefetch_ahead, splat, vfma, vload,
+    vstore,
 )
 from ktlite.kernels.cpu.target import amx_permitted, configure_numba
 

@@ -343,7 +343,7 @@ def gqa_attention(q, k, k_scales, v, v_scales, lut, req_to_token, rows, prefix, 
     window > 0: a query sees its last `window` positions only; sinks2 [Hq] (or empty): the sinks in log2 units.
     An item takes one kv head and its tiles (attend_fp32; with bf16 `products`, attend_bf16_tiles), or with `direct`
     every kv head, reading each position's K/V rows of all heads (contiguous in the pool) in place."""
-    heads, dim = q.shape[1], q.shape[2]
+    heads = q.shape[1]
     kv_heads, dv = k.shape[1], out.shape[2]
     group = heads // kv_heads
     item_kv = kv_heads if direct else 1  # kv heads per item
